@@ -1,0 +1,73 @@
+"""funcshard: JAX-style functional sharding for PyTorch.
+
+Write models as pure functions over parameter pytrees, say how each leaf is laid out over a mesh of named
+axes with ``P(...)``, and run per-device code with ``shard_map``; every collective has the right backward,
+so gradients are those of the global function. The same code runs in one process (``"sim"``) and under
+torchrun (``"dist"``).
+
+Example:
+    >>> import torch, funcshard as fs
+    >>> from funcshard import P
+    >>> mesh = fs.make_mesh({"dp": 2, "tp": 2}, backend="sim")
+    >>> x = fs.device_put(torch.arange(8.0).reshape(4, 2), mesh, P("dp", "tp"))
+    >>> fs.device_get(x).shape
+    torch.Size([4, 2])
+"""
+
+from . import pytree as pytree
+from ._array import Array as Array
+from ._array import device_get as device_get
+from ._array import device_put as device_put
+from ._array import reshard as reshard
+from ._errors import MeshError as MeshError
+from ._errors import ShardingError as ShardingError
+from ._mesh import Mesh as Mesh
+from ._mesh import make_mesh as make_mesh
+from ._shard_map import shard_map as shard_map
+from ._spec import P as P
+from ._stats import CommStats as CommStats
+from ._stats import comm_stats as comm_stats
+from ._visualize import visualize as visualize
+from .lax import all_gather as all_gather
+from .lax import all_to_all as all_to_all
+from .lax import axis_index as axis_index
+from .lax import axis_size as axis_size
+from .lax import pmax as pmax
+from .lax import pmean as pmean
+from .lax import pmin as pmin
+from .lax import ppermute as ppermute
+from .lax import psum as psum
+from .lax import psum_scatter as psum_scatter
+from .lax import pvary as pvary
+from .pytree import tree_path as tree_path
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Array",
+    "CommStats",
+    "Mesh",
+    "MeshError",
+    "P",
+    "ShardingError",
+    "all_gather",
+    "all_to_all",
+    "axis_index",
+    "axis_size",
+    "comm_stats",
+    "device_get",
+    "device_put",
+    "make_mesh",
+    "pmax",
+    "pmean",
+    "pmin",
+    "ppermute",
+    "psum",
+    "psum_scatter",
+    "pvary",
+    "pytree",
+    "reshard",
+    "shard_map",
+    "tree_path",
+    "visualize",
+]

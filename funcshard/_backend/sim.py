@@ -1,0 +1,241 @@
+"""The ``sim`` backend: every device of the mesh runs in this process, one thread each.
+
+Collectives are real exchanges of tensors between the device threads through a rendezvous (one slot per
+group and call number). Every wait has a deadline and an abort path: an exception on one device ends the
+call on all of them with that exception; devices that wait on a collective that some peer will never
+reach (it finished, or waits on another collective) are told so at once instead of hanging.
+
+Example:
+    >>> from funcshard import make_mesh
+    >>> world = SimWorld(make_mesh({"tp": 2}, backend="sim"))
+    >>> world.run(lambda dev: dev.all_reduce(torch.tensor([float(dev.rank)]), ("tp",), "sum").item())
+    [1.0, 1.0]
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from .._errors import ShardingError
+from .base import DeviceHandle, default_timeout, group_members
+
+__all__ = ["SimWorld", "SimDevice"]
+
+
+class _Aborted(Exception):
+    """Raised in a device thread whose call was ended by another device's error."""
+
+
+class _Slot:
+    __slots__ = ("n", "vals", "first", "done", "reads", "members")
+
+    def __init__(self, n: int, members: list[int]) -> None:
+        self.n = n
+        self.vals: dict[int, Any] = {}
+        self.first: tuple[str, Any, int] | None = None
+        self.done = False
+        self.reads = 0
+        self.members = members
+
+
+class SimWorld:
+    """The rendezvous of one ``shard_map`` call under ``sim``: one :class:`SimDevice` per device."""
+
+    def __init__(self, mesh: Any, *, timeout: float | None = None) -> None:
+        self.mesh = mesh
+        self.timeout = default_timeout() if timeout is None else timeout
+        self.cond = threading.Condition()
+        self.devices = [SimDevice(self, r) for r in range(mesh.size)]
+        self._reset()
+
+    def _reset(self) -> None:
+        self.slots: dict[Any, _Slot] = {}
+        self.status: list[Any] = ["running"] * self.mesh.size
+        self.seq: list[dict[Any, int]] = [defaultdict(int) for _ in range(self.mesh.size)]
+        self.error: BaseException | None = None
+
+    # -- running device functions -------------------------------------------------------------------
+    def run(self, fn: Callable[[SimDevice], Any], *, grad: bool | None = None) -> list[Any]:
+        """Run ``fn(device)`` on every device concurrently; return the results in rank order.
+
+        The devices run with ``grad`` as autograd mode (default: the caller's). The first exception raised
+        on any device ends the call on all of them and is re-raised here.
+        """
+        self._reset()
+        results: list[Any] = [None] * self.mesh.size
+        grad = torch.is_grad_enabled() if grad is None else grad
+
+        def work(dev: SimDevice) -> None:
+            try:
+                with torch.set_grad_enabled(grad):
+                    results[dev.rank] = fn(dev)
+            except _Aborted:
+                pass
+            except BaseException as e:  # noqa: BLE001 - handed to the caller below
+                with self.cond:
+                    if self.error is None:
+                        self.error = e
+                    self.cond.notify_all()
+            finally:
+                with self.cond:
+                    self.status[dev.rank] = "done"
+                    self._check_deadlock()
+
+        if self.mesh.size == 1:
+            work(self.devices[0])
+        else:
+            threads = [
+                threading.Thread(target=work, args=(d,), name=f"funcshard-sim-{d.rank}", daemon=True)
+                for d in self.devices
+            ]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+        if self.error is not None:
+            err = self.error
+            self.error = None
+            raise err
+        return results
+
+    # -- the rendezvous -----------------------------------------------------------------------------
+    def exchange(self, dev: SimDevice, kind: str, axes: tuple[str, ...], payload: Any, meta: Any) -> list[Any]:
+        """Deposit ``payload`` and return every group member's payload, in logical order."""
+        members, idx = group_members(self.mesh, dev.coords, axes)
+        others = tuple(dev.coords[a] for a in self.mesh.axis_names if a not in axes)
+        with self.cond:
+            if self.error is not None:
+                raise _Aborted
+            seq_key = (axes, others)
+            seq = self.seq[dev.rank][seq_key]
+            self.seq[dev.rank][seq_key] = seq + 1
+            key = (axes, others, seq)
+            slot = self.slots.get(key)
+            if slot is None:
+                slot = self.slots[key] = _Slot(len(members), members)
+                slot.first = (kind, meta, dev.rank)
+            elif (kind, meta) != slot.first[:2]:
+                self._fail(
+                    ShardingError(
+                        f"collective mismatch over {axes}: device {self._dev_name(dev.rank)} called {kind}{meta} "
+                        f"as call #{seq} over this group, but device {self._dev_name(slot.first[2])} called "
+                        f"{slot.first[0]}{slot.first[1]}. Every device of a group must make the same "
+                        f"collectives in the same order."
+                    )
+                )
+                raise _Aborted
+            slot.vals[idx] = payload
+            if len(slot.vals) == slot.n:
+                slot.done = True
+                for m in slot.members:
+                    self.status[m] = "running"
+                self.cond.notify_all()
+            else:
+                self.status[dev.rank] = ("waiting", kind, axes, seq)
+                self._check_deadlock()
+            deadline = time.monotonic() + self.timeout
+            while not slot.done:
+                if self.error is not None:
+                    raise _Aborted
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    self._fail(
+                        ShardingError(
+                            f"{kind} over {axes}: device {self._dev_name(dev.rank)} waited {self.timeout:.0f} s "
+                            f"(FUNCSHARD_TIMEOUT) for its peers; states: {self._states()}."
+                        )
+                    )
+                    raise _Aborted
+                self.cond.wait(timeout=min(left, 1.0))
+            vals = [slot.vals[i] for i in range(slot.n)]
+            slot.reads += 1
+            if slot.reads == slot.n:
+                del self.slots[key]
+            return vals
+
+    def _fail(self, err: BaseException) -> None:
+        if self.error is None:
+            self.error = err
+        self.cond.notify_all()
+
+    def _dev_name(self, rank: int) -> str:
+        c = self.mesh.coords_of(rank)
+        return "(" + ", ".join(f"{a}={i}" for a, i in c.items()) + ")"
+
+    def _states(self) -> str:
+        parts = []
+        for r, s in enumerate(self.status):
+            if isinstance(s, tuple):
+                parts.append(f"{self._dev_name(r)} waits in {s[1]} over {s[2]} (call #{s[3]})")
+            else:
+                parts.append(f"{self._dev_name(r)} {s}")
+        return "; ".join(parts)
+
+    def _check_deadlock(self) -> None:
+        if self.error is not None or "running" in self.status:
+            return
+        if any(isinstance(s, tuple) for s in self.status):
+            self._fail(
+                ShardingError(
+                    "collective deadlock: every device is waiting on a collective that some peer will never "
+                    f"reach: {self._states()}. Every device of a group must make the same collectives in the "
+                    "same order (look for a collective inside a branch on axis_index)."
+                )
+            )
+
+
+class SimDevice(DeviceHandle):
+    """One simulated device."""
+
+    def __init__(self, world: SimWorld, rank: int) -> None:
+        self.world = world
+        self.mesh = world.mesh
+        self.rank = rank
+        self.coords = world.mesh.coords_of(rank)
+
+    def _x(self, kind: str, x: torch.Tensor, axes: tuple[str, ...], meta: Any = ()) -> tuple[list[Any], int]:
+        vals = self.world.exchange(self, kind, axes, x.detach().clone(), meta)
+        return vals, group_members(self.mesh, self.coords, axes)[1]
+
+    def all_reduce(self, x: torch.Tensor, axes: tuple[str, ...], op: str) -> torch.Tensor:
+        vals, _ = self._x("all_reduce", x, axes, (op, tuple(x.shape), x.dtype))
+        out = vals[0].clone()
+        for v in vals[1:]:
+            if op == "sum":
+                out.add_(v)
+            elif op == "max":
+                torch.maximum(out, v, out=out)
+            else:
+                torch.minimum(out, v, out=out)
+        return out
+
+    def all_gather(self, x: torch.Tensor, axes: tuple[str, ...]) -> torch.Tensor:
+        vals, _ = self._x("all_gather", x, axes, (tuple(x.shape), x.dtype))
+        return torch.stack(vals)
+
+    def reduce_scatter(self, x: torch.Tensor, axes: tuple[str, ...]) -> torch.Tensor:
+        vals, i = self._x("reduce_scatter", x, axes, (tuple(x.shape), x.dtype))
+        out = vals[0][i].clone()
+        for v in vals[1:]:
+            out.add_(v[i])
+        return out
+
+    def all_to_all(self, x: torch.Tensor, axes: tuple[str, ...]) -> torch.Tensor:
+        vals, i = self._x("all_to_all", x, axes, (tuple(x.shape), x.dtype))
+        return torch.stack([v[i] for v in vals])
+
+    def ppermute(self, x: torch.Tensor, axes: tuple[str, ...], perm: tuple[tuple[int, int], ...]) -> torch.Tensor:
+        vals, i = self._x("ppermute", x, axes, (tuple(x.shape), x.dtype, perm))
+        for src, dst in perm:
+            if dst == i:
+                return vals[src].clone()
+        return torch.zeros_like(x)
+
+    def gather_objects(self, obj: Any) -> list[Any]:
+        return self.world.exchange(self, "gather_objects", tuple(self.mesh.axis_names), obj, ())

@@ -1,0 +1,149 @@
+"""The collectives as autograd Functions over a device handle, each with its transpose as backward.
+
+Each works on the leading-group-dim form of the backends (see ``_backend``). ``lax`` builds the public
+collectives (dims, tiling, pytrees, varying-axes tags) on top of these. Backwards call the Functions again,
+so higher derivatives work. All use the ``setup_context`` form, so ``torch.func.grad`` / ``vjp`` see them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ._stats import record
+
+__all__ = ["AllReduce", "Pvary", "AllGather", "AllGatherInvariant", "ReduceScatter", "AllToAll", "Ppermute"]
+
+
+def _nbytes(x: torch.Tensor) -> int:
+    return x.numel() * x.element_size()
+
+
+class AllReduce(torch.autograd.Function):
+    """All-reduce (sum / max / min) forward; identity backward for sum, the arg-extreme mask for max / min."""
+
+    @staticmethod
+    def forward(x: torch.Tensor, dev: Any, axes: tuple[str, ...], op: str, name: str) -> torch.Tensor:  # type: ignore[override]
+        record(dev.rank, name, axes, _nbytes(x))
+        return dev.all_reduce(x, axes, op)  # [*s] -> [*s]
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
+        x, dev, axes, op, _ = inputs
+        ctx.dev, ctx.axes, ctx.op = dev, axes, op
+        if op != "sum":
+            ctx.save_for_backward(x, output)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+        if ctx.op == "sum":
+            return g, None, None, None, None
+        x, y = ctx.saved_tensors
+        mask = (x == y).to(g.dtype)
+        count = AllReduce.apply(mask, ctx.dev, ctx.axes, "sum", "psum")  # [*s] -> [*s]: devices at the extreme
+        return g * mask / count, None, None, None, None
+
+
+class Pvary(torch.autograd.Function):
+    """Identity forward (the value becomes varying over ``axes``); all-reduce sum backward."""
+
+    @staticmethod
+    def forward(x: torch.Tensor, dev: Any, axes: tuple[str, ...]) -> torch.Tensor:  # type: ignore[override]
+        return x.view_as(x)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
+        ctx.dev, ctx.axes = inputs[1], inputs[2]
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+        return AllReduce.apply(g, ctx.dev, ctx.axes, "sum", "psum"), None, None  # [*s] -> [*s]
+
+
+class AllGather(torch.autograd.Function):
+    """All-gather ``[*s] -> [n, *s]`` forward; reduce-scatter backward."""
+
+    @staticmethod
+    def forward(x: torch.Tensor, dev: Any, axes: tuple[str, ...]) -> torch.Tensor:  # type: ignore[override]
+        record(dev.rank, "all_gather", axes, _nbytes(x))
+        return dev.all_gather(x, axes)  # [*s] -> [n, *s]
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
+        ctx.dev, ctx.axes = inputs[1], inputs[2]
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+        return ReduceScatter.apply(g, ctx.dev, ctx.axes), None, None  # [n, *s] -> [*s]
+
+
+class ReduceScatter(torch.autograd.Function):
+    """Reduce-scatter ``[n, *s] -> [*s]`` forward; all-gather backward."""
+
+    @staticmethod
+    def forward(x: torch.Tensor, dev: Any, axes: tuple[str, ...]) -> torch.Tensor:  # type: ignore[override]
+        record(dev.rank, "psum_scatter", axes, _nbytes(x))
+        return dev.reduce_scatter(x, axes)  # [n, *s] -> [*s]
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
+        ctx.dev, ctx.axes = inputs[1], inputs[2]
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+        return AllGather.apply(g, ctx.dev, ctx.axes), None, None  # [*s] -> [n, *s]
+
+
+class AllToAll(torch.autograd.Function):
+    """All-to-all ``[n, *s] -> [n, *s]`` (row j to member j) forward; the same all-to-all backward."""
+
+    @staticmethod
+    def forward(x: torch.Tensor, dev: Any, axes: tuple[str, ...]) -> torch.Tensor:  # type: ignore[override]
+        record(dev.rank, "all_to_all", axes, _nbytes(x))
+        return dev.all_to_all(x, axes)  # [n, *s] -> [n, *s]
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
+        ctx.dev, ctx.axes = inputs[1], inputs[2]
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+        return AllToAll.apply(g, ctx.dev, ctx.axes), None, None  # [n, *s] -> [n, *s]
+
+
+class Ppermute(torch.autograd.Function):
+    """Send along ``perm`` pairs forward; send along the inverse pairs backward."""
+
+    @staticmethod
+    def forward(x: torch.Tensor, dev: Any, axes: tuple[str, ...], perm: tuple[tuple[int, int], ...]) -> torch.Tensor:  # type: ignore[override]
+        record(dev.rank, "ppermute", axes, _nbytes(x))
+        return dev.ppermute(x, axes, perm)  # [*s] -> [*s]
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
+        ctx.dev, ctx.axes, ctx.perm = inputs[1], inputs[2], inputs[3]
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+        inverse = tuple((dst, src) for src, dst in ctx.perm)
+        return Ppermute.apply(g, ctx.dev, ctx.axes, inverse), None, None, None  # [*s] -> [*s]
+
+
+class AllGatherInvariant(torch.autograd.Function):
+    """All-gather ``[*s] -> [n, *s]`` whose result is the same on every member (invariant) forward; this
+    member's row of the cotangent backward (no communication: the cotangent of an invariant value is
+    invariant)."""
+
+    @staticmethod
+    def forward(x: torch.Tensor, dev: Any, axes: tuple[str, ...], index: int) -> torch.Tensor:  # type: ignore[override]
+        record(dev.rank, "all_gather", axes, _nbytes(x))
+        return dev.all_gather(x, axes)  # [*s] -> [n, *s]
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
+        ctx.index = inputs[3]
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+        return g[ctx.index], None, None, None  # [n, *s] -> [*s]

@@ -1,0 +1,148 @@
+"""Varying manual axes ("vma"): which mesh axes a value inside shard_map may differ over.
+
+Every tensor inside ``shard_map(check_vma=True)`` carries a set of axis names (attribute ``_fs_vma``; absent
+means "invariant over every axis"). A ``TorchFunctionMode`` tags each op's outputs with the union of its
+tensor inputs' sets, and wraps an operand whose set is smaller in ``Pvary`` (identity forward, psum
+backward over the missing axes). So a parameter replicated over ``dp`` that meets a ``dp``-sharded batch
+gets the full-batch gradient with no hand-written all-reduce.
+
+Autograd entry points (``torch.autograd.grad``, ``Tensor.backward``) pass through untouched; the gradients
+``torch.autograd.grad`` returns are tagged like their inputs. Under ``torch.func`` the tensors are wrappers:
+the tag is looked up through them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import optree
+import torch
+from torch.overrides import TorchFunctionMode
+
+from ._errors import ShardingError
+from ._prims import Pvary
+
+__all__ = ["get_vma", "set_vma", "VmaMode", "pvary_to", "EMPTY"]
+
+EMPTY: frozenset[str] = frozenset()
+_ATTR = "_fs_vma"
+_unwrap = torch._C._functorch.get_unwrapped
+_is_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
+
+
+def get_vma(t: torch.Tensor) -> frozenset[str]:
+    """The axes ``t`` varies over (looking through torch.func wrappers)."""
+    while True:
+        v = t.__dict__.get(_ATTR)
+        if v is not None:
+            return v
+        if not _is_wrapped(t):
+            return EMPTY
+        t = _unwrap(t)
+
+
+def set_vma(t: torch.Tensor, axes: frozenset[str]) -> torch.Tensor:
+    """Tag ``t`` as varying over ``axes``; return ``t``."""
+    t.__dict__[_ATTR] = axes
+    return t
+
+
+def pvary_to(x: torch.Tensor, want: frozenset[str], dev: Any) -> torch.Tensor:
+    """``x`` made varying over ``want`` (a superset of its own axes): pvary over the missing ones."""
+    have = get_vma(x)
+    missing = want - have
+    if not missing:
+        return x
+    axes = tuple(a for a in dev.mesh.axis_names if a in missing)
+    with torch._C.DisableTorchFunction():
+        y = Pvary.apply(x, dev, axes)
+    return set_vma(y, have | missing)
+
+
+_PASS = {
+    torch.Tensor.backward,
+    torch.autograd.backward,
+}
+_GRAD = {torch.autograd.grad}
+_INPLACE_EXTRA = {torch.Tensor.__setitem__, torch.Tensor.__iadd__, torch.Tensor.__isub__, torch.Tensor.__imul__,
+                  torch.Tensor.__itruediv__}
+
+
+def _is_inplace(func: Any) -> bool:
+    if func in _INPLACE_EXTRA:
+        return True
+    name = getattr(func, "__name__", "")
+    return name.endswith("_") and not name.endswith("__")
+
+
+def _tensors(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:
+    out = []
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, torch.Tensor):
+            out.append(a)
+        elif isinstance(a, (list, tuple)):
+            out.extend(b for b in a if isinstance(b, torch.Tensor))
+    return out
+
+
+class VmaMode(TorchFunctionMode):
+    """Tags op outputs with the union of their inputs' varying axes; inserts ``Pvary`` where they differ."""
+
+    def __init__(self, dev: Any) -> None:
+        super().__init__()
+        self.dev = dev
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if func in _PASS:
+            return func(*args, **kwargs)
+        if func in _GRAD:
+            return self._grad(func, args, kwargs)
+        tensors = _tensors(args, kwargs)
+        if not tensors:
+            return func(*args, **kwargs)
+        tags = [get_vma(t) for t in tensors]
+        union = frozenset().union(*tags)
+        inplace = _is_inplace(func)
+        if union and any(t != union for t in tags):
+            target = args[0] if inplace and args and isinstance(args[0], torch.Tensor) else None
+            if target is not None and get_vma(target) != union:
+                self._widen_inplace(func, target, union)
+
+            def fix(a: Any) -> Any:
+                if isinstance(a, torch.Tensor) and a is not target:
+                    return pvary_to(a, union, self.dev)
+                return a
+
+            args, kwargs = optree.tree_map(fix, (args, kwargs), is_leaf=lambda a: isinstance(a, torch.Tensor))
+        out = func(*args, **kwargs)
+        if union:
+            if isinstance(out, torch.Tensor):
+                out.__dict__[_ATTR] = union
+            elif isinstance(out, (tuple, list)):
+                for o in out:
+                    if isinstance(o, torch.Tensor):
+                        o.__dict__[_ATTR] = union
+        return out
+
+    def _widen_inplace(self, func: Any, target: torch.Tensor, union: frozenset[str]) -> None:
+        if target.requires_grad:
+            missing = sorted(union - get_vma(target))
+            raise ShardingError(
+                f"{getattr(func, '__name__', func)}: an in-place op would make a tensor that is invariant over "
+                f"{missing} (and requires grad) vary over them; its gradient would miss the psum over "
+                f"{missing}. Write it out of place (y = x + v), or make it varying first: "
+                f"x = fs.pvary(x, {tuple(missing)})."
+            )
+        target.__dict__[_ATTR] = union
+
+    def _grad(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        out = func(*args, **kwargs)
+        inputs = kwargs.get("inputs", args[1] if len(args) > 1 else None)
+        if isinstance(inputs, torch.Tensor):
+            inputs = (inputs,)
+        if inputs is not None:
+            for g, x in zip(out, inputs, strict=False):
+                if isinstance(g, torch.Tensor) and isinstance(x, torch.Tensor):
+                    g.__dict__[_ATTR] = get_vma(x)
+        return out

@@ -1,0 +1,349 @@
+"""Collectives over named mesh axes, for use inside ``shard_map``. Each has the transpose as backward.
+
+| collective | forward | backward |
+|---|---|---|
+| ``psum`` / ``pmean`` | all-reduce sum / mean | identity (``pvary``) |
+| ``pmax`` / ``pmin`` | all-reduce max / min | to the device(s) holding the extreme |
+| ``pvary`` | identity | psum |
+| ``all_gather`` | all-gather | psum_scatter |
+| ``psum_scatter`` | reduce-scatter | all_gather |
+| ``all_to_all`` | all-to-all | all-to-all back |
+| ``ppermute`` | send along ``perm`` | send back along the inverse |
+
+``axis`` is a mesh axis name or a tuple of names (their product, major to minor). Pytrees are accepted.
+
+Example:
+    >>> import torch, funcshard as fs
+    >>> from funcshard import P
+    >>> mesh = fs.make_mesh({"tp": 4}, backend="sim")
+    >>> f = fs.shard_map(lambda x: fs.psum(x, "tp"), mesh=mesh, in_specs=(P("tp"),), out_specs=P())
+    >>> fs.device_get(f(torch.arange(4.0)))
+    tensor([6.])
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import optree
+import torch
+
+from . import _prims
+from ._context import DeviceContext, axes_of, current
+from ._errors import ShardingError
+from ._vma import get_vma, pvary_to, set_vma
+
+__all__ = [
+    "psum",
+    "pmean",
+    "pmax",
+    "pmin",
+    "pvary",
+    "all_gather",
+    "all_gather_invariant",
+    "psum_scatter",
+    "all_to_all",
+    "ppermute",
+    "axis_index",
+    "axis_size",
+]
+
+PyTree = Any
+_Axis = str | tuple[str, ...]
+
+
+def _tmap(fn: Any, tree: PyTree, name: str) -> PyTree:
+    def leaf(x: Any) -> Any:
+        if isinstance(x, torch.Tensor):
+            return fn(x)
+        if isinstance(x, (int, float)) and not isinstance(x, bool):
+            return fn(x)
+        raise ShardingError(f"{name}: leaves must be torch.Tensors (or numbers), found {type(x).__name__}.")
+
+    return optree.tree_map(leaf, tree)
+
+
+def _prep(ctx: DeviceContext, x: torch.Tensor, axes: tuple[str, ...]) -> torch.Tensor:
+    """Under check_vma, make ``x`` varying over ``axes`` before a collective that reads every member."""
+    if ctx.check_vma:
+        return pvary_to(x, get_vma(x) | frozenset(axes), ctx.device)
+    return x
+
+
+def _tag(ctx: DeviceContext, y: torch.Tensor, axes: frozenset[str]) -> torch.Tensor:
+    return set_vma(y, axes) if ctx.check_vma else y
+
+
+def _n(ctx: DeviceContext, axes: tuple[str, ...]) -> int:
+    return math.prod(ctx.mesh.shape[a] for a in axes)
+
+
+def _reduce(x: PyTree, axis: _Axis, op: str, name: str) -> PyTree:
+    ctx = current(name)
+    axes = axes_of(axis, ctx.mesh, name)
+    n = _n(ctx, axes)
+
+    def one(t: Any) -> Any:
+        if not isinstance(t, torch.Tensor):  # a number is the same on every device
+            return t * n if op == "sum" else t
+        with torch._C.DisableTorchFunction():
+            t = _prep(ctx, t, axes)
+            y = _prims.AllReduce.apply(t, ctx.device, axes, op, name)  # [*s] -> [*s], invariant over axes
+            if name == "pmean":
+                y = y / n
+        return _tag(ctx, y, get_vma(t) - frozenset(axes))
+
+    return _tmap(one, x, name)
+
+
+def psum(x: PyTree, axis: _Axis) -> PyTree:
+    """All-reduce sum over ``axis`` (forward); identity per device (backward, the transpose ``pvary``).
+
+    The result is invariant over ``axis``. A value that is already invariant over ``axis`` is summed as the
+    ``n`` equal copies it stands for (``psum(1, "tp") == axis_size("tp")``).
+
+    Example:
+        >>> # inside shard_map over {"tp": 4}: y = fs.psum(x, "tp")  # [b, d] -> [b, d]
+    """
+    return _reduce(x, axis, "sum", "psum")
+
+
+def pmean(x: PyTree, axis: _Axis) -> PyTree:
+    """All-reduce mean over ``axis`` (forward); identity / n per device (backward).
+
+    Example:
+        >>> # loss = fs.pmean(local_loss, "dp")  # [] -> []
+    """
+    return _reduce(x, axis, "sum", "pmean")
+
+
+def pmax(x: PyTree, axis: _Axis) -> PyTree:
+    """All-reduce max over ``axis`` (forward); the gradient goes to the device(s) holding the max, split
+    evenly between ties (backward).
+
+    Example:
+        >>> # m = fs.pmax(local_max, "tp")  # [b] -> [b]
+    """
+    return _reduce(x, axis, "max", "pmax")
+
+
+def pmin(x: PyTree, axis: _Axis) -> PyTree:
+    """All-reduce min over ``axis`` (forward); the gradient goes to the device(s) holding the min (backward).
+
+    Example:
+        >>> # m = fs.pmin(local_min, "tp")  # [b] -> [b]
+    """
+    return _reduce(x, axis, "min", "pmin")
+
+
+def pvary(x: PyTree, axis: _Axis) -> PyTree:
+    """Mark ``x`` as varying over ``axis``: identity (forward), psum over ``axis`` (backward).
+
+    With ``check_vma=True`` shard_map inserts it where needed; with ``check_vma=False`` write it where an
+    invariant value (say a replicated weight) meets one that varies over ``axis`` (a sharded batch).
+
+    Example:
+        >>> # w = fs.pvary(w, "dp")  # [d, h] -> [d, h]; its gradient is summed over dp
+    """
+    ctx = current("pvary")
+    axes = axes_of(axis, ctx.mesh, "pvary")
+
+    def one(t: Any) -> Any:
+        if not isinstance(t, torch.Tensor):
+            return t
+        have = get_vma(t) if ctx.check_vma else frozenset()
+        todo = tuple(a for a in axes if a not in have)
+        if not todo:
+            return t
+        with torch._C.DisableTorchFunction():
+            y = _prims.Pvary.apply(t, ctx.device, todo)  # [*s] -> [*s]
+        return _tag(ctx, y, have | frozenset(axes))
+
+    return _tmap(one, x, "pvary")
+
+
+def _dim(d: int, ndim: int, name: str, what: str, shape: Sequence[int]) -> int:
+    if not -ndim <= d < ndim:
+        raise ShardingError(f"{name}: {what}={d} is out of range for a value of shape {tuple(shape)}.")
+    return d % ndim
+
+
+def all_gather(x: PyTree, axis: _Axis, *, dim: int = 0, tiled: bool = False) -> PyTree:
+    """Gather the shards of ``axis`` in axis order (forward); reduce-scatter (backward).
+
+    ``tiled=True`` concatenates along ``dim``; ``tiled=False`` stacks the shards in a new dim at ``dim``.
+    The result varies over ``axis`` (as in JAX).
+
+    Example:
+        >>> # w_full = fs.all_gather(w, "fsdp", dim=0, tiled=True)  # [h/n, d] -> [h, d]
+    """
+    ctx = current("all_gather")
+    axes = axes_of(axis, ctx.mesh, "all_gather")
+
+    def one(t: torch.Tensor) -> torch.Tensor:
+        nd = t.dim() + (0 if tiled else 1)
+        d = _dim(dim, max(nd, 1), "all_gather", "dim", t.shape)
+        with torch._C.DisableTorchFunction():
+            t = _prep(ctx, t, axes)
+            y = _prims.AllGather.apply(t, ctx.device, axes)  # [*s] -> [n, *s]
+            y = y.movedim(0, d)
+            if tiled:
+                y = y.flatten(d, d + 1)  # [.., n, s_d, ..] -> [.., n*s_d, ..]
+        return _tag(ctx, y, get_vma(t))
+
+    return _tmap(one, x, "all_gather")
+
+
+def all_gather_invariant(x: PyTree, axis: _Axis, *, dim: int = 0, tiled: bool = False) -> PyTree:
+    """All-gather whose result is invariant over ``axis`` (forward); this device's block of the cotangent
+    (backward, no communication), as ``jax.lax.all_gather_invariant``.
+
+    Use it where the gathered value is then treated as replicated (e.g. to return it with a spec that omits
+    ``axis``); use :func:`all_gather` where each device goes on to compute something different with it.
+
+    Example:
+        >>> # full = fs.all_gather_invariant(x, "tp", dim=0, tiled=True)  # [s/tp, d] -> [s, d]
+    """
+    ctx = current("all_gather_invariant")
+    axes = axes_of(axis, ctx.mesh, "all_gather_invariant")
+
+    def one(t: torch.Tensor) -> torch.Tensor:
+        nd = t.dim() + (0 if tiled else 1)
+        d = _dim(dim, max(nd, 1), "all_gather_invariant", "dim", t.shape)
+        with torch._C.DisableTorchFunction():
+            t = _prep(ctx, t, axes)
+            y = _prims.AllGatherInvariant.apply(t, ctx.device, axes, axis_index(axes))  # [*s] -> [n, *s]
+            y = y.movedim(0, d)
+            if tiled:
+                y = y.flatten(d, d + 1)  # [.., n, s_d, ..] -> [.., n*s_d, ..]
+        return _tag(ctx, y, get_vma(t) - frozenset(axes))
+
+    return _tmap(one, x, "all_gather_invariant")
+
+
+def psum_scatter(x: PyTree, axis: _Axis, *, dim: int = 0, tiled: bool = False) -> PyTree:
+    """Reduce-scatter over ``axis``: device i keeps block i of the sum (forward); all-gather (backward).
+
+    ``tiled=True`` splits ``dim`` into axis-size blocks; ``tiled=False`` needs ``x.shape[dim]`` equal to the
+    axis size and removes ``dim``.
+
+    Example:
+        >>> # y = fs.psum_scatter(partial, "tp", dim=1, tiled=True)  # [b, s, d] -> [b, s/tp, d]
+    """
+    ctx = current("psum_scatter")
+    axes = axes_of(axis, ctx.mesh, "psum_scatter")
+    n = _n(ctx, axes)
+
+    def one(t: torch.Tensor) -> torch.Tensor:
+        d = _dim(dim, t.dim(), "psum_scatter", "dim", t.shape)
+        if tiled and t.shape[d] % n:
+            raise ShardingError(
+                f"psum_scatter: dim {d} of shape {tuple(t.shape)} has size {t.shape[d]}, not divisible by the "
+                f"size {n} of {axes}; pad it to a multiple of {n}."
+            )
+        if not tiled and t.shape[d] != n:
+            raise ShardingError(
+                f"psum_scatter(tiled=False): dim {d} of shape {tuple(t.shape)} must equal the size {n} of {axes}; "
+                f"use tiled=True to split a longer dim into {n} blocks."
+            )
+        with torch._C.DisableTorchFunction():
+            t = _prep(ctx, t, axes)
+            xs = t.unflatten(d, (n, -1)).movedim(d, 0) if tiled else t.movedim(d, 0)  # -> [n, ...]
+            y = _prims.ReduceScatter.apply(xs, ctx.device, axes)  # [n, *s] -> [*s]
+        return _tag(ctx, y, get_vma(t))
+
+    return _tmap(one, x, "psum_scatter")
+
+
+def all_to_all(x: PyTree, axis: _Axis, split_dim: int, concat_dim: int, *, tiled: bool = True) -> PyTree:
+    """Split ``split_dim`` into axis-size chunks, send chunk j to device j, concatenate what arrives along
+    ``concat_dim`` in source order (forward); the reverse all-to-all (backward).
+
+    With ``tiled=False`` ``x.shape[split_dim]`` must equal the axis size; that dim is removed and the
+    arrivals are stacked in a new dim at ``concat_dim``.
+
+    Example:
+        >>> # heads to sequence: y = fs.all_to_all(x, "cp", split_dim=1, concat_dim=2)  # [b, h, s/n, d] -> [b, h/n, s, d]
+    """
+    ctx = current("all_to_all")
+    axes = axes_of(axis, ctx.mesh, "all_to_all")
+    n = _n(ctx, axes)
+
+    def one(t: torch.Tensor) -> torch.Tensor:
+        sd = _dim(split_dim, t.dim(), "all_to_all", "split_dim", t.shape)
+        if (tiled and t.shape[sd] % n) or (not tiled and t.shape[sd] != n):
+            need = f"a multiple of {n}" if tiled else f"equal to {n}"
+            raise ShardingError(
+                f"all_to_all: split_dim {sd} of shape {tuple(t.shape)} has size {t.shape[sd]}, which must be "
+                f"{need} (the size of {axes})."
+            )
+        out_nd = t.dim() if tiled else t.dim() - 1 + 1
+        cd = _dim(concat_dim, out_nd, "all_to_all", "concat_dim", t.shape)
+        with torch._C.DisableTorchFunction():
+            t = _prep(ctx, t, axes)
+            xs = t.unflatten(sd, (n, -1)).movedim(sd, 0) if tiled else t.movedim(sd, 0)  # -> [n, ...]
+            ys = _prims.AllToAll.apply(xs, ctx.device, axes)  # [n, *s] -> [n, *s]
+            y = ys.movedim(0, cd)
+            if tiled:
+                y = y.flatten(cd, cd + 1)  # [.., n, c, ..] -> [.., n*c, ..]
+        return _tag(ctx, y, get_vma(t))
+
+    return _tmap(one, x, "all_to_all")
+
+
+def ppermute(x: PyTree, axis: _Axis, perm: Sequence[tuple[int, int]]) -> PyTree:
+    """Send this device's value to ``dst`` from ``src`` for each ``(src, dst)`` pair (indices on ``axis``);
+    devices that receive nothing get zeros (forward). The inverse permutation (backward).
+
+    Example:
+        >>> # ring shift: y = fs.ppermute(x, "cp", [(i, (i + 1) % n) for i in range(n)])  # [*s] -> [*s]
+    """
+    ctx = current("ppermute")
+    axes = axes_of(axis, ctx.mesh, "ppermute")
+    n = _n(ctx, axes)
+    try:
+        pairs = tuple((int(s), int(d)) for s, d in perm)
+    except (TypeError, ValueError):
+        raise ShardingError(f"ppermute: perm must be a sequence of (src, dst) int pairs, found {perm!r}.") from None
+    srcs = [s for s, _ in pairs]
+    dsts = [d for _, d in pairs]
+    bad = [p for p in pairs if not (0 <= p[0] < n and 0 <= p[1] < n)]
+    if bad or len(set(srcs)) != len(srcs) or len(set(dsts)) != len(dsts):
+        raise ShardingError(
+            f"ppermute: perm {list(pairs)} over {axes} (size {n}) must pair indices in [0, {n}) with each source "
+            f"and each destination at most once" + (f"; out of range: {bad}" if bad else "; a source or destination repeats") + "."
+        )
+
+    def one(t: torch.Tensor) -> torch.Tensor:
+        with torch._C.DisableTorchFunction():
+            t = _prep(ctx, t, axes)
+            y = _prims.Ppermute.apply(t, ctx.device, axes, pairs)  # [*s] -> [*s]
+        return _tag(ctx, y, get_vma(t))
+
+    return _tmap(one, x, "ppermute")
+
+
+def axis_index(axis: _Axis) -> int:
+    """This device's index on ``axis`` (row-major over a tuple of axes), a Python int.
+
+    Example:
+        >>> # start = fs.axis_index("tp") * block
+    """
+    ctx = current("axis_index")
+    axes = axes_of(axis, ctx.mesh, "axis_index")
+    idx = 0
+    for a in axes:
+        idx = idx * ctx.mesh.shape[a] + ctx.device.coords[a]
+    return idx
+
+
+def axis_size(axis: _Axis) -> int:
+    """The number of devices along ``axis`` (product over a tuple), a Python int.
+
+    Example:
+        >>> # n = fs.axis_size("tp")
+    """
+    ctx = current("axis_size")
+    return _n(ctx, axes_of(axis, ctx.mesh, "axis_size"))

@@ -1,0 +1,139 @@
+"""Pytree helpers with paths, on top of optree.
+
+Paths are written ``"layers/3/attn/wq"``: dict keys, sequence indices and namedtuple field indices joined
+by ``/`` (as t5x / MaxText rules match them).
+
+Example:
+    >>> from funcshard import pytree
+    >>> [p for p, _ in pytree.leaves_with_path({"a": [1, 2], "b": {"c": 3}})]
+    ['a/0', 'a/1', 'b/c']
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import optree
+
+__all__ = [
+    "tree_path",
+    "leaves_with_path",
+    "flatten",
+    "unflatten",
+    "tree_map",
+    "broadcast_prefix",
+]
+
+PyTree = Any
+
+
+def tree_path(path: tuple[Any, ...]) -> str:
+    """Join an optree path (a tuple of keys) into the ``"a/b/0"`` form.
+
+    Args:
+        path: a tuple of dict keys, indices or field names, as optree returns them.
+
+    Returns:
+        The keys joined with ``/``; the empty path is ``""``.
+
+    Example:
+        >>> tree_path(("layers", 3, "wq"))
+        'layers/3/wq'
+    """
+    return "/".join(str(k) for k in path)
+
+
+def leaves_with_path(tree: PyTree, *, is_leaf: Callable[[Any], bool] | None = None) -> list[tuple[str, Any]]:
+    """List ``(path, leaf)`` pairs of a tree, paths in the ``"a/b/0"`` form.
+
+    Example:
+        >>> leaves_with_path({"w": 1})
+        [('w', 1)]
+    """
+    paths, leaves, _ = optree.tree_flatten_with_path(tree, is_leaf=is_leaf)
+    return [(tree_path(p), leaf) for p, leaf in zip(paths, leaves, strict=True)]
+
+
+def flatten(tree: PyTree, *, is_leaf: Callable[[Any], bool] | None = None) -> tuple[list[Any], Any]:
+    """Flatten a tree into its leaves and a treespec (optree's)."""
+    leaves, spec = optree.tree_flatten(tree, is_leaf=is_leaf)
+    return leaves, spec
+
+
+def unflatten(treespec: Any, leaves: list[Any]) -> PyTree:
+    """Rebuild a tree from a treespec and leaves."""
+    return optree.tree_unflatten(treespec, leaves)
+
+
+def tree_map(fn: Callable[..., Any], tree: PyTree, *rest: PyTree, is_leaf: Callable[[Any], bool] | None = None) -> PyTree:
+    """Map ``fn`` over the leaves of one or more trees of the same structure."""
+    return optree.tree_map(fn, tree, *rest, is_leaf=is_leaf)
+
+
+def broadcast_prefix(
+    prefix: PyTree,
+    full: PyTree,
+    *,
+    prefix_is_leaf: Callable[[Any], bool],
+    what: str = "spec tree",
+    where: str = "",
+) -> list[Any]:
+    """Broadcast a prefix tree (e.g. of specs) to the leaves of ``full``.
+
+    Each leaf of ``prefix`` stands for a whole subtree of ``full``; the result lists one prefix leaf per
+    leaf of ``full``, in ``full``'s leaf order.
+
+    Raises:
+        ShardingError: when ``prefix`` is not a prefix of ``full``; the message names the first path
+            where the two trees part.
+
+    Example:
+        >>> broadcast_prefix("s", {"a": 1, "b": [2, 3]}, prefix_is_leaf=lambda x: isinstance(x, str))
+        ['s', 's', 's']
+    """
+    from ._errors import ShardingError
+
+    out: list[Any] = []
+
+    def walk(p: Any, f: Any, path: tuple[Any, ...]) -> None:
+        if prefix_is_leaf(p):
+            out.extend([p] * len(optree.tree_leaves(f)))
+            return
+        p_node = _one_level(p)
+        f_node = _one_level(f)
+        if p_node is None or f_node is None or not _same_node(p, f, p_node, f_node):
+            loc = tree_path(path) or "<root>"
+            raise ShardingError(
+                f"{where}{what} is not a prefix of the value tree at '{loc}': the {what} has "
+                f"{_describe(p)} where the value has {_describe(f)}. Give one spec P(...) per leaf, or one "
+                f"spec for a whole subtree, with the same containers (dict keys, list lengths) as the value."
+            )
+        for key, pc, fc in zip(p_node.entries, p_node.children, f_node.children, strict=True):
+            walk(pc, fc, (*path, key))
+
+    walk(prefix, full, ())
+    return out
+
+
+def _one_level(x: Any) -> Any:
+    if optree.tree_is_leaf(x):
+        return None
+    return optree.tree_flatten_one_level(x)
+
+
+def _same_node(p: Any, f: Any, p_node: Any, f_node: Any) -> bool:
+    both_seq = type(p) in (list, tuple) and type(f) in (list, tuple)
+    if type(p) is not type(f) and not both_seq:
+        return False
+    return tuple(p_node.entries) == tuple(f_node.entries)
+
+
+def _describe(x: Any) -> str:
+    if isinstance(x, dict):
+        return f"a dict with keys {sorted(map(str, x))}"
+    if isinstance(x, (list, tuple)):
+        return f"a {type(x).__name__} of length {len(x)}"
+    if x is None:
+        return "None"
+    return f"a leaf of type {type(x).__name__}"

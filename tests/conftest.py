@@ -1,0 +1,30 @@
+"""Shared test setup: the two backends every communicating test body runs under."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("FUNCSHARD_TIMEOUT", "60")
+torch.set_num_threads(2)
+
+BACKENDS = ["sim", "dist"]
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request: pytest.FixtureRequest) -> str:
+    """Each test that takes ``backend`` runs once in-process (sim) and once on gloo workers (dist)."""
+    return request.param
+
+
+@pytest.fixture
+def run(backend: str):
+    """``run(body, mesh_shape, *args)``: run ``body(mesh, *args)`` under the test's backend."""
+    from _dist_pool import run_body
+
+    def go(body, shape, *args):
+        return run_body(backend, body, shape, *args)
+
+    return go
