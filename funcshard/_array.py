@@ -25,7 +25,7 @@ from ._errors import ShardingError
 from ._mesh import Mesh
 from ._spec import P, block_index, check_spec, format_mesh, is_spec, shard_shape, shard_slices
 
-__all__ = ["Array", "device_put", "device_get", "reshard", "local_shards"]
+__all__ = ["Array", "device_get", "device_put", "local_shards", "reshard"]
 
 PyTree = Any
 Coords = tuple[int, ...]
@@ -48,9 +48,11 @@ class Array:
         Array(shape=(4, 6), dtype=torch.float32, spec=P(None, 'tp'), mesh={'tp': 2}, backend='sim')
     """
 
-    __slots__ = ("mesh", "spec", "shape", "dtype", "shards")
+    __slots__ = ("dtype", "mesh", "shape", "shards", "spec")
 
-    def __init__(self, mesh: Mesh, spec: P, shape: tuple[int, ...], dtype: torch.dtype, shards: dict[Coords, torch.Tensor]) -> None:
+    def __init__(
+        self, mesh: Mesh, spec: P, shape: tuple[int, ...], dtype: torch.dtype, shards: dict[Coords, torch.Tensor]
+    ) -> None:
         self.mesh = mesh
         self.spec = spec
         self.shape = tuple(shape)
@@ -275,7 +277,9 @@ def _reshard_one(a: Array, dst: P) -> Array:
         for step in steps:
             if step[0] == "all_to_all":
                 _, axis, split_dim, concat_dim = step
-                x = lax.all_to_all(x, axis, split_dim, concat_dim, tiled=True)  # [.., s_j, .., s_i/n, ..] -> [.., s_j/n, .., s_i, ..]
+                x = lax.all_to_all(
+                    x, axis, split_dim, concat_dim, tiled=True
+                )  # [.., s_j, .., s_i/n, ..] -> [.., s_j/n, .., s_i, ..]
             elif step[0] == "all_gather":
                 _, axes, d = step
                 x = lax.all_gather_invariant(x, axes, dim=d, tiled=True)  # [.., s_d/n, ..] -> [.., s_d, ..]

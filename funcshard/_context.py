@@ -10,7 +10,7 @@ from typing import Any
 
 from ._errors import ShardingError
 
-__all__ = ["DeviceContext", "current", "maybe_current", "enter", "axes_of"]
+__all__ = ["DeviceContext", "axes_of", "current", "enter", "maybe_current"]
 
 _local = threading.local()
 

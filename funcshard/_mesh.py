@@ -33,7 +33,7 @@ class Mesh:
         (('dp',), {'dp': 2}, 'sim')
     """
 
-    __slots__ = ("_names", "_sizes", "_backend", "_coords")
+    __slots__ = ("_backend", "_coords", "_names", "_sizes")
 
     def __init__(self, shape: Mapping[str, int], backend: Backend) -> None:
         names = tuple(shape)

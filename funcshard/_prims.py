@@ -13,7 +13,7 @@ import torch
 
 from ._stats import record
 
-__all__ = ["AllReduce", "Pvary", "AllGather", "AllGatherInvariant", "ReduceScatter", "AllToAll", "Ppermute"]
+__all__ = ["AllGather", "AllGatherInvariant", "AllReduce", "AllToAll", "Ppermute", "Pvary", "ReduceScatter"]
 
 
 def _nbytes(x: torch.Tensor) -> int:

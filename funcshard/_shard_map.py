@@ -85,7 +85,9 @@ def _is_leaf(x: Any) -> bool:
     return isinstance(x, Array)
 
 
-def _prepare_inputs(name: str, mesh: Mesh, in_specs: Any, args: tuple[Any, ...]) -> tuple[list[Any], list[Any], list[Any]]:
+def _prepare_inputs(
+    name: str, mesh: Mesh, in_specs: Any, args: tuple[Any, ...]
+) -> tuple[list[Any], list[Any], list[Any]]:
     """Per argument: treedef, leaf specs, and a dict coords -> local leaves."""
     if isinstance(in_specs, P) and len(args) == 1:
         in_specs = (in_specs,)
@@ -135,16 +137,15 @@ def _prepare_inputs(name: str, mesh: Mesh, in_specs: Any, args: tuple[Any, ...])
 
 
 def _device_args(coords: tuple[int, ...], treedefs: list[Any], locals_all: list[Any]) -> list[list[Any]]:
-    return [
-        [leaf[coords] if isinstance(leaf, dict) else leaf for leaf in local]
-        for local in locals_all
-    ]
+    return [[leaf[coords] if isinstance(leaf, dict) else leaf for leaf in local] for local in locals_all]
 
 
 class _Run:
     """One shard_map call: the per-device bodies, their outputs, and (sim) the threaded backward."""
 
-    def __init__(self, f: Callable[..., Any], mesh: Mesh, check_vma: bool, treedefs: list[Any], specs: list[Any]) -> None:
+    def __init__(
+        self, f: Callable[..., Any], mesh: Mesh, check_vma: bool, treedefs: list[Any], specs: list[Any]
+    ) -> None:
         self.f, self.mesh, self.check_vma = f, mesh, check_vma
         self.treedefs, self.specs = treedefs, specs
         self.inputs: dict[int, list[list[Any]]] = {}
@@ -163,7 +164,7 @@ class _Run:
                         seen[id(t)] = vma
                         set_vma(t, vma)
         args = [optree.tree_unflatten(td, lv) for td, lv in zip(self.treedefs, leaves, strict=True)]
-        with enter(ctx), (VmaMode(dev) if self.check_vma else nullcontext()):
+        with enter(ctx), VmaMode(dev) if self.check_vma else nullcontext():
             out = self.f(*args)
         out_leaves, out_def = optree.tree_flatten(out, is_leaf=_is_leaf)
         return out_leaves, out_def
@@ -199,7 +200,9 @@ class _SimState:
     replica holds the whole gradient, made invariant by the backward psums of ``pvary``).
     """
 
-    def __init__(self, run: _Run, world: SimWorld, per_dev: list[list[list[Any]]], coords: list[tuple[int, ...]]) -> None:
+    def __init__(
+        self, run: _Run, world: SimWorld, per_dev: list[list[list[Any]]], coords: list[tuple[int, ...]]
+    ) -> None:
         self.run, self.world = run, world
         self.per_dev, self.coords = per_dev, coords
         self.grad_inputs: list[list[torch.Tensor]] = []
@@ -302,11 +305,13 @@ class _SimState:
 
 def _same(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
     if a is None or b is None:
-        return a is None and b is None or bool((a if a is not None else b).abs().max() == 0)
+        return (a is None and b is None) or bool((a if a is not None else b).abs().max() == 0)
     return torch.equal(a, b)
 
 
-def _call(f: Callable[..., Any], mesh: Mesh, in_specs: Any, out_specs: Any, check_vma: bool, args: tuple[Any, ...]) -> Any:
+def _call(
+    f: Callable[..., Any], mesh: Mesh, in_specs: Any, out_specs: Any, check_vma: bool, args: tuple[Any, ...]
+) -> Any:
     name = f"shard_map({getattr(f, '__name__', 'f')})"
     if maybe_current() is not None:
         raise ShardingError(
@@ -383,7 +388,9 @@ def _assemble_outputs(
         dims = spec.dim_axes(max(v0.dim(), len(spec)))
         if len(spec) > v0.dim():
             check_spec(spec, v0.shape, mesh, path=path, fn=name)
-        gshape = tuple(s * math.prod(mesh.shape.get(a, 1) for a in axes) for s, axes in zip(v0.shape, dims, strict=False))
+        gshape = tuple(
+            s * math.prod(mesh.shape.get(a, 1) for a in axes) for s, axes in zip(v0.shape, dims, strict=False)
+        )
         check_spec(spec, gshape, mesh, path=path, fn=name)
         allowed = frozenset(spec.axes)
         for c, v in zip(all_coords, vals, strict=True):

@@ -19,7 +19,7 @@ from typing import Any
 
 from ._errors import ShardingError
 
-__all__ = ["P", "Entry", "check_spec", "shard_shape", "shard_slices", "block_index", "format_mesh"]
+__all__ = ["Entry", "P", "block_index", "check_spec", "format_mesh", "shard_shape", "shard_slices"]
 
 Entry = str | tuple[str, ...] | None
 
@@ -148,9 +148,7 @@ def check_spec(spec: Any, shape: Sequence[int], mesh: Any, *, path: str = "", fn
                     f"use one of {list(mesh.axis_names)} or None."
                 )
             if a in seen:
-                raise ShardingError(
-                    f"{where}: {ctx} uses axis '{a}' twice; an axis may shard at most one dim, once."
-                )
+                raise ShardingError(f"{where}: {ctx} uses axis '{a}' twice; an axis may shard at most one dim, once.")
             seen.add(a)
         n = math.prod(mesh.shape[a] for a in axes)
         if shape[d] % n:

@@ -51,11 +51,15 @@ class CommStats:
             if (name is None or n == name) and (want is None or frozenset(axes) == want)
         ]
 
-    def calls(self, name: str | None = None, axis: str | tuple[str, ...] | None = None, *, device: int | None = None) -> int:
+    def calls(
+        self, name: str | None = None, axis: str | tuple[str, ...] | None = None, *, device: int | None = None
+    ) -> int:
         """Number of calls of collective ``name`` over ``axis`` by one device (``None`` = any)."""
         return sum(v[0] for v in self._rows(name, axis, device))
 
-    def bytes(self, name: str | None = None, axis: str | tuple[str, ...] | None = None, *, device: int | None = None) -> int:
+    def bytes(
+        self, name: str | None = None, axis: str | tuple[str, ...] | None = None, *, device: int | None = None
+    ) -> int:
         """Payload bytes (size of the input on one device) passed to ``name`` over ``axis``, summed."""
         return sum(v[1] for v in self._rows(name, axis, device))
 

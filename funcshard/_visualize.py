@@ -32,7 +32,9 @@ def _label_rows(a: Array, ranks: list[int]) -> list[str]:
     parts = []
     for n in names:
         vals = sorted({c[n] for c in coords})
-        parts.append(f"{n}={vals[0]}" if len(vals) == 1 else f"{n}=*" if len(vals) == a.mesh.shape[n] else f"{n}={vals}")
+        parts.append(
+            f"{n}={vals[0]}" if len(vals) == 1 else f"{n}=*" if len(vals) == a.mesh.shape[n] else f"{n}={vals}"
+        )
     return ["dev " + ",".join(map(str, ranks)), " ".join(parts)]
 
 
@@ -65,7 +67,9 @@ def visualize(a: Array, *, show: bool = True) -> str:
     width = max(len(line) for t in texts.values() for line in t) + 4
     header = f"shape {a.shape}  spec {a.spec!r}  mesh {format_mesh(mesh)}"
     if nd > 2:
-        header += f"  (dims 0 and 1 shown; dims 2..{nd - 1} {'are sharded' if any(a.spec.dim_axes(nd)[2:]) else 'whole'})"
+        header += (
+            f"  (dims 0 and 1 shown; dims 2..{nd - 1} {'are sharded' if any(a.spec.dim_axes(nd)[2:]) else 'whole'})"
+        )
     lines = [header]
     hline = "─" * width
 

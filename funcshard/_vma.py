@@ -22,7 +22,7 @@ from torch.overrides import TorchFunctionMode
 from ._errors import ShardingError
 from ._prims import Pvary
 
-__all__ = ["get_vma", "set_vma", "VmaMode", "pvary_to", "EMPTY"]
+__all__ = ["EMPTY", "VmaMode", "get_vma", "pvary_to", "set_vma"]
 
 EMPTY: frozenset[str] = frozenset()
 _ATTR = "_fs_vma"
@@ -64,8 +64,13 @@ _PASS = {
     torch.autograd.backward,
 }
 _GRAD = {torch.autograd.grad}
-_INPLACE_EXTRA = {torch.Tensor.__setitem__, torch.Tensor.__iadd__, torch.Tensor.__isub__, torch.Tensor.__imul__,
-                  torch.Tensor.__itruediv__}
+_INPLACE_EXTRA = {
+    torch.Tensor.__setitem__,
+    torch.Tensor.__iadd__,
+    torch.Tensor.__isub__,
+    torch.Tensor.__imul__,
+    torch.Tensor.__itruediv__,
+}
 
 
 def _is_inplace(func: Any) -> bool:

@@ -36,18 +36,18 @@ from ._errors import ShardingError
 from ._vma import get_vma, pvary_to, set_vma
 
 __all__ = [
-    "psum",
-    "pmean",
-    "pmax",
-    "pmin",
-    "pvary",
     "all_gather",
     "all_gather_invariant",
-    "psum_scatter",
     "all_to_all",
-    "ppermute",
     "axis_index",
     "axis_size",
+    "pmax",
+    "pmean",
+    "pmin",
+    "ppermute",
+    "psum",
+    "psum_scatter",
+    "pvary",
 ]
 
 PyTree = Any
@@ -265,7 +265,8 @@ def all_to_all(x: PyTree, axis: _Axis, split_dim: int, concat_dim: int, *, tiled
     arrivals are stacked in a new dim at ``concat_dim``.
 
     Example:
-        >>> # heads to sequence: y = fs.all_to_all(x, "cp", split_dim=1, concat_dim=2)  # [b, h, s/n, d] -> [b, h/n, s, d]
+        >>> # heads <-> sequence: [b, h, s/n, d] -> [b, h/n, s, d]
+        >>> # y = fs.all_to_all(x, "cp", split_dim=1, concat_dim=2)
     """
     ctx = current("all_to_all")
     axes = axes_of(axis, ctx.mesh, "all_to_all")
@@ -279,8 +280,7 @@ def all_to_all(x: PyTree, axis: _Axis, split_dim: int, concat_dim: int, *, tiled
                 f"all_to_all: split_dim {sd} of shape {tuple(t.shape)} has size {t.shape[sd]}, which must be "
                 f"{need} (the size of {axes})."
             )
-        out_nd = t.dim() if tiled else t.dim() - 1 + 1
-        cd = _dim(concat_dim, out_nd, "all_to_all", "concat_dim", t.shape)
+        cd = _dim(concat_dim, t.dim(), "all_to_all", "concat_dim", t.shape)
         with torch._C.DisableTorchFunction():
             t = _prep(ctx, t, axes)
             xs = t.unflatten(sd, (n, -1)).movedim(sd, 0) if tiled else t.movedim(sd, 0)  # -> [n, ...]
@@ -313,7 +313,9 @@ def ppermute(x: PyTree, axis: _Axis, perm: Sequence[tuple[int, int]]) -> PyTree:
     if bad or len(set(srcs)) != len(srcs) or len(set(dsts)) != len(dsts):
         raise ShardingError(
             f"ppermute: perm {list(pairs)} over {axes} (size {n}) must pair indices in [0, {n}) with each source "
-            f"and each destination at most once" + (f"; out of range: {bad}" if bad else "; a source or destination repeats") + "."
+            f"and each destination at most once"
+            + (f"; out of range: {bad}" if bad else "; a source or destination repeats")
+            + "."
         )
 
     def one(t: torch.Tensor) -> torch.Tensor:

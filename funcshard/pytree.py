@@ -17,12 +17,12 @@ from typing import Any
 import optree
 
 __all__ = [
-    "tree_path",
-    "leaves_with_path",
-    "flatten",
-    "unflatten",
-    "tree_map",
     "broadcast_prefix",
+    "flatten",
+    "leaves_with_path",
+    "tree_map",
+    "tree_path",
+    "unflatten",
 ]
 
 PyTree = Any
@@ -66,7 +66,9 @@ def unflatten(treespec: Any, leaves: list[Any]) -> PyTree:
     return optree.tree_unflatten(treespec, leaves)
 
 
-def tree_map(fn: Callable[..., Any], tree: PyTree, *rest: PyTree, is_leaf: Callable[[Any], bool] | None = None) -> PyTree:
+def tree_map(
+    fn: Callable[..., Any], tree: PyTree, *rest: PyTree, is_leaf: Callable[[Any], bool] | None = None
+) -> PyTree:
     """Map ``fn`` over the leaves of one or more trees of the same structure."""
     return optree.tree_map(fn, tree, *rest, is_leaf=is_leaf)
 

@@ -56,7 +56,7 @@ def _worker(rank: int, world: int, port: int, conn: Any, sys_path: list[str]) ->
 
             mesh = fs.make_mesh(shape, backend="dist")
             conn.send(("ok", body(mesh, *args)))
-        except BaseException as e:  # noqa: BLE001 - sent to the parent
+        except BaseException as e:
             conn.send(("err", (type(e).__name__, str(e), traceback.format_exc())))
     dist.destroy_process_group()
 
@@ -97,7 +97,9 @@ class Pool:
                 self.close()
                 if first_err:
                     break
-                raise RemoteError(f"dist body {body.__name__} did not finish within {BODY_TIMEOUT:.0f} s on ranks {sorted(pending)}")
+                raise RemoteError(
+                    f"dist body {body.__name__} did not finish within {BODY_TIMEOUT:.0f} s on ranks {sorted(pending)}"
+                )
             for r in list(pending):
                 if self.conns[r].poll(0.01):
                     try:

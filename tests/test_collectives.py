@@ -8,8 +8,8 @@ reference's; a second check takes the gradient inside shard_map with ``torch.aut
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
 
 import pytest
 import torch
@@ -57,7 +57,12 @@ CASES: dict[str, Case] = {
         {"tp": 4}, (8, 3), P("tp"), P(), lambda x: fs.pmin(x, "tp"), lambda x: torch.stack(_blocks(x, 4)).amin(0)
     ),
     "all_gather_tiled_dim0": Case(
-        {"tp": 4}, (8, 3), P("tp"), P("tp"), lambda x: fs.all_gather(x, "tp", dim=0, tiled=True), lambda x: x.repeat(4, 1)
+        {"tp": 4},
+        (8, 3),
+        P("tp"),
+        P("tp"),
+        lambda x: fs.all_gather(x, "tp", dim=0, tiled=True),
+        lambda x: x.repeat(4, 1),
     ),
     "all_gather_tiled_dim1": Case(
         {"tp": 4},
@@ -155,7 +160,12 @@ CASES: dict[str, Case] = {
         lambda x: sum(_blocks(x, 2, 1)),
     ),
     "psum_tuple": Case(
-        {"dp": 2, "tp": 2}, (8, 3), P(("dp", "tp")), P(), lambda x: fs.psum(x, ("dp", "tp")), lambda x: sum(_blocks(x, 4))
+        {"dp": 2, "tp": 2},
+        (8, 3),
+        P(("dp", "tp")),
+        P(),
+        lambda x: fs.psum(x, ("dp", "tp")),
+        lambda x: sum(_blocks(x, 4)),
     ),
     "pmax_tuple": Case(
         {"dp": 2, "tp": 2},
@@ -193,7 +203,12 @@ CASES: dict[str, Case] = {
         {"dp": 2, "tp": 2}, (8, 4), P("dp", "tp"), P(("dp", "tp")), lambda x: fs.all_to_all(x, "tp", 0, 1), lambda x: x
     ),
     "all_to_all_tuple": Case(
-        {"dp": 2, "tp": 2}, (8, 8), P(("dp", "tp")), P(None, ("dp", "tp")), lambda x: fs.all_to_all(x, ("dp", "tp"), 1, 0), lambda x: x
+        {"dp": 2, "tp": 2},
+        (8, 8),
+        P(("dp", "tp")),
+        P(None, ("dp", "tp")),
+        lambda x: fs.all_to_all(x, ("dp", "tp"), 1, 0),
+        lambda x: x,
     ),
     "ppermute_2d": Case(
         {"dp": 2, "tp": 2},
@@ -281,7 +296,15 @@ def test_collective_dist(name: str) -> None:
     assert results == ["ok"] * len(results)
 
 
-GRADCHECK = ["psum", "pmax", "all_gather_stacked_dim1", "psum_scatter_tuple_reversed", "all_to_all_tuple", "ppermute_partial", "pvary_then_scale"]
+GRADCHECK = [
+    "psum",
+    "pmax",
+    "all_gather_stacked_dim1",
+    "psum_scatter_tuple_reversed",
+    "all_to_all_tuple",
+    "ppermute_partial",
+    "pvary_then_scale",
+]
 
 
 @pytest.mark.parametrize("name", GRADCHECK)
@@ -331,7 +354,9 @@ def _transforms_body(mesh: fs.Mesh) -> str:
         for check_vma in (True, False):
             manual[:] = [] if check_vma else [True]
             g = fs.shard_map(fn, mesh=mesh, in_specs=specs, out_specs=P(None, "tp"), check_vma=check_vma)(w, x)
-            torch.testing.assert_close(fs.device_get(g), wr.grad, rtol=1e-5, atol=1e-6, msg=f"{fn.__name__} {check_vma}")
+            torch.testing.assert_close(
+                fs.device_get(g), wr.grad, rtol=1e-5, atol=1e-6, msg=f"{fn.__name__} {check_vma}"
+            )
     return "ok"
 
 

@@ -12,4 +12,6 @@ def _body(mesh):
 
 def test_psum_smoke(run):
     for r in run(_body, {"tp": 2}):
-        assert torch.equal(r, torch.tensor([4.0 + 6.0, 5.0 + 7.0][:1] if False else [0.0 + 4.0, 1.0 + 5.0, 2.0 + 6.0, 3.0 + 7.0]))
+        assert torch.equal(
+            r, torch.tensor([4.0 + 6.0, 5.0 + 7.0][:1] if False else [0.0 + 4.0, 1.0 + 5.0, 2.0 + 6.0, 3.0 + 7.0])
+        )

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["DeviceHandle", "group_members", "default_timeout"]
+__all__ = ["DeviceHandle", "default_timeout", "group_members"]
 
 
 def default_timeout() -> float:

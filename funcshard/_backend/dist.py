@@ -22,7 +22,7 @@ import torch.distributed as dist
 from .._errors import MeshError
 from .base import DeviceHandle, default_timeout, group_members
 
-__all__ = ["setup", "DistDevice", "device_for"]
+__all__ = ["DistDevice", "device_for", "setup"]
 
 # torch 2.13 renamed the flat collectives; keep both spellings working (torch >= 2.4).
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -68,6 +68,13 @@ def _build_group(mesh: Any, axes: frozenset[str]) -> Any:
         if me in members:
             mine = g
     return mine
+
+
+def _inverse(perm: list[int]) -> list[int]:
+    inv = [0] * len(perm)
+    for i, p in enumerate(perm):
+        inv[p] = i
+    return inv
 
 
 def setup(mesh: Any) -> None:
@@ -132,26 +139,20 @@ class DistDevice(DeviceHandle):
         return out if gr == sorted(gr) else out[gr]
 
     def reduce_scatter(self, x: torch.Tensor, axes: tuple[str, ...]) -> torch.Tensor:
-        g, members, gr, _ = self._group(axes)
+        g, _, gr, _ = self._group(axes)
         inp = x.detach()
         if gr != sorted(gr):
-            inv = [0] * len(gr)
-            for logical, r in enumerate(gr):
-                inv[r] = logical
-            inp = inp[inv]
+            inp = inp[_inverse(gr)]  # logical order -> group-rank order
         out = torch.empty(x[0].numel(), dtype=x.dtype, device=x.device)
         _reduce_scatter(out, inp.reshape(-1).contiguous(), group=g)  # [n * |s|] -> [|s|]
         return out.view(x.shape[1:])
 
     def all_to_all(self, x: torch.Tensor, axes: tuple[str, ...]) -> torch.Tensor:
-        g, members, gr, _ = self._group(axes)
+        g, _, gr, _ = self._group(axes)
         inp = x.detach()
         reorder = gr != sorted(gr)
         if reorder:
-            inv = [0] * len(gr)
-            for logical, r in enumerate(gr):
-                inv[r] = logical
-            inp = inp[inv]
+            inp = inp[_inverse(gr)]  # logical order -> group-rank order
         flat = inp.reshape(-1).contiguous()
         out = torch.empty_like(flat)
         dist.all_to_all_single(out, flat, group=g)  # [n * |s|] -> [n * |s|] (group-rank order)

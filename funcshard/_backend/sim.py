@@ -25,7 +25,7 @@ import torch
 from .._errors import ShardingError
 from .base import DeviceHandle, default_timeout, group_members
 
-__all__ = ["SimWorld", "SimDevice"]
+__all__ = ["SimDevice", "SimWorld"]
 
 
 class _Aborted(Exception):
@@ -33,7 +33,7 @@ class _Aborted(Exception):
 
 
 class _Slot:
-    __slots__ = ("n", "vals", "first", "done", "reads", "members")
+    __slots__ = ("done", "first", "members", "n", "reads", "vals")
 
     def __init__(self, n: int, members: list[int]) -> None:
         self.n = n
@@ -77,7 +77,7 @@ class SimWorld:
                     results[dev.rank] = fn(dev)
             except _Aborted:
                 pass
-            except BaseException as e:  # noqa: BLE001 - handed to the caller below
+            except BaseException as e:
                 with self.cond:
                     if self.error is None:
                         self.error = e

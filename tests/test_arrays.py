@@ -1,0 +1,106 @@
+"""Arrays: device_put / device_get round trips, reshard between every pair of specs, visualize."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+import funcshard as fs
+from funcshard import P
+from funcshard._array import reshard_plan
+
+SPECS = [P(), P("a"), P(None, "a"), P("b", "a"), P(("a", "b"))]
+
+
+def _roundtrip_body(mesh: fs.Mesh) -> int:
+    x = torch.randn(8, 12, generator=torch.Generator().manual_seed(3))
+    n = 0
+    for s in SPECS:
+        a = fs.device_put(x, mesh, s)
+        assert a.shape == (8, 12) and a.dtype == x.dtype and a.spec == s and a.mesh == mesh
+        assert torch.equal(fs.device_get(a), x)  # bitwise
+        for d in SPECS:
+            b = fs.reshard(a, d)
+            assert b.spec == d
+            assert torch.equal(fs.device_get(b), x), (s, d)
+            n += 1
+    return n
+
+
+def test_reshard_every_pair(run) -> None:
+    assert set(run(_roundtrip_body, {"a": 2, "b": 2})) == {25}
+
+
+def _dtypes_body(mesh: fs.Mesh) -> str:
+    for dt in (torch.float32, torch.float64, torch.bfloat16, torch.int64):
+        x = (torch.arange(48) - 7).reshape(4, 12).to(dt)
+        a = fs.device_put(x, mesh, P(None, ("a", "b")))
+        assert fs.device_get(a).dtype == dt
+        assert torch.equal(fs.device_get(a), x)
+        assert torch.equal(fs.device_get(fs.reshard(a, P("b"))), x)
+    return "ok"
+
+
+def test_device_put_get_dtypes(run) -> None:
+    assert set(run(_dtypes_body, {"a": 2, "b": 2})) == {"ok"}
+
+
+def test_tree_device_put_with_prefix_specs() -> None:
+    mesh = fs.make_mesh({"a": 2, "b": 2}, backend="sim")
+    tree = {"layers": [torch.randn(4, 4), torch.randn(4, 4)], "head": torch.randn(4)}
+    out = fs.device_put(tree, mesh, {"layers": P("a"), "head": P()})
+    assert [x.spec for x in out["layers"]] == [P("a"), P("a")]
+    assert out["head"].spec == P()
+    back = fs.device_get(out)
+    assert torch.equal(back["layers"][1], tree["layers"][1])
+
+
+def test_shards_are_the_right_blocks() -> None:
+    mesh = fs.make_mesh({"a": 2, "b": 2}, backend="sim")
+    x = torch.arange(16.0).reshape(4, 4)
+    arr = fs.device_put(x, mesh, P("b", "a"))
+    assert torch.equal(arr.shards[(0, 1)], x[2:, :2])  # a=0 -> cols 0:2, b=1 -> rows 2:4
+    assert torch.equal(arr.shards[(1, 0)], x[:2, 2:])
+    with pytest.raises(fs.ShardingError, match="shards"):
+        _ = arr.local
+
+
+@pytest.mark.parametrize(("src", "dst"), list(itertools.product(SPECS, SPECS)))
+def test_reshard_plan_is_minimal(src: P, dst: P) -> None:
+    """No step that moves data which is already in place; an axis moving between dims is one all-to-all."""
+    plan = reshard_plan(src, dst, 2)
+    if src == dst:
+        assert plan == []
+    comm = [s for s in plan if s[0] != "slice"]
+    gathered = {a for s in comm for a in ((s[1],) if isinstance(s[1], str) else s[1])}
+    # every communicated axis is one the source shards with and the destination does not keep in place
+    assert gathered <= set(src.axes)
+    if set(src.axes) <= set(dst.axes) and all(d[: len(s)] == s for s, d in zip(src.dim_axes(2), dst.dim_axes(2))):
+        assert comm == []  # only refining the layout: slicing, no communication
+    if (src, dst) == (P("a"), P(None, "a")):
+        assert plan == [("all_to_all", "a", 1, 0)]
+
+
+def test_reshard_counts_bytes() -> None:
+    mesh = fs.make_mesh({"a": 2, "b": 2}, backend="sim")
+    x = fs.device_put(torch.randn(8, 8), mesh, P("a"))
+    with fs.comm_stats() as st:
+        fs.reshard(x, P(None, "a"))
+    assert st.calls() == 1 and st.calls("all_to_all", "a") == 1
+    assert st.bytes() == 4 * 8 * 4  # one device's [4, 8] float32 block
+    with fs.comm_stats() as st:
+        fs.reshard(x, P(("a", "b")))
+    assert st.calls() == 0  # slicing only
+
+
+def test_visualize_picture() -> None:
+    mesh = fs.make_mesh({"dp": 2, "tp": 4}, backend="sim")
+    pic = fs.visualize(fs.device_put(torch.zeros(4, 8), mesh, P("dp", "tp")), show=False)
+    lines = pic.splitlines()
+    assert "P('dp', 'tp')" in lines[0]
+    assert sum(line.count("dev ") for line in lines) == 8
+    assert "dp=1 tp=3" in pic
+    pic2 = fs.visualize(fs.device_put(torch.zeros(4, 8), mesh, P(None, "tp")), show=False)
+    assert "dev 0,4" in pic2 and "dp=* tp=0" in pic2
