@@ -97,17 +97,16 @@ def _is_array(x: Any) -> bool:
 def _local_coords(mesh: Mesh) -> list[Coords]:
     if mesh.backend == "sim":
         return [tuple(c.values()) for c in mesh.device_coords()]
-    import torch.distributed as dist
+    from ._backend import dist as dist_backend
 
-    return [tuple(mesh.coords_of(dist.get_rank()).values())]
+    return [tuple(mesh.coords_of(dist_backend.process_rank()).values())]
 
 
 def _target_device(mesh: Mesh) -> torch.device | None:
     if mesh.backend == "dist":
-        import torch.distributed as dist
+        from ._backend import dist as dist_backend
 
-        if dist.get_backend() == "nccl":
-            return torch.device("cuda", torch.cuda.current_device())
+        return dist_backend.tensor_device()
     return None
 
 

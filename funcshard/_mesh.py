@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import itertools
 import math
-import os
 from collections.abc import Mapping
 from typing import Any, Literal
 
@@ -109,14 +108,6 @@ class Mesh:
         return (Mesh, (self.shape, self._backend))
 
 
-def _dist_wanted() -> bool:
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        return True
-    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
-
-
 def make_mesh(shape: Mapping[str, int], *, backend: str = "auto") -> Mesh:
     """Build a mesh of named axes.
 
@@ -151,7 +142,9 @@ def make_mesh(shape: Mapping[str, int], *, backend: str = "auto") -> Mesh:
                 f"(use 1 for an axis you want to name but not split)."
             )
     if backend == "auto":
-        backend = "dist" if _dist_wanted() else "sim"
+        from ._backend import dist as dist_backend
+
+        backend = "dist" if dist_backend.requested() else "sim"
     if backend not in ("sim", "dist"):
         raise MeshError(f"make_mesh: unknown backend {backend!r}; use 'auto', 'sim' or 'dist'.")
     mesh = Mesh(dict(shape), backend)  # type: ignore[arg-type]

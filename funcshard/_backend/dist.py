@@ -70,6 +70,25 @@ def _build_group(mesh: Any, axes: frozenset[str]) -> Any:
     return mine
 
 
+def requested() -> bool:
+    """True when torch.distributed is initialised or torchrun's RANK / WORLD_SIZE are set."""
+    if dist.is_available() and dist.is_initialized():
+        return True
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def process_rank() -> int:
+    """This process's global rank."""
+    return dist.get_rank()
+
+
+def tensor_device() -> torch.device | None:
+    """Where this process's shards live: the current CUDA device under NCCL, else None (leave them)."""
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return None
+
+
 def _inverse(perm: list[int]) -> list[int]:
     inv = [0] * len(perm)
     for i, p in enumerate(perm):
