@@ -147,3 +147,20 @@ class AllGatherInvariant(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
         return g[ctx.index], None, None, None  # [n, *s] -> [*s]
+
+
+class SplitInvariant(torch.autograd.Function):
+    """Take this member's row of an invariant ``[n, *s]`` value (forward, no communication); all-gather the
+    cotangent rows (backward): the transpose of :class:`AllGatherInvariant`."""
+
+    @staticmethod
+    def forward(x: torch.Tensor, dev: Any, axes: tuple[str, ...], index: int) -> torch.Tensor:  # type: ignore[override]
+        return x[index].clone()  # [n, *s] -> [*s]
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
+        ctx.dev, ctx.axes, ctx.index = inputs[1], inputs[2], inputs[3]
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+        return AllGatherInvariant.apply(g, ctx.dev, ctx.axes, ctx.index), None, None, None  # [*s] -> [n, *s]

@@ -30,7 +30,7 @@ from ._context import DeviceContext, enter, maybe_current
 from ._errors import ShardingError
 from ._mesh import Mesh
 from ._spec import P, block_index, check_spec, format_mesh, is_spec
-from ._vma import VmaMode, get_vma, set_vma
+from ._vma import VmaMode, clear_vma, get_vma, set_vma
 
 __all__ = ["shard_map"]
 
@@ -148,21 +148,22 @@ class _Run:
     ) -> None:
         self.f, self.mesh, self.check_vma = f, mesh, check_vma
         self.treedefs, self.specs = treedefs, specs
-        self.inputs: dict[int, list[list[Any]]] = {}
-        self.outputs: dict[int, tuple[list[Any], Any]] = {}
+        self.tagged: list[torch.Tensor] = []
 
     def body(self, dev: Any, leaves: list[list[Any]]) -> tuple[list[Any], Any]:
         ctx = DeviceContext(self.mesh, dev, self.check_vma)
-        if self.check_vma:
-            seen: dict[int, frozenset[str]] = {}
-            for arg_leaves, arg_specs in zip(leaves, self.specs, strict=True):
-                for k, (t, s) in enumerate(zip(arg_leaves, arg_specs, strict=True)):
-                    if isinstance(t, torch.Tensor):
-                        vma = frozenset(s.axes)
-                        if seen.get(id(t), vma) != vma:
-                            t = arg_leaves[k] = t.view_as(t)
-                        seen[id(t)] = vma
-                        set_vma(t, vma)
+        # inputs are tagged with the axes their spec names in both modes (optimisers read the tags to
+        # tell sharded leaves from replicated ones); only check_vma=True propagates tags through ops
+        seen: dict[int, frozenset[str]] = {}
+        for arg_leaves, arg_specs in zip(leaves, self.specs, strict=True):
+            for k, (t, s) in enumerate(zip(arg_leaves, arg_specs, strict=True)):
+                if isinstance(t, torch.Tensor):
+                    vma = frozenset(s.axes)
+                    if seen.get(id(t), vma) != vma:
+                        t = arg_leaves[k] = t.view_as(t)
+                    seen[id(t)] = vma
+                    set_vma(t, vma)
+                    self.tagged.append(t)
         args = [optree.tree_unflatten(td, lv) for td, lv in zip(self.treedefs, leaves, strict=True)]
         with enter(ctx), VmaMode(dev) if self.check_vma else nullcontext():
             out = self.f(*args)
@@ -351,7 +352,11 @@ def _call(
         all_coords = [coords]
         results = [run.body(dev, _device_args(coords, treedefs, locals_all))]
         diff = []
-    out, out_specs_flat = _assemble_outputs(name, mesh, out_specs, check_vma, all_coords, results)
+    try:
+        out, out_specs_flat = _assemble_outputs(name, mesh, out_specs, check_vma, all_coords, results)
+    finally:  # tags are only meaningful during this call: none may leak into a later one
+        clear_vma(run.tagged)
+        clear_vma(leaf for leaves, _ in results for leaf in leaves)
     if mesh.backend == "sim" and diff:
         state.set_out_specs(out_specs_flat)
     return out
@@ -375,12 +380,27 @@ def _assemble_outputs(
     for k, (path, spec) in enumerate(zip(paths, specs, strict=True)):
         vals = [r[0][k] for r in results]
         v0 = vals[0]
+        for c, v in zip(all_coords, vals, strict=True):
+            if isinstance(v, torch.Tensor) != isinstance(v0, torch.Tensor):
+                raise ShardingError(
+                    f"{name} at '{path}': device {c} returned a {type(v).__name__} but device {all_coords[0]} "
+                    f"returned a {type(v0).__name__}; every device must return the same kind of value."
+                )
         if not isinstance(v0, torch.Tensor):
             if spec != P():
                 raise ShardingError(
                     f"{name} at '{path}': the function returned a {type(v0).__name__}, which cannot be laid "
                     f"out by {spec!r}; return a tensor or give P()."
                 )
+            for c, v in zip(all_coords, vals, strict=True):
+                if not _equal_values(v, v0):
+                    axes = [a for a, i, j in zip(mesh.axis_names, c, all_coords[0], strict=True) if i != j]
+                    raise ShardingError(
+                        f"{name} at '{path}': out_specs gives {spec!r} (the same on every device), but device "
+                        f"{c} returned {v!r} and device {all_coords[0]} returned {v0!r}: it varies over "
+                        f"{', '.join(repr(a) for a in axes)}. Return a tensor with a spec that names those axes, "
+                        f"or reduce it first."
+                    )
             out.append(v0)
             continue
         if not isinstance(spec, P):
@@ -394,6 +414,11 @@ def _assemble_outputs(
         check_spec(spec, gshape, mesh, path=path, fn=name)
         allowed = frozenset(spec.axes)
         for c, v in zip(all_coords, vals, strict=True):
+            if v.dtype != v0.dtype:
+                raise ShardingError(
+                    f"{name} at '{path}': device {c} returned dtype {v.dtype} but device {all_coords[0]} returned "
+                    f"{v0.dtype}; every device must return blocks of the same dtype."
+                )
             if tuple(v.shape) != tuple(v0.shape):
                 raise ShardingError(
                     f"{name} at '{path}': device {c} returned shape {tuple(v.shape)} but device {all_coords[0]} "
@@ -413,6 +438,13 @@ def _assemble_outputs(
         out.append(Array(mesh, spec, gshape, v0.dtype, dict(zip(all_coords, vals, strict=True))))
     del names
     return optree.tree_unflatten(out_def, out), specs
+
+
+def _equal_values(a: Any, b: Any) -> bool:
+    try:
+        return bool(a == b)
+    except Exception:  # noqa: BLE001 - values that cannot be compared are taken as equal
+        return True
 
 
 def _check_replicated(

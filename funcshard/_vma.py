@@ -13,6 +13,7 @@ the tag is looked up through them.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 import optree
@@ -45,6 +46,13 @@ def set_vma(t: torch.Tensor, axes: frozenset[str]) -> torch.Tensor:
     """Tag ``t`` as varying over ``axes``; return ``t``."""
     t.__dict__[_ATTR] = axes
     return t
+
+
+def clear_vma(tensors: Iterable[Any]) -> None:
+    """Remove the tags of ``tensors`` (non-tensors are skipped)."""
+    for t in tensors:
+        if isinstance(t, torch.Tensor):
+            t.__dict__.pop(_ATTR, None)
 
 
 def pvary_to(x: torch.Tensor, want: frozenset[str], dev: Any) -> torch.Tensor:

@@ -223,6 +223,42 @@ def all_gather_invariant(x: PyTree, axis: _Axis, *, dim: int = 0, tiled: bool = 
     return _tmap(one, x, "all_gather_invariant")
 
 
+def split_invariant(x: PyTree, axis: _Axis, *, dim: int = 0) -> PyTree:
+    """This device's block of ``dim`` (split into axis-size blocks) of a value invariant over ``axis``
+    (forward, no communication); all-gather of the cotangent blocks (backward). The transpose of
+    :func:`all_gather_invariant`; Megatron's "scatter to the sequence-parallel region".
+
+    Under ``check_vma=True`` a value already varying over ``axis`` is sliced plainly (its cotangent is
+    per device). Under ``check_vma=False`` the value is taken to be invariant.
+
+    Example:
+        >>> # x_local = fs.lax.split_invariant(x, "tp", dim=1)  # [b, s, d] -> [b, s/tp, d]
+    """
+    ctx = current("split_invariant")
+    axes = axes_of(axis, ctx.mesh, "split_invariant")
+    n = _n(ctx, axes)
+    idx = axis_index(axes)
+
+    def one(t: torch.Tensor) -> torch.Tensor:
+        d = _dim(dim, t.dim(), "split_invariant", "dim", t.shape)
+        if t.shape[d] % n:
+            raise ShardingError(
+                f"split_invariant: dim {d} of shape {tuple(t.shape)} has size {t.shape[d]}, not divisible by the "
+                f"size {n} of {axes}; pad it to a multiple of {n}."
+            )
+        have = get_vma(t) if ctx.check_vma else frozenset()
+        with torch._C.DisableTorchFunction():
+            if frozenset(axes) <= have:
+                size = t.shape[d] // n
+                y = t.narrow(d, idx * size, size)  # [.., s_d, ..] -> [.., s_d/n, ..]
+            else:
+                xs = t.unflatten(d, (n, -1)).movedim(d, 0)  # [.., s_d, ..] -> [n, .., s_d/n, ..]
+                y = _prims.SplitInvariant.apply(xs, ctx.device, axes, idx)  # [n, *s] -> [*s]
+        return _tag(ctx, y, have | frozenset(axes))
+
+    return _tmap(one, x, "split_invariant")
+
+
 def psum_scatter(x: PyTree, axis: _Axis, *, dim: int = 0, tiled: bool = False) -> PyTree:
     """Reduce-scatter over ``axis``: device i keeps block i of the sum (forward); all-gather (backward).
 

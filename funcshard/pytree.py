@@ -138,4 +138,6 @@ def _describe(x: Any) -> str:
         return f"a {type(x).__name__} of length {len(x)}"
     if x is None:
         return "None"
+    if isinstance(x, str):
+        return f"the string {x!r} (write P({x!r}) for a spec)"
     return f"a leaf of type {type(x).__name__}"

@@ -56,7 +56,7 @@ def _worker(rank: int, world: int, port: int, conn: Any, sys_path: list[str]) ->
 
             mesh = fs.make_mesh(shape, backend="dist")
             conn.send(("ok", body(mesh, *args)))
-        except BaseException as e:
+        except BaseException as e:  # noqa: BLE001 - sent to the parent, which re-raises it
             conn.send(("err", (type(e).__name__, str(e), traceback.format_exc())))
     dist.destroy_process_group()
 

@@ -172,3 +172,18 @@ def test_prints_and_python_control_flow_work_per_device(capsys) -> None:
     fs.shard_map(f, mesh=mesh, in_specs=(P("tp"),), out_specs=P("tp"))(torch.tensor([1.0, 2.0]))
     out = capsys.readouterr().out
     assert "device 0 holds [1.0]" in out and "device 1 holds [2.0]" in out
+
+
+def test_tags_do_not_leak_between_calls() -> None:
+    """A tensor tagged as varying in one call is invariant when captured by a later call's closure."""
+    mesh = fs.make_mesh({"dp": 2}, backend="sim")
+    x = fs.device_put(torch.ones(4, 3), mesh, P("dp"))
+    fs.shard_map(lambda v: v * 2, mesh=mesh, in_specs=(P("dp"),), out_specs=P("dp"))(x)
+    captured = x.shards[(0,)]
+    assert get_vma(captured) == frozenset()
+
+    def f(w):
+        return captured.sum() * w  # captured is a constant here: invariant, so the output is too
+
+    out = fs.shard_map(f, mesh=mesh, in_specs=(P(),), out_specs=P())(torch.ones(()))
+    assert fs.device_get(out).item() == 6.0

@@ -28,6 +28,19 @@ from .base import DeviceHandle, default_timeout, group_members
 __all__ = ["SimDevice", "SimWorld"]
 
 
+_PUBLIC = {"reduce_scatter": "psum_scatter", "gather_objects": "a host-side exchange"}
+_REDUCE = {"sum": "psum (or pmean)", "max": "pmax", "min": "pmin"}
+
+
+def _describe(kind: str, meta: Any) -> str:
+    """A collective as the user wrote it, e.g. ``psum (or pmean) of a (2, 3) torch.float32 block``."""
+    if kind == "all_reduce":
+        return f"{_REDUCE[meta[0]]} of a {meta[1]} {meta[2]} block"
+    if kind == "gather_objects":
+        return _PUBLIC[kind]
+    return f"{_PUBLIC.get(kind, kind)} of a {meta[0]} {meta[1]} block"
+
+
 class _Aborted(Exception):
     """Raised in a device thread whose call was ended by another device's error."""
 
@@ -77,7 +90,7 @@ class SimWorld:
                     results[dev.rank] = fn(dev)
             except _Aborted:
                 pass
-            except BaseException as e:
+            except BaseException as e:  # noqa: BLE001 - handed to the caller, which re-raises it
                 with self.cond:
                     if self.error is None:
                         self.error = e
@@ -123,10 +136,10 @@ class SimWorld:
             elif (kind, meta) != slot.first[:2]:
                 self._fail(
                     ShardingError(
-                        f"collective mismatch over {axes}: device {self._dev_name(dev.rank)} called {kind}{meta} "
-                        f"as call #{seq} over this group, but device {self._dev_name(slot.first[2])} called "
-                        f"{slot.first[0]}{slot.first[1]}. Every device of a group must make the same "
-                        f"collectives in the same order."
+                        f"collective mismatch over {axes}: device {self._dev_name(dev.rank)} called "
+                        f"{_describe(kind, meta)} as call #{seq} over this group, but device "
+                        f"{self._dev_name(slot.first[2])} called {_describe(*slot.first[:2])}. Every device of a "
+                        f"group must make the same collectives, with the same shapes, in the same order."
                     )
                 )
                 raise _Aborted
@@ -137,7 +150,7 @@ class SimWorld:
                     self.status[m] = "running"
                 self.cond.notify_all()
             else:
-                self.status[dev.rank] = ("waiting", kind, axes, seq)
+                self.status[dev.rank] = ("waiting", _describe(kind, meta), axes, seq)
                 self._check_deadlock()
             deadline = time.monotonic() + self.timeout
             while not slot.done:

@@ -1,0 +1,336 @@
+"""Counter-based random numbers whose value at each global index does not depend on the mesh.
+
+A key is a plain ``torch.int64`` tensor of shape ``[2]`` holding two uint32 words, so it is an ordinary
+pytree leaf (pass it into ``shard_map`` with spec ``P()``). Every element of a draw is Threefry-2x32 (20
+rounds) of the key and the element's global row-major index, so inside ``shard_map`` a draw with
+``spec=P(...)`` computes only this device's block, bitwise equal to that slice of the unsharded draw: a model
+too large for one device is initialised shard by shard, identical to an unsharded init. The float transforms
+use only correctly rounded IEEE ops (``+ - * / sqrt``, ``frexp``, comparisons), never torch's SIMD
+``log`` / ``cos`` kernels, whose last bit can depend on where an element sits in a tensor.
+
+Example:
+    >>> import torch, funcshard as fs
+    >>> from funcshard import P, random as fsr
+    >>> k = fsr.key(0)
+    >>> mesh = fs.make_mesh({"tp": 2}, backend="sim")
+    >>> draw = lambda k: fsr.normal(k, (4, 6), spec=P(None, "tp"))
+    >>> f = fs.shard_map(draw, mesh=mesh, in_specs=(P(),), out_specs=P(None, "tp"))
+    >>> torch.equal(fs.device_get(f(k)), fsr.normal(k, (4, 6)))
+    True
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from ._context import maybe_current
+from ._errors import ShardingError
+from ._spec import P, check_spec, shard_slices
+from ._vma import get_vma, set_vma
+
+__all__ = ["bernoulli", "bits", "fold_in", "key", "normal", "randint", "split", "threefry2x32", "uniform"]
+
+_M = 0xFFFFFFFF
+_ROT = (13, 15, 26, 6, 17, 29, 16, 24)  # Threefry-2x32 rotation constants (Salmon et al. 2011)
+_PARITY = 0x1BD11BDA
+_KEY_DOMAIN = 1 << 31  # high counter bit of derived keys: a child key never equals a draw's bits
+_Shape = int | Sequence[int]
+
+
+def threefry2x32(key: torch.Tensor, c0: torch.Tensor, c1: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Threefry-2x32, 20 rounds: the block cipher of ``key`` applied to counters ``(c0, c1)``.
+
+    Args:
+        key: int64 ``[2]``, two uint32 words.
+        c0, c1: int64 tensors of one shape with values in ``[0, 2**32)``, the counter's two words.
+
+    Returns:
+        Two int64 tensors of that shape, the output words, each in ``[0, 2**32)``.
+
+    Example:
+        >>> z = torch.zeros((), dtype=torch.int64)
+        >>> [hex(int(w)) for w in threefry2x32(torch.zeros(2, dtype=torch.int64), z, z)]
+        ['0x6b200159', '0x99ba4efe']
+    """
+    k0, k1 = key[0], key[1]
+    ks = (k0, k1, k0 ^ k1 ^ _PARITY)
+    x0 = (c0 + ks[0]) & _M
+    x1 = (c1 + ks[1]) & _M
+    for i in range(20):
+        r = _ROT[i % 8]
+        x0 = x0.add_(x1).bitwise_and_(_M)
+        hi = x1 >> (32 - r)
+        x1 = x1.bitwise_left_shift_(r).bitwise_and_(_M).bitwise_or_(hi).bitwise_xor_(x0)  # rotl(x1, r) ^ x0
+        if i % 4 == 3:  # key injection s
+            s = (i + 1) // 4
+            x0 = x0.add_(ks[s % 3]).bitwise_and_(_M)
+            x1 = x1.add_((ks[(s + 1) % 3] + s) & _M).bitwise_and_(_M)
+    return x0, x1
+
+
+def _check_key(k: Any, fn: str) -> torch.Tensor:
+    if not isinstance(k, torch.Tensor) or k.dtype != torch.int64 or tuple(k.shape) != (2,):
+        found = f"{k.dtype} tensor of shape {tuple(k.shape)}" if isinstance(k, torch.Tensor) else type(k).__name__
+        raise ShardingError(
+            f"{fn}: key must be an int64 tensor of shape [2] (two uint32 words), found {found}; make one with "
+            f"fs.random.key(seed), and pick one of split(key, n)'s rows with keys[i]."
+        )
+    if bool(((k < 0) | (k > _M)).any()):
+        raise ShardingError(
+            f"{fn}: key words must lie in [0, 2**32), found {k.tolist()}; make keys with fs.random.key(seed)."
+        )
+    return k
+
+
+def _derive(k: torch.Tensor, i: torch.Tensor) -> torch.Tensor:
+    """Keys number ``i`` (int64 ``[n]``, in ``[0, 2**63)``) derived from ``k``: int64 ``[n, 2]``."""
+    x0, x1 = threefry2x32(k, (i >> 32) | _KEY_DOMAIN, i & _M)
+    return torch.stack([x0, x1], dim=-1)  # 2 x [n] -> [n, 2]
+
+
+def key(seed: int) -> torch.Tensor:
+    """A key from an integer seed of up to 64 bits (negative seeds are taken as two's complement).
+
+    Example:
+        >>> key(1)
+        tensor([0, 1])
+        >>> key(2**32 + 5)
+        tensor([1, 5])
+    """
+    seed = operator.index(seed)
+    if not -(2**63) <= seed < 2**64:
+        raise ShardingError(f"key: seed must fit in 64 bits, found {seed}; use seed % 2**64.")
+    seed &= 2**64 - 1
+    return torch.tensor([seed >> 32, seed & _M], dtype=torch.int64)
+
+
+def split(key: torch.Tensor, n: int = 2) -> torch.Tensor:
+    """``n`` new keys, int64 ``[n, 2]``; row ``i`` equals ``fold_in(key, i)``.
+
+    Example:
+        >>> k = key(0)
+        >>> torch.equal(split(k, 3)[2], fold_in(k, 2))
+        True
+    """
+    k = _check_key(key, "split")
+    n = operator.index(n)
+    if n < 0:
+        raise ShardingError(f"split: n must be >= 0, found {n}.")
+    return _derive(k, torch.arange(n, dtype=torch.int64, device=k.device))
+
+
+def fold_in(key: torch.Tensor, i: int) -> torch.Tensor:
+    """The key numbered ``i`` derived from ``key`` (int64 ``[2]``), e.g. one per layer or step.
+
+    Example:
+        >>> fold_in(key(0), 7).shape
+        torch.Size([2])
+    """
+    k = _check_key(key, "fold_in")
+    i = operator.index(i)
+    if not 0 <= i < 2**63:
+        raise ShardingError(f"fold_in: i must lie in [0, 2**63), found {i}; fold in i % 2**63 instead.")
+    return _derive(k, torch.tensor([i], dtype=torch.int64, device=k.device))[0]
+
+
+def _check_shape(shape: Any, fn: str) -> tuple[int, ...]:
+    try:
+        dims = (operator.index(shape),) if not isinstance(shape, (Sequence, torch.Size)) else tuple(shape)
+        dims = tuple(operator.index(s) for s in dims)
+    except TypeError:
+        dims = None
+    if dims is None or any(s < 0 for s in dims):
+        raise ShardingError(f"{fn}: shape must be a tuple of ints >= 0, found {shape!r}; write e.g. (1024, 512).")
+    return dims
+
+
+def _words(k: Any, shape: Any, spec: P | None, fn: str) -> tuple[torch.Tensor, torch.Tensor, frozenset[str]]:
+    """Both Threefry words of every element of this device's block, and the axes the block varies over."""
+    k = _check_key(k, fn)
+    shape = _check_shape(shape, fn)
+    if spec is None:
+        block, axes = [slice(0, s) for s in shape], frozenset()
+    else:
+        ctx = maybe_current()
+        if ctx is None:
+            raise ShardingError(
+                f"{fn}: spec={spec!r} only applies inside fs.shard_map, where it picks this device's block of "
+                f"the global shape {shape}; outside shard_map drop spec= to draw the whole value, or lay it "
+                f"out with fs.device_put(value, mesh, spec)."
+            )
+        check_spec(spec, shape, ctx.mesh, fn=fn)
+        block = shard_slices(shape, spec, ctx.mesh.shape, ctx.device.coords)
+        axes = frozenset(spec.axes)
+    # global row-major index of each element of the block: sum over dims of index * stride
+    idx = torch.zeros((), dtype=torch.int64, device=k.device)
+    stride = 1
+    for d in reversed(range(len(shape))):
+        pos = torch.arange(block[d].start, block[d].stop, dtype=torch.int64, device=k.device)  # [size_d]
+        idx = idx + (pos * stride).view(-1, *([1] * (len(shape) - 1 - d)))  # -> [size_d, ..., size_last]
+        stride *= shape[d]
+    if stride >= 2**63:
+        raise ShardingError(f"{fn}: shape {shape} has {stride} elements, more than 2**63 counters can number.")
+    x0, x1 = threefry2x32(k, idx >> 32, idx & _M)
+    return x0, x1, axes
+
+
+def _finish(out: torch.Tensor, axes: frozenset[str]) -> torch.Tensor:
+    """Tag a block drawn with a spec as varying over the spec's axes (as shard_map tags sharded inputs)."""
+    return set_vma(out, get_vma(out) | axes) if axes else out
+
+
+def _float_dtype(dtype: torch.dtype, fn: str) -> torch.dtype:
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ShardingError(f"{fn}: dtype must be a floating torch dtype, found {dtype!r}; e.g. torch.float32.")
+    return dtype
+
+
+def _unit(x0: torch.Tensor, x1: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Uniform in [0, 1) on the grid 2**-m, m = dtype's mantissa bits (53 take bits of both words); exact."""
+    m = torch.finfo(dtype).nmant + 1
+    if m <= 32:
+        return torch.ldexp((x0 >> (32 - m)).to(dtype), torch.tensor(-m, dtype=dtype))
+    n = (x0 << (m - 32)) | (x1 >> (64 - m))  # int64 < 2**m, exact in float64
+    return torch.ldexp(n.to(torch.float64), torch.tensor(-float(m), dtype=torch.float64)).to(dtype)
+
+
+def bits(key: torch.Tensor, shape: _Shape, *, spec: P | None = None) -> torch.Tensor:
+    """Uniform random uint32 values, held in int64.
+
+    Example:
+        >>> b = bits(key(0), (3,))
+        >>> b.dtype, bool(((b >= 0) & (b < 2**32)).all())
+        (torch.int64, True)
+    """
+    x0, _, axes = _words(key, shape, spec, "bits")
+    return _finish(x0, axes)
+
+
+def uniform(
+    key: torch.Tensor,
+    shape: _Shape,
+    dtype: torch.dtype = torch.float32,
+    *,
+    low: float = 0.0,
+    high: float = 1.0,
+    spec: P | None = None,
+) -> torch.Tensor:
+    """Uniform floats in ``[low, high)`` (``high`` itself may appear only by rounding of ``low + (high-low)*u``).
+
+    ``u`` has as many random bits as ``dtype``'s mantissa (24 for float32, 53 for float64, 8 for bfloat16).
+
+    Example:
+        >>> u = uniform(key(0), (1000,), low=-1.0, high=1.0)
+        >>> bool((u >= -1).all() and (u < 1).all())
+        True
+    """
+    dtype = _float_dtype(dtype, "uniform")
+    if not float(low) < float(high):
+        raise ShardingError(f"uniform: need low < high, found low={low}, high={high}.")
+    x0, x1, axes = _words(key, shape, spec, "uniform")
+    u = _unit(x0, x1, dtype)
+    if (low, high) != (0.0, 1.0):
+        u = u * (float(high) - float(low)) + float(low)  # two correctly rounded ops, no fma
+    return _finish(u, axes)
+
+
+# log(2) split so that e * _LN2_HI is exact for |e| < 2**11 (fdlibm)
+_LN2_HI, _LN2_LO = 6.93147180369123816490e-01, 1.90821492927058770002e-10
+
+
+def _log(x: torch.Tensor) -> torch.Tensor:
+    """Natural log of float64 ``x > 0`` from basic IEEE ops only: ``x = m * 2**e``, ``log m = 2 atanh(s)``."""
+    m, e = torch.frexp(x)  # m in [0.5, 1)
+    low = m < math.sqrt(0.5)
+    m = torch.where(low, m * 2.0, m)  # m in [sqrt(1/2), sqrt(2))
+    e = (e - low.to(e.dtype)).to(torch.float64)
+    s = (m - 1.0) / (m + 1.0)  # |s| < 0.1716
+    s2 = s * s
+    p = torch.full_like(s, 1.0 / 25.0)
+    for k in range(11, -1, -1):  # atanh(s) / s = sum s**(2k) / (2k + 1), terms below 1e-18 dropped
+        p = p * s2 + 1.0 / (2 * k + 1)
+    return e * _LN2_HI + (e * _LN2_LO + 2.0 * s * p)
+
+
+def _cos2pi(u: torch.Tensor) -> torch.Tensor:
+    """``cos(2 pi u)`` of float64 ``u`` in ``[0, 1]``, exact reductions and a Taylor polynomial on [0, pi/2]."""
+    w = (u - 0.5).abs()  # cos(2 pi u) = -cos(2 pi w), w in [0, 1/2]
+    far = w > 0.25
+    w = torch.where(far, 0.5 - w, w)  # cos(2 pi w) = -cos(2 pi (1/2 - w)), w in [0, 1/4]
+    x = w * (2.0 * math.pi)
+    x2 = x * x
+    c = torch.full_like(x, 1.0 / math.factorial(24))
+    for k in range(11, -1, -1):  # cos x = sum (-1)**k x**(2k) / (2k)!, remainder < 2e-17 on [0, pi/2]
+        c = c * (-x2) + 1.0 / math.factorial(2 * k)
+    return torch.where(far, c, -c)
+
+
+def normal(
+    key: torch.Tensor, shape: _Shape, dtype: torch.dtype = torch.float32, *, spec: P | None = None
+) -> torch.Tensor:
+    """Standard normal samples (Box-Muller in float64, then cast; ``|z| <= 6.67`` from 32-bit words).
+
+    Example:
+        >>> z = normal(key(0), (100_000,))
+        >>> abs(float(z.mean())) < 0.02 and abs(float(z.std()) - 1) < 0.02
+        True
+    """
+    dtype = _float_dtype(dtype, "normal")
+    x0, x1, axes = _words(key, shape, spec, "normal")
+    r = torch.ldexp((x0 + 1).to(torch.float64), torch.tensor(-32.0, dtype=torch.float64))  # (0, 1]
+    t = torch.ldexp(x1.to(torch.float64), torch.tensor(-32.0, dtype=torch.float64))  # [0, 1)
+    z = torch.sqrt(_log(r) * -2.0) * _cos2pi(t)
+    return _finish(z.to(dtype), axes)
+
+
+def bernoulli(key: torch.Tensor, p: float, shape: _Shape, *, spec: P | None = None) -> torch.Tensor:
+    """Bool samples that are True with probability ``p`` (resolution 2**-32).
+
+    Example:
+        >>> float(bernoulli(key(0), 0.25, (100_000,)).float().mean())  # doctest: +SKIP
+        0.25...
+    """
+    p = float(p)
+    if not 0.0 <= p <= 1.0:
+        raise ShardingError(f"bernoulli: p must lie in [0, 1], found {p}.")
+    x0, _, axes = _words(key, shape, spec, "bernoulli")
+    return _finish(x0 < p * 2.0**32, axes)  # exact: x0 * 2**-32 < p
+
+
+def randint(
+    key: torch.Tensor,
+    shape: _Shape,
+    low: int,
+    high: int,
+    *,
+    dtype: torch.dtype = torch.int64,
+    spec: P | None = None,
+) -> torch.Tensor:
+    """Integers in ``[low, high)``, ``high - low <= 2**31``.
+
+    Computed as ``low + (bits * (high - low)) >> 32``: value ``v`` has probability ``(1/span)(1 + eps)`` with
+    ``|eps| < span / 2**32``, a bias below 5e-7 for vocabularies up to 2**11... negligible for ids and labels.
+
+    Example:
+        >>> r = randint(key(0), (1000,), 3, 7)
+        >>> sorted(set(r.tolist()))
+        [3, 4, 5, 6]
+    """
+    low, high = operator.index(low), operator.index(high)
+    if not low < high:
+        raise ShardingError(f"randint: need low < high, found low={low}, high={high}.")
+    if high - low > 2**31:
+        raise ShardingError(f"randint: high - low must be <= 2**31, found {high - low}; draw in pieces.")
+    if not isinstance(dtype, torch.dtype) or dtype.is_floating_point or dtype.is_complex or dtype == torch.bool:
+        raise ShardingError(f"randint: dtype must be an integer torch dtype, found {dtype!r}.")
+    info = torch.iinfo(dtype)
+    if low < info.min or high - 1 > info.max:
+        raise ShardingError(f"randint: [{low}, {high}) does not fit {dtype} ([{info.min}, {info.max}]).")
+    x0, _, axes = _words(key, shape, spec, "randint")
+    v = ((x0 * (high - low)) >> 32) + low  # [0, 2**32) * span < 2**63: no overflow
+    return _finish(v.to(dtype), axes)
