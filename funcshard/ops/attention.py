@@ -1,0 +1,71 @@
+"""Local (single-device) attention, ``[batch, heads, seq, head_dim]``, with the log-sum-exp that
+context-parallel attention needs to merge partial results.
+
+Example:
+    >>> import torch
+    >>> q = k = v = torch.randn(1, 2, 4, 8)
+    >>> out, lse = attention(q, k, v, causal=True, return_lse=True)
+    >>> out.shape, lse.shape
+    (torch.Size([1, 2, 4, 8]), torch.Size([1, 2, 4]))
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from .._errors import ShardingError
+
+__all__ = ["attention"]
+
+
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool = False,
+    return_lse: bool = False,
+    scale: float | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Softmax attention on one device. ``k`` / ``v`` may have fewer heads than ``q`` (grouped-query
+    attention: each kv head serves ``q_heads / kv_heads`` query heads).
+
+    Args:
+        q: ``[b, hq, sq, d]``.
+        k: ``[b, hkv, sk, d]``.
+        v: ``[b, hkv, sk, d]``.
+        causal: mask the keys after each query (needs as many keys as queries).
+        return_lse: also return the log-sum-exp of the scores, ``[b, hq, sq]`` (float32).
+        scale: score scale, default ``1/sqrt(d)``.
+
+    Returns:
+        ``[b, hq, sq, d]`` (and the log-sum-exp).
+
+    Raises:
+        ShardingError: heads or shapes that do not fit.
+    """
+    b, hq, sq, d = q.shape
+    hkv = k.shape[1]
+    if hq % hkv or k.shape != v.shape or k.shape[0] != b or k.shape[-1] != d:
+        raise ShardingError(
+            f"attention: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} do not fit: need "
+            f"[b, hq, s, d] and [b, hkv, s, d] with hq divisible by hkv."
+        )
+    if causal and k.shape[2] != sq:
+        raise ShardingError(f"attention(causal=True): q has {sq} positions but k has {k.shape[2]}; they must match.")
+    if hkv != hq:
+        k = k.repeat_interleave(hq // hkv, dim=1)  # [b, hkv, s, d] -> [b, hq, s, d]
+        v = v.repeat_interleave(hq // hkv, dim=1)
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    if not return_lse:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
+    scores = (q.float() @ k.float().transpose(-1, -2)) * scale  # [b, h, sq, d] @ [b, h, d, sk] -> [b, h, sq, sk]
+    if causal:
+        mask = torch.ones(sq, sq, dtype=torch.bool, device=q.device).triu(1)
+        scores = scores.masked_fill(mask, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)  # [b, h, sq]
+    out = torch.exp(scores - lse.unsqueeze(-1)) @ v.float()  # [b, h, sq, sk] @ [b, h, sk, d] -> [b, h, sq, d]
+    return out.to(q.dtype), lse

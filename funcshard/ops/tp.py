@@ -1,0 +1,238 @@
+"""Tensor, sequence and loss parallelism as pure functions over local shards (use inside ``shard_map``).
+
+Weights use torch's ``F.linear`` layout ``[out_features, in_features]``: column-parallel is
+``P("tp", None)`` (each device holds a block of output features), row-parallel ``P(None, "tp")`` (a block
+of input features); an embedding table ``[vocab, dim]`` is vocab-parallel as ``P("tp", None)``.
+
+Megatron's pairs: the input of a column-parallel linear is the identity-forward / all-reduce-backward
+region (``pvary``); the output of a row-parallel linear is the all-reduce-forward / identity-backward one
+(``psum``). With sequence parallelism the pair becomes all-gather / reduce-scatter over the sequence dim.
+
+Example:
+    >>> import torch, funcshard as fs
+    >>> from funcshard import P
+    >>> from funcshard.ops import column_parallel_linear, row_parallel_linear
+    >>> mesh = fs.make_mesh({"tp": 2}, backend="sim")
+    >>> def mlp(x, w1, w2):
+    ...     return row_parallel_linear(torch.relu(column_parallel_linear(x, w1)), w2)
+    >>> x, w1, w2 = torch.randn(4, 8), torch.randn(16, 8), torch.randn(8, 16)
+    >>> f = fs.shard_map(mlp, mesh=mesh, in_specs=(P(), P("tp"), P(None, "tp")), out_specs=P())
+    >>> torch.allclose(fs.device_get(f(x, w1, w2)), torch.relu(x @ w1.T) @ w2.T, atol=1e-5)
+    True
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from .. import lax
+from .._errors import ShardingError
+
+__all__ = [
+    "column_parallel_linear",
+    "row_parallel_linear",
+    "sequence_gather",
+    "sequence_scatter",
+    "vocab_parallel_cross_entropy",
+    "vocab_parallel_embedding",
+]
+
+Weights = torch.Tensor | Sequence[torch.Tensor]
+
+
+def column_parallel_linear(
+    x: torch.Tensor,
+    w: Weights,
+    b: torch.Tensor | Sequence[torch.Tensor | None] | None = None,
+    *,
+    axis: str = "tp",
+    gather_dim: int | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, ...]:
+    """``F.linear`` with the output features sharded over ``axis``.
+
+    Forward: identity on ``x`` (replicated over ``axis``); backward: all-reduce of ``x``'s gradient.
+    With ``gather_dim`` (sequence parallelism) ``x`` arrives sharded along that dim instead: all-gather
+    forward, reduce-scatter backward. ``w`` may be a list of weights sharing the input (e.g. ``[wq, wk,
+    wv]``): the input is made varying once, so the backward needs one collective, not one per weight.
+
+    Args:
+        x: ``[..., in]`` (or ``[..., s/n, ..., in]`` with ``gather_dim``).
+        w: local ``[out/n, in]`` block(s) of a ``P(axis, None)`` weight.
+        b: local ``[out/n]`` block(s) of a ``P(axis)`` bias, or None.
+        axis: the tensor-parallel mesh axis.
+        gather_dim: the sequence dim of ``x`` under sequence parallelism.
+
+    Returns:
+        ``[..., out/n]``, varying over ``axis`` (a tuple when ``w`` is a list).
+
+    Example:
+        >>> # q, k, v = column_parallel_linear(h, [wq, wk, wv])  # [b, s, d] -> 3 x [b, s, heads/tp * hd]
+    """
+    if gather_dim is not None:
+        x = lax.all_gather(x, axis, dim=gather_dim, tiled=True)  # [.., s/n, .., in] -> [.., s, .., in]
+    else:
+        x = lax.pvary(x, axis)  # identity forward, psum backward (a no-op if x already varies over axis)
+    if isinstance(w, torch.Tensor):
+        return F.linear(x, w, b)  # [..., in] @ [in, out/n] -> [..., out/n]
+    bs = [None] * len(w) if b is None else list(b)
+    return tuple(F.linear(x, wi, bi) for wi, bi in zip(w, bs, strict=True))  # [..., in] @ [in, out_i/n]
+
+
+def row_parallel_linear(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    b: torch.Tensor | None = None,
+    *,
+    axis: str = "tp",
+    scatter_dim: int | None = None,
+) -> torch.Tensor:
+    """``F.linear`` with the input features sharded over ``axis``; the partial sums are reduced.
+
+    Forward: all-reduce (or, with ``scatter_dim``, reduce-scatter along that dim for sequence
+    parallelism); backward: identity (or all-gather). The bias is added once, after the reduction.
+
+    Args:
+        x: ``[..., in/n]``, varying over ``axis``.
+        w: local ``[out, in/n]`` block of a ``P(None, axis)`` weight.
+        b: ``[out]`` bias, replicated, or None.
+        axis: the tensor-parallel mesh axis.
+        scatter_dim: the sequence dim to scatter the result over, for sequence parallelism.
+
+    Returns:
+        ``[..., out]`` invariant over ``axis`` (or ``[.., s/n, .., out]`` varying, with ``scatter_dim``).
+
+    Example:
+        >>> # y = row_parallel_linear(h, w2, scatter_dim=1)  # [b, s, f/tp] -> [b, s/tp, d]
+    """
+    y = F.linear(x, w)  # [..., in/n] @ [in/n, out] -> [..., out] (partial sums)
+    if scatter_dim is None:
+        y = lax.psum(y, axis)  # [..., out] -> [..., out]
+    else:
+        y = lax.psum_scatter(y, axis, dim=scatter_dim, tiled=True)  # [.., s, .., out] -> [.., s/n, .., out]
+    if b is not None:
+        y = y + (lax.pvary(b, axis) if scatter_dim is not None else b)
+    return y
+
+
+def _check_ids(ids: torch.Tensor, vocab: int, what: str, fn: str, ignore: int | None = None) -> None:
+    bad = (ids < 0) | (ids >= vocab)
+    if ignore is not None:
+        bad &= ids != ignore
+    if bool(bad.any()):
+        v = ids[bad][0].item()
+        raise ShardingError(
+            f"{fn}: {what} contain {v}, outside [0, {vocab}) (the vocabulary: local rows x axis size)"
+            + (f" and not the ignore index {ignore}" if ignore is not None else "")
+            + "; check the tokenizer's vocabulary size against the table."
+        )
+
+
+def vocab_parallel_embedding(
+    ids: torch.Tensor, table: torch.Tensor, *, axis: str = "tp", scatter_dim: int | None = None
+) -> torch.Tensor:
+    """``F.embedding`` with the vocabulary sharded over ``axis``: each device looks up the ids in its rows
+    (zeros elsewhere), then all-reduce (or reduce-scatter along ``scatter_dim`` for sequence parallelism).
+
+    Args:
+        ids: ``[...]`` token ids, replicated over ``axis``.
+        table: local ``[vocab/n, dim]`` rows of a ``P(axis, None)`` table.
+        axis: the mesh axis the vocabulary is split over.
+        scatter_dim: scatter the result along this dim (sequence parallelism).
+
+    Returns:
+        ``[..., dim]`` (invariant over ``axis``; or sharded along ``scatter_dim``).
+
+    Raises:
+        ShardingError: an id outside the vocabulary.
+
+    Example:
+        >>> # h = vocab_parallel_embedding(tokens, emb)  # [b, s] -> [b, s, d]
+    """
+    n = lax.axis_size(axis)
+    rows = table.shape[0]
+    _check_ids(ids, rows * n, "ids", "vocab_parallel_embedding")
+    local = ids - lax.axis_index(axis) * rows
+    mine = (local >= 0) & (local < rows)
+    emb = F.embedding(torch.where(mine, local, 0), table)  # [...] -> [..., dim]
+    emb = emb * mine.unsqueeze(-1).to(emb.dtype)
+    if scatter_dim is None:
+        return lax.psum(emb, axis)  # [..., dim] -> [..., dim]
+    return lax.psum_scatter(emb, axis, dim=scatter_dim, tiled=True)  # [.., s, .., dim] -> [.., s/n, .., dim]
+
+
+def vocab_parallel_cross_entropy(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    axis: str = "tp",
+    ignore_index: int = -100,
+    reduction: str = "mean",
+) -> torch.Tensor:
+    """``F.cross_entropy`` over logits whose vocabulary dim is sharded over ``axis``, never gathering it.
+
+    Each device reduces its slice: the max (all-reduce max, no gradient), then the sum of exponentials and
+    the target logit together (one all-reduce of two numbers per token). Computed in float32.
+
+    Args:
+        logits: ``[..., vocab/n]`` local logits.
+        labels: ``[...]`` target ids, replicated over ``axis``; ``ignore_index`` entries are skipped.
+        axis: the mesh axis the vocabulary is split over.
+        ignore_index: label value that contributes no loss (as ``F.cross_entropy``).
+        reduction: ``"mean"`` (over the non-ignored labels of this device), ``"sum"`` or ``"none"``.
+
+    Returns:
+        The loss, invariant over ``axis``.
+
+    Raises:
+        ShardingError: labels outside the vocabulary (other than ``ignore_index``), or a bad reduction.
+
+    Example:
+        >>> # loss = vocab_parallel_cross_entropy(logits, targets)  # [b, s, V/tp], [b, s] -> []
+    """
+    if reduction not in ("mean", "sum", "none"):
+        raise ShardingError(
+            f"vocab_parallel_cross_entropy: reduction must be 'mean', 'sum' or 'none', not {reduction!r}."
+        )
+    n = lax.axis_size(axis)
+    v_local = logits.shape[-1]
+    _check_ids(labels, v_local * n, "labels", "vocab_parallel_cross_entropy", ignore=ignore_index)
+    x = logits.float()
+    gmax = lax.pmax(x.detach().amax(-1), axis)  # [...] -> [...], the global max (no gradient needed)
+    shifted = x - gmax.unsqueeze(-1)  # [..., V/n]
+    local = labels - lax.axis_index(axis) * v_local
+    mine = (local >= 0) & (local < v_local)
+    picked = shifted.gather(-1, torch.where(mine, local, 0).unsqueeze(-1)).squeeze(-1)  # [..., V/n] -> [...]
+    both = torch.stack([shifted.exp().sum(-1), picked * mine.to(x.dtype)], dim=-1)  # [..., 2]
+    both = lax.psum(both, axis)  # [..., 2] -> [..., 2]: sum of exp, target logit
+    loss = both[..., 0].log() - both[..., 1]  # [...]
+    valid = labels != ignore_index
+    loss = torch.where(valid, loss, torch.zeros_like(loss))
+    if reduction == "none":
+        return loss
+    if reduction == "sum":
+        return loss.sum()
+    return loss.sum() / valid.sum().clamp(min=1).to(loss.dtype)
+
+
+def sequence_gather(x: torch.Tensor, axis: str, dim: int) -> torch.Tensor:
+    """All-gather the sequence shards of ``x`` along ``dim`` (forward); reduce-scatter (backward).
+
+    The result varies over ``axis`` (each device goes on to compute its own part from it).
+
+    Example:
+        >>> # full = sequence_gather(x, "tp", dim=1)  # [b, s/tp, d] -> [b, s, d]
+    """
+    return lax.all_gather(x, axis, dim=dim, tiled=True)  # [.., s/n, ..] -> [.., s, ..]
+
+
+def sequence_scatter(x: torch.Tensor, axis: str, dim: int) -> torch.Tensor:
+    """Keep this device's block of ``dim`` of a replicated ``x`` (forward, no communication); all-gather
+    the gradient blocks (backward).
+
+    Example:
+        >>> # x_sp = sequence_scatter(h, "tp", dim=1)  # [b, s, d] -> [b, s/tp, d]
+    """
+    return lax.split_invariant(x, axis, dim=dim)  # [.., s, ..] -> [.., s/n, ..]
