@@ -14,15 +14,21 @@ Example:
     torch.Size([4, 2])
 """
 
+from . import lax as lax
+from . import optim as optim
 from . import pytree as pytree
+from . import random as random
 from ._array import Array as Array
 from ._array import device_get as device_get
 from ._array import device_put as device_put
 from ._array import reshard as reshard
 from ._errors import MeshError as MeshError
 from ._errors import ShardingError as ShardingError
+from ._grad import value_and_grad as value_and_grad
 from ._mesh import Mesh as Mesh
 from ._mesh import make_mesh as make_mesh
+from ._rules import logical_to_mesh as logical_to_mesh
+from ._rules import spec_rules as spec_rules
 from ._shard_map import shard_map as shard_map
 from ._spec import P as P
 from ._stats import CommStats as CommStats
@@ -57,7 +63,10 @@ __all__ = [
     "comm_stats",
     "device_get",
     "device_put",
+    "lax",
+    "logical_to_mesh",
     "make_mesh",
+    "optim",
     "pmax",
     "pmean",
     "pmin",
@@ -66,8 +75,11 @@ __all__ = [
     "psum_scatter",
     "pvary",
     "pytree",
+    "random",
     "reshard",
     "shard_map",
+    "spec_rules",
     "tree_path",
+    "value_and_grad",
     "visualize",
 ]

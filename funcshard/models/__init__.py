@@ -1,0 +1,1 @@
+"""Models written as pure functions over parameter pytrees."""
