@@ -48,6 +48,16 @@ def set_vma(t: torch.Tensor, axes: frozenset[str]) -> torch.Tensor:
     return t
 
 
+def _tag_through(t: torch.Tensor, axes: frozenset[str]) -> None:
+    """Tag ``t`` and, under torch.func, the tensors it wraps: the transform hands the innermost one back
+    to the caller (torch keeps a tensor's Python object, tag included, for as long as the tensor lives)."""
+    while True:
+        t.__dict__[_ATTR] = axes
+        if not _is_wrapped(t):
+            return
+        t = _unwrap(t)
+
+
 def clear_vma(tensors: Iterable[Any]) -> None:
     """Remove the tags of ``tensors`` (non-tensors are skipped)."""
     for t in tensors:
@@ -131,11 +141,11 @@ class VmaMode(TorchFunctionMode):
         out = func(*args, **kwargs)
         if union:
             if isinstance(out, torch.Tensor):
-                out.__dict__[_ATTR] = union
+                _tag_through(out, union)
             elif isinstance(out, (tuple, list)):
                 for o in out:
                     if isinstance(o, torch.Tensor):
-                        o.__dict__[_ATTR] = union
+                        _tag_through(o, union)
         return out
 
     def _widen_inplace(self, func: Any, target: torch.Tensor, union: frozenset[str]) -> None:

@@ -187,3 +187,15 @@ def test_tags_do_not_leak_between_calls() -> None:
 
     out = fs.shard_map(f, mesh=mesh, in_specs=(P(),), out_specs=P())(torch.ones(()))
     assert fs.device_get(out).item() == 6.0
+
+
+def test_varying_value_out_of_torch_func_is_caught() -> None:
+    """torch.func.grad_and_value hands back the inner tensors: their tags survive, so the check works."""
+    mesh = fs.make_mesh({"dp": 2}, backend="sim")
+
+    def f(w, x):
+        g, loss = torch.func.grad_and_value(lambda w: (x @ w).sum())(w)  # loss still varies over dp
+        return loss
+
+    with pytest.raises(fs.ShardingError, match="varies over axis 'dp'"):
+        fs.shard_map(f, mesh=mesh, in_specs=(P(), P("dp")), out_specs=P())(torch.ones(3), torch.ones(4, 3))
