@@ -194,7 +194,7 @@ def test_varying_value_out_of_torch_func_is_caught() -> None:
     mesh = fs.make_mesh({"dp": 2}, backend="sim")
 
     def f(w, x):
-        g, loss = torch.func.grad_and_value(lambda w: (x @ w).sum())(w)  # loss still varies over dp
+        _, loss = torch.func.grad_and_value(lambda w: (x @ w).sum())(w)  # loss still varies over dp
         return loss
 
     with pytest.raises(fs.ShardingError, match="varies over axis 'dp'"):
