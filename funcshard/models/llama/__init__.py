@@ -1,0 +1,19 @@
+"""A Llama-3 style decoder (RMSNorm, RoPE, grouped-query attention, SwiGLU) as pure functions.
+
+Example:
+    >>> import funcshard as fs
+    >>> from funcshard.models import llama
+    >>> cfg = llama.Config(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, max_seq_len=32)
+    >>> mesh = fs.make_mesh({"dp": 2, "tp": 2}, backend="sim")
+    >>> specs = llama.param_specs(cfg, mesh)
+"""
+
+from .config import Config as Config
+from .model import forward as forward
+from .model import init as init
+from .model import layer as layer
+from .model import loss as loss
+from .sharding import batch_spec as batch_spec
+from .sharding import param_specs as param_specs
+
+__all__ = ["Config", "batch_spec", "forward", "init", "layer", "loss", "param_specs"]

@@ -1,0 +1,77 @@
+"""The Llama configuration."""
+
+from __future__ import annotations
+
+from dataclasses import KW_ONLY, dataclass
+
+from ..._errors import ShardingError
+
+__all__ = ["Config"]
+
+
+@dataclass(frozen=True)
+class Config:
+    """Sizes of a Llama-3 style decoder.
+
+    Args:
+        vocab_size: tokens in the vocabulary (256 for byte-level text).
+        dim: model width.
+        n_layers: decoder layers (stored stacked on a leading layer dim).
+        n_heads: query heads; ``dim`` must be divisible by it.
+        n_kv_heads: key/value heads (grouped-query attention); divides ``n_heads``.
+        ffn_dim: SwiGLU hidden size.
+        max_seq_len: longest sequence RoPE is prepared for.
+        rope_theta: RoPE base.
+        norm_eps: RMSNorm epsilon.
+        tie_embeddings: use the embedding table as the output head.
+        sequence_parallel: with a ``tp`` axis, keep activations split along the sequence between blocks.
+        init_std: standard deviation of the weight init.
+
+    Example:
+        >>> Config(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, max_seq_len=32).head_dim
+        16
+    """
+
+    vocab_size: int = 256
+    dim: int = 256
+    n_layers: int = 4
+    n_heads: int = 8
+    n_kv_heads: int = 4
+    ffn_dim: int = 704
+    max_seq_len: int = 256
+    _: KW_ONLY
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = False
+    sequence_parallel: bool = False
+    init_std: float = 0.02
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "max_seq_len"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise ShardingError(f"llama.Config: {name} must be a positive int, found {v!r}.")
+        if self.dim % self.n_heads:
+            raise ShardingError(f"llama.Config: dim {self.dim} is not divisible by n_heads {self.n_heads}.")
+        if self.n_heads % self.n_kv_heads:
+            raise ShardingError(
+                f"llama.Config: n_heads {self.n_heads} is not divisible by n_kv_heads {self.n_kv_heads}."
+            )
+        if (self.dim // self.n_heads) % 2:
+            raise ShardingError(f"llama.Config: the head dim {self.dim // self.n_heads} must be even for RoPE.")
+
+    @property
+    def head_dim(self) -> int:
+        """``dim // n_heads``."""
+        return self.dim // self.n_heads
+
+    def num_params(self) -> int:
+        """Number of parameters."""
+        d, f, v, hd = self.dim, self.ffn_dim, self.vocab_size, self.head_dim
+        per_layer = 2 * d + d * d * 2 + 2 * d * self.n_kv_heads * hd + 3 * d * f
+        return v * d * (1 if self.tie_embeddings else 2) + d + self.n_layers * per_layer
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token (forward + backward): 6 x params + attention (PaLM's estimate)."""
+        n = self.num_params() - self.vocab_size * self.dim * (0 if self.tie_embeddings else 1)
+        return 6.0 * n + 12.0 * self.n_layers * self.dim * seq_len

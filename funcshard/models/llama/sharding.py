@@ -1,0 +1,104 @@
+"""How the Llama's parameters and batches are laid out over whatever mesh axes exist.
+
+Rules (t5x / MaxText style, regex on the leaf path): vocab and the output features of q/k/v/gate/up are
+split over ``tp`` (column-parallel), the input features of o/down over ``tp`` (row-parallel); the other
+weight dim, and the norms, over ``fsdp``. The batch dim goes over ``dp`` and ``fsdp``. Axes the mesh does
+not have are dropped, so one rule set serves every mesh.
+
+Example:
+    >>> import funcshard as fs
+    >>> from funcshard.models.llama import Config
+    >>> cfg = Config(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, max_seq_len=32)
+    >>> param_specs(cfg, fs.make_mesh({"dp": 2, "tp": 2}, backend="sim"))["layers"]["wq"]
+    P(None, 'tp')
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ... import _rules
+from ..._errors import ShardingError
+from ..._spec import P
+from .config import Config
+
+__all__ = ["RULES", "batch_spec", "check_mesh", "param_shapes", "param_specs"]
+
+BATCH_AXES = ("dp", "fsdp")
+KNOWN_AXES = ("dp", "fsdp", "tp")
+
+RULES = [
+    (r"embed", P("tp", "fsdp")),
+    (r"head", P("tp", "fsdp")),
+    (r"norm", P("fsdp")),
+    (r"layers/(attn|mlp)_norm", P(None, "fsdp")),
+    (r"layers/(wq|wk|wv|w1|w3)", P(None, "tp", "fsdp")),
+    (r"layers/(wo|w2)", P(None, "fsdp", "tp")),
+]
+
+
+def param_shapes(cfg: Config) -> dict[str, Any]:
+    """The parameter tree's shapes (``torch.Size`` leaves); layers stacked on a leading dim."""
+    d, f, v, n, hd = cfg.dim, cfg.ffn_dim, cfg.vocab_size, cfg.n_layers, cfg.head_dim
+    kv = cfg.n_kv_heads * hd
+    layers = {
+        "attn_norm": (n, d),
+        "wq": (n, cfg.n_heads * hd, d),
+        "wk": (n, kv, d),
+        "wv": (n, kv, d),
+        "wo": (n, d, cfg.n_heads * hd),
+        "mlp_norm": (n, d),
+        "w1": (n, f, d),
+        "w3": (n, f, d),
+        "w2": (n, d, f),
+    }
+    tree: dict[str, Any] = {"embed": (v, d), "layers": layers, "norm": (d,)}
+    if not cfg.tie_embeddings:
+        tree["head"] = (v, d)
+    return {
+        k: ({a: torch.Size(b) for a, b in val.items()} if isinstance(val, dict) else torch.Size(val))
+        for k, val in tree.items()
+    }
+
+
+def check_mesh(cfg: Config, mesh: Any) -> None:
+    """Raise a one-line ``ShardingError`` saying what to change when the model cannot use ``mesh``."""
+    shape = mesh.shape
+    unknown = [a for a in mesh.axis_names if a not in KNOWN_AXES and shape[a] > 1]
+    if unknown:
+        raise ShardingError(
+            f"llama: the mesh has axis {unknown[0]!r} of size {shape[unknown[0]]}, which the Llama does not use; "
+            f"use the axes {list(KNOWN_AXES)} (e.g. --mesh dp=2,tp=2)."
+        )
+    tp = shape.get("tp", 1)
+    for what, n in (
+        ("n_heads", cfg.n_heads),
+        ("n_kv_heads", cfg.n_kv_heads),
+        ("vocab_size", cfg.vocab_size),
+        ("ffn_dim", cfg.ffn_dim),
+    ):
+        if n % tp:
+            raise ShardingError(
+                f"llama: {what}={n} is not divisible by tp={tp}; choose tp dividing {what} (or change {what})."
+            )
+    fsdp = shape.get("fsdp", 1)
+    if cfg.dim % fsdp:
+        raise ShardingError(f"llama: dim={cfg.dim} is not divisible by fsdp={fsdp}; choose fsdp dividing dim.")
+
+
+def param_specs(cfg: Config, mesh: Any) -> dict[str, Any]:
+    """The spec tree of the parameters on ``mesh`` (only the axes the mesh has).
+
+    Raises:
+        ShardingError: the mesh has an axis the model cannot use, or a size that does not divide the model.
+    """
+    check_mesh(cfg, mesh)
+    return _rules.spec_rules(param_shapes(cfg), RULES, default=None, mesh=mesh, drop_missing_axes=True)
+
+
+def batch_spec(mesh: Any) -> P:
+    """The spec of a ``[batch, seq]`` token tensor: batch over the data axes (``dp``, ``fsdp``) present."""
+    axes = tuple(a for a in BATCH_AXES if a in mesh.shape)
+    return P(axes if len(axes) > 1 else axes[0] if axes else None)
