@@ -1,0 +1,117 @@
+"""AdamW with decoupled weight decay, the arithmetic of ``torch.optim.AdamW``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import optree
+import torch
+
+from .._spec import P
+from ._base import (
+    AdamWState,
+    Optimizer,
+    PyTree,
+    _check_count,
+    _check_like,
+    _check_nonneg,
+    _check_state,
+    _is_array,
+    _leaves,
+    _scalar_like,
+    _zeros_like,
+)
+from .schedules import Schedule, _check_lr, _lr_at
+
+
+def adamw(
+    lr: float | Schedule,
+    b1: float = 0.9,
+    b2: float = 0.95,
+    eps: float = 1e-8,
+    weight_decay: float = 0.0,
+) -> Optimizer:
+    """AdamW with decoupled weight decay, the arithmetic of ``torch.optim.AdamW`` (single-tensor path).
+
+    Per leaf, with ``t`` the step (from 1): ``p *= 1 - lr * wd``; ``m = lerp(m, g, 1 - b1)``;
+    ``v = b2 * v + (1 - b2) * g * g``; ``p -= lr / (1 - b1**t) * m / (sqrt(v) / sqrt(1 - b2**t) + eps)``.
+    Elementwise, so each device updates its own shards with no communication.
+
+    Args:
+        lr: learning rate, or a schedule of the step count (see :func:`warmup_cosine`).
+        b1: first-moment decay, in [0, 1).
+        b2: second-moment decay, in [0, 1).
+        eps: added to the denominator, >= 0.
+        weight_decay: decoupled decay coefficient, >= 0.
+
+    Returns:
+        An :class:`Optimizer` whose state is an :class:`AdamWState`.
+
+    Raises:
+        ValueError: a hyperparameter out of range.
+
+    Example:
+        >>> opt = adamw(1e-2, weight_decay=0.1)
+        >>> p = {"w": torch.ones(2)}
+        >>> p, state = opt.update({"w": torch.ones(2)}, opt.init(p), p)
+        >>> p["w"]
+        tensor([0.9890, 0.9890])
+    """
+    fn = "adamw"
+    _check_lr(fn, lr)
+    _check_nonneg(fn, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay)
+    for k, v in (("b1", b1), ("b2", b2)):
+        if not v < 1:
+            raise ValueError(f"{fn}: {k} must be in [0, 1), found {v!r}.")
+
+    def init(params: PyTree) -> AdamWState:
+        mu = optree.tree_map(lambda x: _zeros_like(x, fn), params, is_leaf=_is_array)
+        nu = optree.tree_map(lambda x: _zeros_like(x, fn), params, is_leaf=_is_array)
+        return AdamWState(_scalar_like(params, 0, torch.int64), mu, nu)
+
+    def common(grads: PyTree, state: Any, params: PyTree, where: str) -> tuple[Any, ...]:
+        _check_state(where, state, AdamWState)
+        step = _check_count(where, state.count) + 1
+        _, g_leaves, _ = _leaves(where, "grads", grads)
+        m_leaves = _check_like(where, "state.mu", state.mu, grads, "grads")
+        v_leaves = _check_like(where, "state.nu", state.nu, grads, "grads")
+        p_leaves = _check_like(where, "params", params, grads, "grads") if params is not None else None
+        if p_leaves is None and weight_decay != 0:
+            raise ValueError(f"{where}: weight_decay={weight_decay} needs the params; pass them as third argument.")
+        lr_t = _lr_at(where, lr, state.count)
+        bc1, bc2 = 1 - b1**step, 1 - b2**step
+        step_size, bc2_sqrt = lr_t / bc1, bc2**0.5
+        ms, vs, dens = [], [], []
+        for g, m, v in zip(g_leaves, m_leaves, v_leaves, strict=True):
+            m = torch.lerp(m, g, 1 - b1)  # first moment
+            v = v.mul(b2).addcmul(g, g, value=1 - b2)  # second moment
+            ms.append(m)
+            vs.append(v)
+            dens.append(v.sqrt() / bc2_sqrt + eps)
+        treedef = optree.tree_structure(grads)
+        new_state = AdamWState(state.count + 1, optree.tree_unflatten(treedef, ms), optree.tree_unflatten(treedef, vs))
+        return treedef, p_leaves, lr_t, step_size, ms, dens, new_state
+
+    def transform(grads: PyTree, state: Any, params: PyTree = None) -> tuple[PyTree, AdamWState]:
+        treedef, p_leaves, lr_t, step_size, ms, dens, new_state = common(grads, state, params, fn)
+        ups = []
+        for k, (m, d) in enumerate(zip(ms, dens, strict=True)):
+            if weight_decay != 0:
+                ups.append(torch.addcdiv(p_leaves[k] * -(lr_t * weight_decay), m, d, value=-step_size))
+            else:
+                ups.append(torch.div(m, d).mul(-step_size))
+        return optree.tree_unflatten(treedef, ups), new_state
+
+    def apply(grads: PyTree, state: Any, params: PyTree) -> tuple[PyTree, AdamWState]:
+        treedef, p_leaves, lr_t, step_size, ms, dens, new_state = common(grads, state, params, f"{fn}.update")
+        new = []
+        for p, m, d in zip(p_leaves, ms, dens, strict=True):
+            if weight_decay != 0:
+                p = p * (1 - lr_t * weight_decay)  # decoupled weight decay
+            new.append(torch.addcdiv(p, m, d, value=-step_size))
+        return optree.tree_unflatten(treedef, new), new_state
+
+    def state_specs(param_specs: PyTree) -> AdamWState:
+        return AdamWState(P(), param_specs, param_specs)
+
+    return Optimizer(init, transform, state_specs, name=fn, apply=apply)

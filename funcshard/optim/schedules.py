@@ -1,0 +1,108 @@
+"""Learning-rate schedules: functions of the step count (an int or the 0-dim tensor the optimiser state holds)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ._base import _check_nonneg
+
+Schedule = Callable[[Any], float | torch.Tensor]
+"""A learning rate as a function of the step count (an int or a 0-dim tensor: updates done so far)."""
+
+
+def _check_lr(fn: str, lr: Any) -> None:
+    if not callable(lr):
+        _check_nonneg(fn, lr=lr)
+
+
+def _lr_at(fn: str, lr: float | Schedule, count: torch.Tensor) -> float:
+    if not callable(lr):
+        return float(lr)
+    value = float(lr(count))
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(f"{fn}: the lr schedule gave {value} at step {int(count)}; it must be finite and >= 0.")
+    return value
+
+
+def _step_of(step: Any) -> int:
+    return int(step)
+
+
+def constant(lr: float) -> Schedule:
+    """The schedule that is ``lr`` at every step.
+
+    Example:
+        >>> constant(0.1)(torch.tensor(7))
+        0.1
+    """
+    _check_nonneg("constant", lr=lr)
+    value = float(lr)
+    return lambda step: value
+
+
+def linear_warmup(peak_lr: float, warmup_steps: int, *, init_lr: float = 0.0) -> Schedule:
+    """Linear from ``init_lr`` at step 0 to ``peak_lr`` at ``warmup_steps``, then constant.
+
+    Example:
+        >>> s = linear_warmup(1.0, 4)
+        >>> [s(i) for i in (0, 2, 4, 9)]
+        [0.0, 0.5, 1.0, 1.0]
+    """
+    _check_nonneg("linear_warmup", peak_lr=peak_lr, warmup_steps=warmup_steps, init_lr=init_lr)
+
+    def schedule(step: Any) -> float:
+        s = _step_of(step)
+        if s >= warmup_steps:
+            return float(peak_lr)
+        return init_lr + (peak_lr - init_lr) * s / warmup_steps
+
+    return schedule
+
+
+def warmup_cosine(
+    peak_lr: float, warmup_steps: int, total_steps: int, final_lr: float = 0.0, *, init_lr: float = 0.0
+) -> Schedule:
+    """Linear warmup from ``init_lr`` to ``peak_lr`` over ``warmup_steps``, then cosine decay to ``final_lr``
+    at ``total_steps`` (and ``final_lr`` after), as optax's ``warmup_cosine_decay_schedule``.
+
+    Args:
+        peak_lr: the rate at the end of the warmup.
+        warmup_steps: steps of linear warmup, >= 0.
+        total_steps: the step at which the decay ends (warmup included), > ``warmup_steps``.
+        final_lr: the rate at and after ``total_steps``.
+        init_lr: the rate at step 0.
+
+    Returns:
+        A function of the step count (int or 0-dim tensor) returning a float.
+
+    Raises:
+        ValueError: negative rates or steps, or ``total_steps <= warmup_steps``.
+
+    Example:
+        >>> s = warmup_cosine(1.0, 10, 110)
+        >>> [round(s(i), 4) for i in (0, 5, 10, 60, 110, 200)]
+        [0.0, 0.5, 1.0, 0.5, 0.0, 0.0]
+    """
+    fn = "warmup_cosine"
+    _check_nonneg(fn, peak_lr=peak_lr, warmup_steps=warmup_steps, total_steps=total_steps)
+    _check_nonneg(fn, final_lr=final_lr, init_lr=init_lr)
+    if total_steps <= warmup_steps:
+        raise ValueError(
+            f"{fn}: total_steps ({total_steps}) must exceed warmup_steps ({warmup_steps}); for a warmup alone use "
+            f"linear_warmup."
+        )
+
+    def schedule(step: Any) -> float:
+        s = _step_of(step)
+        if s < warmup_steps:
+            return init_lr + (peak_lr - init_lr) * s / warmup_steps
+        if s >= total_steps:
+            return float(final_lr)
+        progress = (s - warmup_steps) / (total_steps - warmup_steps)
+        return final_lr + (peak_lr - final_lr) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    return schedule
