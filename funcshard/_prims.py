@@ -61,6 +61,27 @@ class Pvary(torch.autograd.Function):
         return AllReduce.apply(g, ctx.dev, ctx.axes, "sum", "psum"), None, None  # [*s] -> [*s]
 
 
+class PvaryBucket(torch.autograd.Function):
+    """:class:`Pvary` of several tensors of one dtype: identity forward; backward flattens their gradients
+    into one buffer, all-reduces it once and splits it again (one collective instead of one per tensor)."""
+
+    @staticmethod
+    def forward(dev: Any, axes: tuple[str, ...], *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
+        return tuple(x.view_as(x) for x in xs)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        ctx.dev, ctx.axes = inputs[0], inputs[1]
+        ctx.shapes = [x.shape for x in inputs[2:]]
+
+    @staticmethod
+    def backward(ctx: Any, *gs: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+        flat = torch.cat([g.reshape(-1) for g in gs])  # n x [*s_i] -> [sum |s_i|]
+        total = AllReduce.apply(flat, ctx.dev, ctx.axes, "sum", "psum")  # [sum |s_i|] -> [sum |s_i|]
+        parts = total.split([s.numel() for s in ctx.shapes])
+        return (None, None, *(p.view(s) for p, s in zip(parts, ctx.shapes, strict=True)))
+
+
 class AllGather(torch.autograd.Function):
     """All-gather ``[*s] -> [n, *s]`` forward; reduce-scatter backward."""
 

@@ -143,25 +143,35 @@ def pvary(x: PyTree, axis: _Axis) -> PyTree:
 
     With ``check_vma=True`` shard_map inserts it where needed; with ``check_vma=False`` write it where an
     invariant value (say a replicated weight) meets one that varies over ``axis`` (a sharded batch).
+    On a pytree, the leaves of one dtype are bucketed: their gradients are flattened into one buffer and
+    summed with a single all-reduce (as DDP's buckets do), instead of one collective per leaf.
 
     Example:
         >>> # w = fs.pvary(w, "dp")  # [d, h] -> [d, h]; its gradient is summed over dp
+        >>> # params = fs.pvary(params, "dp")  # one all-reduce for all their gradients
     """
     ctx = current("pvary")
     axes = axes_of(axis, ctx.mesh, "pvary")
-
-    def one(t: Any) -> Any:
-        if not isinstance(t, torch.Tensor):
-            return t
-        have = get_vma(t) if ctx.check_vma else frozenset()
-        todo = tuple(a for a in axes if a not in have)
-        if not todo:
-            return t
+    leaves, treedef = optree.tree_flatten(x)
+    groups: dict[Any, list[int]] = {}
+    for i, t in enumerate(leaves):
+        if isinstance(t, torch.Tensor):
+            have = get_vma(t) if ctx.check_vma else frozenset()
+            todo = tuple(a for a in axes if a not in have)
+            if todo:
+                groups.setdefault((todo, t.dtype, t.device, have), []).append(i)
+        elif not (isinstance(t, (int, float)) and not isinstance(t, bool)):
+            raise ShardingError(f"pvary: leaves must be torch.Tensors (or numbers), found {type(t).__name__}.")
+    out = list(leaves)
+    for (todo, _, _, have), idx in groups.items():
         with torch._C.DisableTorchFunction():
-            y = _prims.Pvary.apply(t, ctx.device, todo)  # [*s] -> [*s]
-        return _tag(ctx, y, have | frozenset(axes))
-
-    return _tmap(one, x, "pvary")
+            if len(idx) == 1:
+                ys: tuple[torch.Tensor, ...] = (_prims.Pvary.apply(leaves[idx[0]], ctx.device, todo),)  # [*s] -> [*s]
+            else:
+                ys = _prims.PvaryBucket.apply(ctx.device, todo, *(leaves[i] for i in idx))  # n x [*s_i] -> same
+        for i, y in zip(idx, ys, strict=True):
+            out[i] = _tag(ctx, y, have | frozenset(axes))
+    return optree.tree_unflatten(treedef, out)
 
 
 def _dim(d: int, ndim: int, name: str, what: str, shape: Sequence[int]) -> int:

@@ -199,3 +199,32 @@ def test_varying_value_out_of_torch_func_is_caught() -> None:
 
     with pytest.raises(fs.ShardingError, match="varies over axis 'dp'"):
         fs.shard_map(f, mesh=mesh, in_specs=(P(), P("dp")), out_specs=P())(torch.ones(3), torch.ones(4, 3))
+
+
+def _bucket_body(mesh: fs.Mesh) -> str:
+    """pvary of a tree: one all-reduce for all its gradients, equal to per-leaf pvary."""
+    ws = {"a": torch.randn(3, 2), "b": torch.randn(5), "c": torch.randn(2, 2, dtype=torch.float64)}
+    x = torch.randn(8, 3)
+
+    def loss(p, x):
+        return fs.psum((x @ p["a"]).sum() * p["b"].sum() + p["c"].sum().float(), "dp")
+
+    def bucketed(p, x):
+        return torch.func.grad(lambda p: loss(fs.pvary(p, "dp"), x))(p)
+
+    def per_leaf(p, x):
+        return torch.func.grad(lambda p: loss({k: fs.pvary(v, "dp") for k, v in p.items()}, x))(p)
+
+    specs = (P(), P("dp"))
+    with fs.comm_stats() as st:
+        g1 = fs.shard_map(bucketed, mesh=mesh, in_specs=specs, out_specs=P(), check_vma=False)(ws, x)
+    assert st.calls("psum", "dp") == 1 + 1 + 1  # the loss, one float32 bucket, one float64 bucket
+    assert st.bytes("psum", "dp") == 4 + (6 + 5) * 4 + 4 * 8
+    g2 = fs.shard_map(per_leaf, mesh=mesh, in_specs=specs, out_specs=P(), check_vma=False)(ws, x)
+    for k in ws:
+        torch.testing.assert_close(fs.device_get(g1[k]), fs.device_get(g2[k]))
+    return "ok"
+
+
+def test_pvary_tree_is_bucketed(run) -> None:
+    assert set(run(_bucket_body, {"dp": 2})) == {"ok"}
