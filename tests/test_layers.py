@@ -33,6 +33,8 @@ FLOORS = {
     "models": 8,
     "train": 8,
     "_demo": 8,
+    "_data": 8,
+    "_cli": 8,
     "__main__": 9,
     "__init__": 9,
 }
@@ -94,6 +96,9 @@ def test_only_backend_imports_torch_distributed() -> None:
         mod = _module_name(path)
         if mod.startswith("_backend"):
             continue
-        if re.search(r"^\s*(import|from)\s+torch\.distributed", path.read_text(), re.M):
+        text = path.read_text()
+        if mod == "checkpoint":  # the checkpoint layer may use torch.distributed.checkpoint (DCP), nothing else
+            text = re.sub(r"torch\.distributed\.checkpoint", "DCP", text)
+        if re.search(r"^\s*(import|from)\s+torch\.distributed", text, re.M):
             offenders.append(mod)
     assert not offenders, f"torch.distributed used outside the backend: {offenders}"

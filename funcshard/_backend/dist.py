@@ -199,3 +199,23 @@ class DistDevice(DeviceHandle):
         out: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(out, obj)
         return out
+
+
+# Whole-world helpers for funcshard.checkpoint (called outside shard_map, by every process).
+
+
+def initialized() -> bool:
+    """True when the default process group is up."""
+    return dist.is_available() and dist.is_initialized()
+
+
+def barrier() -> None:
+    """Wait until every process of the default group reaches this call."""
+    dist.barrier()
+
+
+def broadcast_object(obj: Any, src: int = 0) -> Any:
+    """``obj`` as process ``src`` passed it, on every process (pickled; a collective)."""
+    box = [obj]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]
