@@ -32,7 +32,7 @@ class Mesh:
         (('dp',), {'dp': 2}, 'sim')
     """
 
-    __slots__ = ("_backend", "_coords", "_names", "_sizes")
+    __slots__ = ("_backend", "_coords", "_names", "_shape", "_sizes")
 
     def __init__(self, shape: Mapping[str, int], backend: Backend) -> None:
         names = tuple(shape)
@@ -42,6 +42,7 @@ class Mesh:
         object.__setattr__(self, "_backend", backend)
         coords = [dict(zip(names, c, strict=True)) for c in itertools.product(*(range(s) for s in sizes))]
         object.__setattr__(self, "_coords", tuple(coords))
+        object.__setattr__(self, "_shape", dict(zip(names, sizes, strict=True)))
 
     def __setattr__(self, name: str, value: Any) -> None:
         raise AttributeError("Mesh is immutable; build a new one with fs.make_mesh")
@@ -53,8 +54,8 @@ class Mesh:
 
     @property
     def shape(self) -> dict[str, int]:
-        """A fresh dict axis name -> size, in axis order."""
-        return dict(zip(self._names, self._sizes, strict=True))
+        """Axis name -> size, in axis order (do not mutate it)."""
+        return self._shape
 
     @property
     def size(self) -> int:

@@ -74,9 +74,11 @@ def shard_map(
     if not isinstance(mesh, Mesh):
         raise ShardingError(f"shard_map: mesh must be an fs.Mesh from fs.make_mesh, found {type(mesh).__name__}.")
 
+    cache = _InputCache()
+
     @functools.wraps(f)
     def mapped(*args: Any) -> Any:
-        return _call(f, mesh, in_specs, out_specs, bool(check_vma), args)
+        return _call(f, mesh, in_specs, out_specs, bool(check_vma), args, cache)
 
     return mapped
 
@@ -85,10 +87,16 @@ def _is_leaf(x: Any) -> bool:
     return isinstance(x, Array)
 
 
-def _prepare_inputs(
-    name: str, mesh: Mesh, in_specs: Any, args: tuple[Any, ...]
-) -> tuple[list[Any], list[Any], list[Any]]:
-    """Per argument: treedef, leaf specs, and a dict coords -> local leaves."""
+def _leaf_sig(leaf: Any) -> tuple[Any, ...]:
+    if isinstance(leaf, Array):
+        return ("A", leaf.shape, leaf.spec, leaf.mesh)
+    if isinstance(leaf, torch.Tensor):
+        return ("T", tuple(leaf.shape))
+    return ("V",)
+
+
+def _check_inputs(name: str, mesh: Mesh, in_specs: Any, args: tuple[Any, ...]) -> list[list[P]]:
+    """Validate the arguments against ``in_specs`` (once per call signature); the spec of every leaf."""
     if isinstance(in_specs, P) and len(args) == 1:
         in_specs = (in_specs,)
     if not isinstance(in_specs, (tuple, list)):
@@ -101,14 +109,13 @@ def _prepare_inputs(
             f"{name}: in_specs has {len(in_specs)} entries but the function was called with {len(args)} "
             f"positional arguments; give one spec (or spec tree) per argument."
         )
-    treedefs, specs_all, locals_all = [], [], []
+    specs_all = []
     for i, (arg, spec_tree) in enumerate(zip(args, in_specs, strict=True)):
         where = f"{name}: in_specs[{i}]: "
-        leaves, treedef = optree.tree_flatten(arg, is_leaf=_is_leaf)
-        paths = [f"args[{i}]" + (f"/{p}" if p else "") for p, _ in pytree.leaves_with_path(arg, is_leaf=_is_leaf)]
+        with_paths = pytree.leaves_with_path(arg, is_leaf=_is_leaf)
         specs = pytree.broadcast_prefix(spec_tree, arg, prefix_is_leaf=is_spec, where=where)
-        local: list[dict[Any, Any] | Any] = []
-        for path, leaf, s in zip(paths, leaves, specs, strict=True):
+        for (p, leaf), s in zip(with_paths, specs, strict=True):
+            path = f"args[{i}]" + (f"/{p}" if p else "")
             if isinstance(leaf, Array):
                 if leaf.mesh != mesh:
                     raise ShardingError(
@@ -117,23 +124,49 @@ def _prepare_inputs(
                         f"move it with fs.device_put(fs.device_get(x), mesh, spec)."
                     )
                 check_spec(s, leaf.shape, mesh, path=path, fn=name)
-                if leaf.spec != s:
-                    leaf = reshard(leaf, s)
-                local.append(dict(leaf.shards))
             elif isinstance(leaf, torch.Tensor):
                 check_spec(s, leaf.shape, mesh, path=path, fn=name)
-                local.append(local_shards(leaf, mesh, s))
-            else:
-                if s != P():
-                    raise ShardingError(
-                        f"{name} at '{path}': a {type(leaf).__name__} leaf cannot be sharded by {s!r}; only "
-                        f"tensors are split. Give it P() or pass a tensor."
-                    )
-                local.append(leaf)
-        treedefs.append(treedef)
+            elif s != P():
+                raise ShardingError(
+                    f"{name} at '{path}': a {type(leaf).__name__} leaf cannot be sharded by {s!r}; only "
+                    f"tensors are split. Give it P() or pass a tensor."
+                )
         specs_all.append(specs)
-        locals_all.append(local)
-    return treedefs, specs_all, locals_all
+    return specs_all
+
+
+class _InputCache:
+    """Validated specs per call signature (tree structures, leaf kinds, shapes, layouts), so a step that is
+    called many times checks its specs once."""
+
+    def __init__(self) -> None:
+        self.specs: dict[Any, list[list[P]]] = {}
+        self.outputs: dict[Any, list[tuple[str, P, tuple[int, ...] | None]]] = {}
+
+    def prepare(
+        self, name: str, mesh: Mesh, in_specs: Any, args: tuple[Any, ...]
+    ) -> tuple[list[Any], list[list[P]], list[Any]]:
+        """Per argument: treedef, leaf specs, and per leaf a dict coords -> local block (or the value)."""
+        flat = [optree.tree_flatten(a, is_leaf=_is_leaf) for a in args]
+        key = tuple((td, tuple(_leaf_sig(x) for x in leaves)) for leaves, td in flat)
+        specs_all = self.specs.get(key)
+        if specs_all is None:
+            specs_all = _check_inputs(name, mesh, in_specs, args)
+            if len(self.specs) > 64:
+                self.specs.clear()
+            self.specs[key] = specs_all
+        locals_all = []
+        for (leaves, _), specs in zip(flat, specs_all, strict=True):
+            local: list[Any] = []
+            for leaf, s in zip(leaves, specs, strict=True):
+                if isinstance(leaf, Array):
+                    local.append(dict((leaf if leaf.spec == s else reshard(leaf, s)).shards))
+                elif isinstance(leaf, torch.Tensor):
+                    local.append(local_shards(leaf, mesh, s))
+                else:
+                    local.append(leaf)
+            locals_all.append(local)
+        return [td for _, td in flat], specs_all, locals_all
 
 
 def _device_args(coords: tuple[int, ...], treedefs: list[Any], locals_all: list[Any]) -> list[list[Any]]:
@@ -311,7 +344,13 @@ def _same(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
 
 
 def _call(
-    f: Callable[..., Any], mesh: Mesh, in_specs: Any, out_specs: Any, check_vma: bool, args: tuple[Any, ...]
+    f: Callable[..., Any],
+    mesh: Mesh,
+    in_specs: Any,
+    out_specs: Any,
+    check_vma: bool,
+    args: tuple[Any, ...],
+    cache: _InputCache,
 ) -> Any:
     name = f"shard_map({getattr(f, '__name__', 'f')})"
     if maybe_current() is not None:
@@ -319,7 +358,7 @@ def _call(
             f"{name}: called inside another shard_map; nesting is not supported. Call the inner function "
             f"directly on the local shards, using collectives for communication."
         )
-    treedefs, specs, locals_all = _prepare_inputs(name, mesh, in_specs, args)
+    treedefs, specs, locals_all = cache.prepare(name, mesh, in_specs, args)
     run = _Run(f, mesh, check_vma, treedefs, specs)
     if mesh.backend == "sim":
         world = SimWorld(mesh)
@@ -353,7 +392,7 @@ def _call(
         results = [run.body(dev, _device_args(coords, treedefs, locals_all))]
         diff = []
     try:
-        out, out_specs_flat = _assemble_outputs(name, mesh, out_specs, check_vma, all_coords, results)
+        out, out_specs_flat = _assemble_outputs(name, mesh, out_specs, check_vma, all_coords, results, cache)
     finally:  # tags are only meaningful during this call: none may leak into a later one
         clear_vma(run.tagged)
         clear_vma(leaf for leaves, _ in results for leaf in leaves)
@@ -362,8 +401,36 @@ def _call(
     return out
 
 
+def _out_plan(
+    name: str, mesh: Mesh, out_specs: Any, out_def: Any, leaves: list[Any]
+) -> list[tuple[str, P, tuple[int, ...] | None]]:
+    """Path, spec and global shape of each output leaf, validated (once per output signature)."""
+    template = optree.tree_unflatten(out_def, leaves)
+    paths = ["out" + (f"/{p}" if p else "") for p, _ in pytree.leaves_with_path(template, is_leaf=_is_leaf)]
+    specs = pytree.broadcast_prefix(out_specs, template, prefix_is_leaf=is_spec, where=f"{name}: out_specs: ")
+    plan: list[tuple[str, P, tuple[int, ...] | None]] = []
+    for path, spec, v0 in zip(paths, specs, leaves, strict=True):
+        if not isinstance(v0, torch.Tensor):
+            plan.append((path, spec, None))
+            continue
+        if not isinstance(spec, P) or len(spec) > v0.dim():
+            check_spec(spec, v0.shape, mesh, path=path, fn=name)
+        dims = spec.dim_axes(v0.dim())
+        shape = mesh.shape
+        gshape = tuple(s * math.prod(shape.get(a, 1) for a in axes) for s, axes in zip(v0.shape, dims, strict=True))
+        check_spec(spec, gshape, mesh, path=path, fn=name)
+        plan.append((path, spec, gshape))
+    return plan
+
+
 def _assemble_outputs(
-    name: str, mesh: Mesh, out_specs: Any, check_vma: bool, all_coords: list[tuple[int, ...]], results: list[Any]
+    name: str,
+    mesh: Mesh,
+    out_specs: Any,
+    check_vma: bool,
+    all_coords: list[tuple[int, ...]],
+    results: list[Any],
+    cache: _InputCache,
 ) -> Any:
     out_def = results[0][1]
     for c, (_, d) in zip(all_coords, results, strict=True):
@@ -372,12 +439,16 @@ def _assemble_outputs(
                 f"{name}: devices returned different output structures: {out_def} on device {all_coords[0]} and "
                 f"{d} on device {c}; every device must return the same tree."
             )
-    template = optree.tree_unflatten(out_def, results[0][0])
-    paths = ["out" + (f"/{p}" if p else "") for p, _ in pytree.leaves_with_path(template, is_leaf=_is_leaf)]
-    specs = pytree.broadcast_prefix(out_specs, template, prefix_is_leaf=is_spec, where=f"{name}: out_specs: ")
+    key = (out_def, tuple(_leaf_sig(v) for v in results[0][0]))
+    plan = cache.outputs.get(key)
+    if plan is None:
+        plan = _out_plan(name, mesh, out_specs, out_def, results[0][0])
+        if len(cache.outputs) > 64:
+            cache.outputs.clear()
+        cache.outputs[key] = plan
     out = []
-    names = mesh.axis_names
-    for k, (path, spec) in enumerate(zip(paths, specs, strict=True)):
+    specs = [spec for _, spec, _ in plan]
+    for k, (path, spec, gshape) in enumerate(plan):
         vals = [r[0][k] for r in results]
         v0 = vals[0]
         for c, v in zip(all_coords, vals, strict=True):
@@ -403,15 +474,6 @@ def _assemble_outputs(
                     )
             out.append(v0)
             continue
-        if not isinstance(spec, P):
-            check_spec(spec, v0.shape, mesh, path=path, fn=name)
-        dims = spec.dim_axes(max(v0.dim(), len(spec)))
-        if len(spec) > v0.dim():
-            check_spec(spec, v0.shape, mesh, path=path, fn=name)
-        gshape = tuple(
-            s * math.prod(mesh.shape.get(a, 1) for a in axes) for s, axes in zip(v0.shape, dims, strict=False)
-        )
-        check_spec(spec, gshape, mesh, path=path, fn=name)
         allowed = frozenset(spec.axes)
         for c, v in zip(all_coords, vals, strict=True):
             if v.dtype != v0.dtype:
@@ -436,7 +498,6 @@ def _assemble_outputs(
         if not check_vma and len(vals) > 1:
             _check_replicated(name, path, spec, mesh, all_coords, vals)
         out.append(Array(mesh, spec, gshape, v0.dtype, dict(zip(all_coords, vals, strict=True))))
-    del names
     return optree.tree_unflatten(out_def, out), specs
 
 

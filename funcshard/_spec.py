@@ -40,7 +40,7 @@ class P:
         ('dp', 'fsdp', 'tp')
     """
 
-    __slots__ = ("_entries", "_norm")
+    __slots__ = ("_axes", "_entries", "_norm")
 
     def __init__(self, *entries: Entry) -> None:
         norm: list[tuple[str, ...]] = []
@@ -60,6 +60,7 @@ class P:
             norm.pop()
         object.__setattr__(self, "_entries", tuple(entries))
         object.__setattr__(self, "_norm", tuple(norm))
+        object.__setattr__(self, "_axes", tuple(a for e in norm for a in e))
 
     def __setattr__(self, name: str, value: Any) -> None:
         raise AttributeError("P is immutable")
@@ -81,7 +82,7 @@ class P:
     @property
     def axes(self) -> tuple[str, ...]:
         """Every axis the spec names, in order of appearance."""
-        return tuple(a for e in self._norm for a in e)
+        return self._axes
 
     def dim_axes(self, ndim: int) -> tuple[tuple[str, ...], ...]:
         """The axes of each of ``ndim`` dims (``()`` for a replicated dim), padded with ``()``."""

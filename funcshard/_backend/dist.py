@@ -84,9 +84,12 @@ def process_rank() -> int:
 
 def tensor_device() -> torch.device | None:
     """Where this process's shards live: the current CUDA device under NCCL, else None (leave them)."""
-    if dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return None
+    if "nccl" not in _BACKEND:
+        _BACKEND["nccl"] = dist.get_backend() == "nccl"
+    return torch.device("cuda", torch.cuda.current_device()) if _BACKEND["nccl"] else None
+
+
+_BACKEND: dict[str, bool] = {}
 
 
 def _inverse(perm: list[int]) -> list[int]:
