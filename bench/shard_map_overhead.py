@@ -1,0 +1,318 @@
+"""Overhead of ``shard_map`` over hand-written torch.distributed code: a tensor-parallel MLP step on 2 gloo processes.
+
+The step (Megatron's tensor-parallel MLP, forward + backward):
+
+    x  [batch, d]   replicated                 (requires grad, as the output of an earlier layer would)
+    w1 [h, d]       column-parallel P("tp", None)
+    w2 [d, h]       row-parallel    P(None, "tp")
+    out  = psum_tp(gelu(x @ w1_local.T) @ w2_local.T)           # [b, d]
+    loss = mean(out ** 2);  grads of (x, w1, w2)
+
+Three variants, measured in the same job, interleaved step by step (the order rotates every iteration):
+
+    (a) manual : torch.distributed + two ``torch.autograd.Function``s (Megatron's f and g: identity forward /
+                 all-reduce backward on the input of the column-parallel layer, all-reduce forward / identity
+                 backward on the output of the row-parallel layer)
+    (b) fs     : ``fs.shard_map(check_vma=False)`` with ``fs.pvary`` + ``fs.psum``, ``torch.autograd.grad`` inside
+    (c) fs+vma : ``fs.shard_map(check_vma=True)``, the same body without the hand-written ``fs.pvary``
+
+All three make the same two all-reduces of a [batch, d] tensor per step. The script checks that they agree with
+each other and with the unsharded model before timing, then prints the median time per step and the ratios to
+(a), and the communication of one funcshard step as counted by ``fs.comm_stats()``.
+
+Usage:
+    python bench/shard_map_overhead.py            # spawns 2 gloo processes itself
+    torchrun --nproc-per-node 2 bench/shard_map_overhead.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import socket
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+
+import funcshard as fs
+from funcshard import P
+
+WORLD = 2
+TARGETS = {"fs": 1.05, "fs+vma": 1.25}
+
+
+# ---------------------------------------------------------------- (a) hand-written, Megatron style
+
+
+class CopyToTP(torch.autograd.Function):
+    """Megatron's ``f``: identity forward, all-reduce backward (input of a column-parallel layer)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        g = g.contiguous()
+        dist.all_reduce(g)  # [b, d] -> [b, d]
+        return g
+
+
+class ReduceFromTP(torch.autograd.Function):
+    """Megatron's ``g``: all-reduce forward, identity backward (output of a row-parallel layer)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        x = x.contiguous()
+        dist.all_reduce(x)  # [b, d] -> [b, d]
+        return x
+
+    @staticmethod
+    def backward(ctx, g):
+        return g
+
+
+def manual_step(x, w1, w2):
+    """x, w1, w2: this process's blocks (leaves that require grad)."""
+    h = F.gelu(F.linear(CopyToTP.apply(x), w1))  # [b, d] @ [d, h/tp] -> [b, h/tp]
+    out = ReduceFromTP.apply(F.linear(h, w2))  # [b, h/tp] @ [h/tp, d] -> [b, d], all-reduce over tp
+    loss = (out**2).mean()
+    grads = torch.autograd.grad(loss, (x, w1, w2))
+    return loss.detach(), grads
+
+
+# ---------------------------------------------------------------- (b), (c) funcshard
+
+
+def fs_body(explicit_pvary: bool) -> Callable[..., Any]:
+    def body(x, w1, w2):
+        xin = fs.pvary(x, "tp") if explicit_pvary else x  # check_vma=True inserts this pvary itself
+        h = F.gelu(F.linear(xin, w1))  # [b, d] @ [d, h/tp] -> [b, h/tp]
+        out = fs.psum(F.linear(h, w2), "tp")  # [b, h/tp] @ [h/tp, d] -> [b, d], all-reduce over tp
+        loss = (out**2).mean()
+        grads = torch.autograd.grad(loss, (x, w1, w2))
+        return loss.detach(), grads
+
+    return body
+
+
+IN_SPECS = (P(), P("tp", None), P(None, "tp"))
+OUT_SPECS = (P(), IN_SPECS)
+
+
+def reference(x, w1, w2):
+    """The unsharded model on full tensors."""
+    x, w1, w2 = (t.detach().clone().requires_grad_(True) for t in (x, w1, w2))
+    loss = (F.linear(F.gelu(F.linear(x, w1)), w2) ** 2).mean()
+    return loss.detach(), torch.autograd.grad(loss, (x, w1, w2))
+
+
+# ---------------------------------------------------------------- the job
+
+
+def _close(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
+    if not torch.allclose(a, b, rtol=1e-4, atol=1e-6):
+        raise AssertionError(f"{what}: max abs difference {(a - b).abs().max().item():.3e}")
+
+
+def run(args: argparse.Namespace) -> None:
+    torch.set_num_threads(1)
+    rank = dist.get_rank()
+    lead = rank == 0
+    mesh = fs.make_mesh({"tp": WORLD}, backend="dist")
+
+    g = torch.Generator().manual_seed(0)  # every process builds the same full tensors
+    b, d, h = args.batch, args.d, args.h
+    x_full = torch.randn(b, d, generator=g)
+    w1_full = torch.randn(h, d, generator=g) / d**0.5
+    w2_full = torch.randn(d, h, generator=g) / h**0.5
+
+    # funcshard inputs: fs.Arrays in the in_specs' layout (no reshard per call) whose shards are leaves needing
+    # grad. device_put under "dist" keeps views of the full tensor (w2's block of P(None, "tp") is a strided
+    # column slice); give both variants the same compact blocks so only the code around the matmuls differs.
+    arrays = fs.device_put((x_full, w1_full, w2_full), mesh, IN_SPECS)
+    if not args.view_shards:
+        for a in arrays:
+            for c, t in a.shards.items():
+                a.shards[c] = t.clone(memory_format=torch.contiguous_format)
+    for a in arrays:
+        for t in a.shards.values():
+            t.requires_grad_(True)
+    # the manual variant gets its own compact copies of the same blocks
+    local = tuple(a.local.detach().clone(memory_format=torch.contiguous_format).requires_grad_(True) for a in arrays)
+
+    step_fs = fs.shard_map(fs_body(True), mesh=mesh, in_specs=IN_SPECS, out_specs=OUT_SPECS, check_vma=False)
+    step_vma = fs.shard_map(fs_body(False), mesh=mesh, in_specs=IN_SPECS, out_specs=OUT_SPECS, check_vma=True)
+    variants: dict[str, Callable[[], Any]] = {
+        "manual": lambda: manual_step(*local),
+        "fs": lambda: step_fs(*arrays),
+        "fs+vma": lambda: step_vma(*arrays),
+    }
+
+    # -- correctness first: the three variants agree with each other and with the unsharded model
+    ref_loss, ref_grads = reference(x_full, w1_full, w2_full)
+    m_loss, m_grads = variants["manual"]()
+    _close(m_loss, ref_loss, "manual loss vs unsharded")
+    for name in ("fs", "fs+vma"):
+        loss, grads = variants[name]()
+        _close(loss.local, m_loss, f"{name} loss vs manual")
+        for k, gr, gm, gref in zip(("x", "w1", "w2"), grads, m_grads, ref_grads, strict=True):
+            _close(gr.local, gm, f"{name} grad {k} (local block) vs manual")
+            _close(fs.device_get(gr), gref, f"{name} grad {k} (gathered) vs unsharded")
+    for k, gm, gref, a in zip(("x", "w1", "w2"), m_grads, ref_grads, arrays, strict=True):
+        # the manual variant's block vs this process's block of the unsharded gradient
+        _close(gm, fs.device_put(gref, mesh, a.spec).local, f"manual grad {k} (local block) vs unsharded")
+    if lead:
+        print(f"check: manual, fs, fs+vma agree (loss {m_loss.item():.6f}; unsharded {ref_loss.item():.6f})")
+
+    # -- communication of one funcshard step
+    with fs.comm_stats() as stats:
+        variants["fs"]()
+    with fs.comm_stats() as stats_vma:
+        variants["fs+vma"]()
+    payload = b * d * x_full.element_size()  # one [b, d] fp32 all-reduce
+    for s in (stats, stats_vma):
+        assert s.calls("psum", "tp") == 2, s.table()  # forward psum + backward psum of the pvary on x
+        assert s.bytes("psum", "tp") == 2 * payload, s.table()
+        assert s.calls() == 2, s.table()
+
+    # -- timing: warmup, then interleaved steps (the order rotates so no variant always runs first)
+    names = list(variants)
+    times: dict[str, list[float]] = {n: [] for n in names}  # wall clock
+    cpu: dict[str, list[float]] = {n: [] for n in names}  # CPU time of this thread (excludes waiting)
+    for _ in range(args.warmup):
+        for n in names:
+            variants[n]()
+    dist.barrier()
+    for i in range(args.steps):
+        k = i % len(names)
+        for n in names[k:] + names[:k]:
+            c0, t0 = time.thread_time(), time.perf_counter()
+            variants[n]()
+            t1, c1 = time.perf_counter(), time.thread_time()
+            times[n].append(t1 - t0)
+            cpu[n].append(c1 - c0)
+    # every rank waits for the other in the all-reduces; report the slower rank's medians
+    local_med = {n: (statistics.median(times[n]) * 1e3, statistics.median(cpu[n]) * 1e3) for n in names}
+    all_med: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(all_med, local_med)
+    med = {n: max(m[n][0] for m in all_med) for n in names}
+    med_cpu = {n: max(m[n][1] for m in all_med) for n in names}
+
+    if lead:
+        print()
+        print(
+            f"TP MLP step (fwd + bwd), tp={WORLD} gloo processes, 1 thread each; "
+            f"batch {b}, d {d}, h {h}; torch {torch.__version__}"
+        )
+        print(f"{args.steps} interleaved steps per variant after {args.warmup} warmup; median (max over ranks)")
+        if args.view_shards:
+            print("funcshard inputs: device_put's shards as they are (views of the full tensors)")
+        load, ncpu = args.load_before, os.cpu_count() or 1
+        busy = "  (busy host: expect noisy wall-clock ratios; the cpu columns are steadier)" if load > ncpu else ""
+        print(f"host: {ncpu} cpus, 1-min load average {load:.1f} at launch{busy}")
+        print()
+        print(
+            f"{'variant':<34} {'median ms':>10} {'p10':>7} {'p90':>7} {'/ (a)':>7} {'target':>8}"
+            f" {'cpu ms':>8} {'cpu / (a)':>9}"
+        )
+        print("-" * 97)
+        labels = {
+            "manual": "(a) torch.distributed + Functions",
+            "fs": "(b) shard_map(check_vma=False)",
+            "fs+vma": "(c) shard_map(check_vma=True)",
+        }
+        for n in names:
+            q = statistics.quantiles(times[n], n=10)
+            target = f"<= {TARGETS[n]:.2f}" if n in TARGETS else ""
+            print(
+                f"{labels[n]:<34} {med[n]:>10.3f} {q[0] * 1e3:>7.2f} {q[-1] * 1e3:>7.2f} {med[n] / med['manual']:>7.3f}"
+                f" {target:>8} {med_cpu[n]:>8.3f} {med_cpu[n] / med_cpu['manual']:>9.3f}"
+            )
+        print()
+        print(
+            f"ratios (median wall clock): (b)/(a) = {med['fs'] / med['manual']:.3f}   "
+            f"(c)/(a) = {med['fs+vma'] / med['manual']:.3f}"
+        )
+        print(
+            f"overhead per step: (b) {med['fs'] - med['manual']:+.3f} ms wall, {med_cpu['fs'] - med_cpu['manual']:+.3f}"
+            f" ms cpu;  (c) {med['fs+vma'] - med['manual']:+.3f} ms wall, {med_cpu['fs+vma'] - med_cpu['manual']:+.3f}"
+            " ms cpu"
+        )
+        print("(cpu = CPU time of the calling thread, which leaves out waiting for the peer: steadier on a busy host)")
+        print()
+        print("communication of one funcshard step (rank 0; the same for check_vma=True and False):")
+        print(stats.table())
+        print(f"expected: 2 all-reduces of [{b}, {d}] fp32 = 2 x {payload:,} bytes (the manual variant makes the same)")
+
+
+# ---------------------------------------------------------------- launching
+
+
+def _spawned(rank: int, port: int, args: argparse.Namespace) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(WORLD),
+        LOCAL_RANK=str(rank),
+        CUDA_VISIBLE_DEVICES="",
+    )
+    _main_dist(args)
+
+
+def _main_dist(args: argparse.Namespace) -> None:
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
+    if dist.get_world_size() != WORLD:
+        raise SystemExit(f"this benchmark runs on {WORLD} processes, found {dist.get_world_size()}")
+    run(args)
+    dist.barrier()
+    dist.destroy_process_group()
+    # funcshard keeps its per-axis process groups in a module-level cache; a gloo group still referenced at
+    # interpreter teardown sometimes aborts the process ("terminate called without an active exception").
+    # Leave without the teardown: the run is complete and its output written.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--d", type=int, default=512)
+    ap.add_argument("--h", type=int, default=2048)
+    ap.add_argument("--warmup", type=int, default=10)
+    ap.add_argument("--steps", type=int, default=100, help="timed steps per variant (>= 20)")
+    ap.add_argument(
+        "--view-shards",
+        action="store_true",
+        help="give funcshard the shards exactly as fs.device_put makes them (views of the full tensors)",
+    )
+    args = ap.parse_args(argv)
+    if args.steps < 20:
+        ap.error("--steps must be at least 20")
+    args.load_before = os.getloadavg()[0]
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun
+        _main_dist(args)
+    else:
+        mp.spawn(_spawned, args=(_free_port(), args), nprocs=WORLD, join=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
