@@ -118,7 +118,10 @@ def local_shards(x: torch.Tensor, mesh: Mesh, spec: P) -> dict[Coords, torch.Ten
     names = mesh.axis_names
     out = {}
     for c in _local_coords(mesh):
-        out[c] = x[shard_slices(x.shape, spec, mesh.shape, dict(zip(names, c, strict=True)))]
+        block = x[shard_slices(x.shape, spec, mesh.shape, dict(zip(names, c, strict=True)))]
+        if mesh.backend == "dist" and block.numel() < x.numel():
+            block = block.clone()  # own storage: the process keeps its shard, not the whole tensor
+        out[c] = block
     return out
 
 

@@ -10,10 +10,19 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch._functorch.utils import unwrap_dead_wrappers as _unwrap_dead
 
 from ._stats import record
 
-__all__ = ["AllGather", "AllGatherInvariant", "AllReduce", "AllToAll", "Ppermute", "Pvary", "ReduceScatter"]
+__all__ = ["AllGather", "AllGatherInvariant", "AllReduce", "AllToAll", "Ppermute", "Pvary", "ReduceScatter", "call"]
+
+
+def call(fn: type[torch.autograd.Function], *args: Any) -> Any:
+    """``fn.apply(*args)`` without its per-call ``inspect.signature`` when no torch.func transform is
+    active (all our arguments are positional, so there are no defaults to bind): ~3 us instead of ~13 us."""
+    if torch._C._are_functorch_transforms_active():
+        return fn.apply(*args)
+    return super(torch.autograd.Function, fn).apply(*_unwrap_dead(args))  # type: ignore[misc]
 
 
 def _nbytes(x: torch.Tensor) -> int:
@@ -41,7 +50,7 @@ class AllReduce(torch.autograd.Function):
             return g, None, None, None, None
         x, y = ctx.saved_tensors
         mask = (x == y).to(g.dtype)
-        count = AllReduce.apply(mask, ctx.dev, ctx.axes, "sum", "psum")  # [*s] -> [*s]: devices at the extreme
+        count = call(AllReduce, mask, ctx.dev, ctx.axes, "sum", "psum")  # [*s] -> [*s]: devices at the extreme
         return g * mask / count, None, None, None, None
 
 
@@ -58,7 +67,7 @@ class Pvary(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
-        return AllReduce.apply(g, ctx.dev, ctx.axes, "sum", "psum"), None, None  # [*s] -> [*s]
+        return call(AllReduce, g, ctx.dev, ctx.axes, "sum", "psum"), None, None  # [*s] -> [*s]
 
 
 class PvaryBucket(torch.autograd.Function):
@@ -77,7 +86,7 @@ class PvaryBucket(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *gs: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
         flat = torch.cat([g.reshape(-1) for g in gs])  # n x [*s_i] -> [sum |s_i|]
-        total = AllReduce.apply(flat, ctx.dev, ctx.axes, "sum", "psum")  # [sum |s_i|] -> [sum |s_i|]
+        total = call(AllReduce, flat, ctx.dev, ctx.axes, "sum", "psum")  # [sum |s_i|] -> [sum |s_i|]
         parts = total.split([s.numel() for s in ctx.shapes])
         return (None, None, *(p.view(s) for p, s in zip(parts, ctx.shapes, strict=True)))
 
@@ -96,7 +105,7 @@ class AllGather(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
-        return ReduceScatter.apply(g, ctx.dev, ctx.axes), None, None  # [n, *s] -> [*s]
+        return call(ReduceScatter, g, ctx.dev, ctx.axes), None, None  # [n, *s] -> [*s]
 
 
 class ReduceScatter(torch.autograd.Function):
@@ -113,7 +122,7 @@ class ReduceScatter(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
-        return AllGather.apply(g, ctx.dev, ctx.axes), None, None  # [*s] -> [n, *s]
+        return call(AllGather, g, ctx.dev, ctx.axes), None, None  # [*s] -> [n, *s]
 
 
 class AllToAll(torch.autograd.Function):
@@ -130,7 +139,7 @@ class AllToAll(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
-        return AllToAll.apply(g, ctx.dev, ctx.axes), None, None  # [n, *s] -> [n, *s]
+        return call(AllToAll, g, ctx.dev, ctx.axes), None, None  # [n, *s] -> [n, *s]
 
 
 class Ppermute(torch.autograd.Function):
@@ -148,7 +157,7 @@ class Ppermute(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
         inverse = tuple((dst, src) for src, dst in ctx.perm)
-        return Ppermute.apply(g, ctx.dev, ctx.axes, inverse), None, None, None  # [*s] -> [*s]
+        return call(Ppermute, g, ctx.dev, ctx.axes, inverse), None, None, None  # [*s] -> [*s]
 
 
 class AllGatherInvariant(torch.autograd.Function):
@@ -184,4 +193,4 @@ class SplitInvariant(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
-        return AllGatherInvariant.apply(g, ctx.dev, ctx.axes, ctx.index), None, None, None  # [*s] -> [n, *s]
+        return call(AllGatherInvariant, g, ctx.dev, ctx.axes, ctx.index), None, None, None  # [*s] -> [n, *s]

@@ -16,6 +16,7 @@ import threading
 from collections import defaultdict
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 __all__ = ["CommStats", "comm_stats", "record"]
 
@@ -82,6 +83,9 @@ class CommStats:
 
     def __repr__(self) -> str:
         return f"CommStats(calls={self.calls()}, bytes={self.bytes()})"
+
+    def _repr_pretty_(self, p: Any, cycle: bool) -> None:  # IPython / Jupyter: show the table
+        p.text(self.table())
 
 
 def record(rank: int, name: str, axes: tuple[str, ...], nbytes: int) -> None:

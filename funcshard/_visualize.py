@@ -23,7 +23,7 @@ from ._array import Array
 from ._errors import ShardingError
 from ._spec import block_index, format_mesh
 
-__all__ = ["visualize"]
+__all__ = ["Picture", "visualize"]
 
 
 def _label_rows(a: Array, ranks: list[int]) -> list[str]:
@@ -38,7 +38,20 @@ def _label_rows(a: Array, ranks: list[int]) -> list[str]:
     return ["dev " + ",".join(map(str, ranks)), " ".join(parts)]
 
 
-def visualize(a: Array, *, show: bool = True) -> str:
+class Picture(str):
+    """The text picture; in a notebook it is not shown a second time when it was already printed."""
+
+    shown: bool = False
+
+    def _ipython_display_(self) -> None:
+        if not self.shown:
+            print(self)
+
+    def __repr__(self) -> str:
+        return str(self) if not self.shown else f"<sharding picture, {len(self.splitlines())} lines>"
+
+
+def visualize(a: Array, *, show: bool = True) -> Picture:
     """Draw which devices hold each block of ``a`` (the first two dims; like
     ``jax.debug.visualize_array_sharding``). Returns the picture and prints it unless ``show=False``.
 
@@ -81,7 +94,8 @@ def visualize(a: Array, *, show: bool = True) -> str:
         for k in range(2):
             lines.append("│" + "│".join(texts[(i, j)][k].center(width) for j in range(cols_n)) + "│")
         lines.append(border("├", "┼", "┤") if i < rows_n - 1 else border("└", "┴", "┘"))
-    pic = "\n".join(lines)
+    pic = Picture("\n".join(lines))
     if show:
         print(pic)
+        pic.shown = True
     return pic

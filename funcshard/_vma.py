@@ -21,7 +21,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from ._errors import ShardingError
-from ._prims import Pvary
+from ._prims import Pvary, call
 
 __all__ = ["EMPTY", "VmaMode", "get_vma", "pvary_to", "set_vma"]
 
@@ -73,7 +73,7 @@ def pvary_to(x: torch.Tensor, want: frozenset[str], dev: Any) -> torch.Tensor:
         return x
     axes = tuple(a for a in dev.mesh.axis_names if a in missing)
     with torch._C.DisableTorchFunction():
-        y = Pvary.apply(x, dev, axes)
+        y = call(Pvary, x, dev, axes)
     return set_vma(y, have | missing)
 
 

@@ -90,7 +90,7 @@ def _reduce(x: PyTree, axis: _Axis, op: str, name: str) -> PyTree:
             return t * n if op == "sum" else t
         with torch._C.DisableTorchFunction():
             t = _prep(ctx, t, axes)
-            y = _prims.AllReduce.apply(t, ctx.device, axes, op, name)  # [*s] -> [*s], invariant over axes
+            y = _prims.call(_prims.AllReduce, t, ctx.device, axes, op, name)  # [*s] -> [*s], invariant over axes
             if name == "pmean":
                 y = y / n
         return _tag(ctx, y, get_vma(t) - frozenset(axes))
@@ -166,9 +166,11 @@ def pvary(x: PyTree, axis: _Axis) -> PyTree:
     for (todo, _, _, have), idx in groups.items():
         with torch._C.DisableTorchFunction():
             if len(idx) == 1:
-                ys: tuple[torch.Tensor, ...] = (_prims.Pvary.apply(leaves[idx[0]], ctx.device, todo),)  # [*s] -> [*s]
+                ys: tuple[torch.Tensor, ...] = (
+                    _prims.call(_prims.Pvary, leaves[idx[0]], ctx.device, todo),
+                )  # [*s] -> [*s]
             else:
-                ys = _prims.PvaryBucket.apply(ctx.device, todo, *(leaves[i] for i in idx))  # n x [*s_i] -> same
+                ys = _prims.call(_prims.PvaryBucket, ctx.device, todo, *(leaves[i] for i in idx))  # n x [*s_i] -> same
         for i, y in zip(idx, ys, strict=True):
             out[i] = _tag(ctx, y, have | frozenset(axes))
     return optree.tree_unflatten(treedef, out)
@@ -197,7 +199,7 @@ def all_gather(x: PyTree, axis: _Axis, *, dim: int = 0, tiled: bool = False) -> 
         d = _dim(dim, max(nd, 1), "all_gather", "dim", t.shape)
         with torch._C.DisableTorchFunction():
             t = _prep(ctx, t, axes)
-            y = _prims.AllGather.apply(t, ctx.device, axes)  # [*s] -> [n, *s]
+            y = _prims.call(_prims.AllGather, t, ctx.device, axes)  # [*s] -> [n, *s]
             y = y.movedim(0, d)
             if tiled:
                 y = y.flatten(d, d + 1)  # [.., n, s_d, ..] -> [.., n*s_d, ..]
@@ -224,7 +226,7 @@ def all_gather_invariant(x: PyTree, axis: _Axis, *, dim: int = 0, tiled: bool = 
         d = _dim(dim, max(nd, 1), "all_gather_invariant", "dim", t.shape)
         with torch._C.DisableTorchFunction():
             t = _prep(ctx, t, axes)
-            y = _prims.AllGatherInvariant.apply(t, ctx.device, axes, axis_index(axes))  # [*s] -> [n, *s]
+            y = _prims.call(_prims.AllGatherInvariant, t, ctx.device, axes, axis_index(axes))  # [*s] -> [n, *s]
             y = y.movedim(0, d)
             if tiled:
                 y = y.flatten(d, d + 1)  # [.., n, s_d, ..] -> [.., n*s_d, ..]
@@ -263,7 +265,7 @@ def split_invariant(x: PyTree, axis: _Axis, *, dim: int = 0) -> PyTree:
                 y = t.narrow(d, idx * size, size)  # [.., s_d, ..] -> [.., s_d/n, ..]
             else:
                 xs = t.unflatten(d, (n, -1)).movedim(d, 0)  # [.., s_d, ..] -> [n, .., s_d/n, ..]
-                y = _prims.SplitInvariant.apply(xs, ctx.device, axes, idx)  # [n, *s] -> [*s]
+                y = _prims.call(_prims.SplitInvariant, xs, ctx.device, axes, idx)  # [n, *s] -> [*s]
         return _tag(ctx, y, have | frozenset(axes))
 
     return _tmap(one, x, "split_invariant")
@@ -297,7 +299,7 @@ def psum_scatter(x: PyTree, axis: _Axis, *, dim: int = 0, tiled: bool = False) -
         with torch._C.DisableTorchFunction():
             t = _prep(ctx, t, axes)
             xs = t.unflatten(d, (n, -1)).movedim(d, 0) if tiled else t.movedim(d, 0)  # -> [n, ...]
-            y = _prims.ReduceScatter.apply(xs, ctx.device, axes)  # [n, *s] -> [*s]
+            y = _prims.call(_prims.ReduceScatter, xs, ctx.device, axes)  # [n, *s] -> [*s]
         return _tag(ctx, y, get_vma(t))
 
     return _tmap(one, x, "psum_scatter")
@@ -330,7 +332,7 @@ def all_to_all(x: PyTree, axis: _Axis, split_dim: int, concat_dim: int, *, tiled
         with torch._C.DisableTorchFunction():
             t = _prep(ctx, t, axes)
             xs = t.unflatten(sd, (n, -1)).movedim(sd, 0) if tiled else t.movedim(sd, 0)  # -> [n, ...]
-            ys = _prims.AllToAll.apply(xs, ctx.device, axes)  # [n, *s] -> [n, *s]
+            ys = _prims.call(_prims.AllToAll, xs, ctx.device, axes)  # [n, *s] -> [n, *s]
             y = ys.movedim(0, cd)
             if tiled:
                 y = y.flatten(cd, cd + 1)  # [.., n, c, ..] -> [.., n*c, ..]
@@ -367,7 +369,7 @@ def ppermute(x: PyTree, axis: _Axis, perm: Sequence[tuple[int, int]]) -> PyTree:
     def one(t: torch.Tensor) -> torch.Tensor:
         with torch._C.DisableTorchFunction():
             t = _prep(ctx, t, axes)
-            y = _prims.Ppermute.apply(t, ctx.device, axes, pairs)  # [*s] -> [*s]
+            y = _prims.call(_prims.Ppermute, t, ctx.device, axes, pairs)  # [*s] -> [*s]
         return _tag(ctx, y, get_vma(t))
 
     return _tmap(one, x, "ppermute")

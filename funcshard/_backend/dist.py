@@ -12,6 +12,7 @@ Example:
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import os
 from typing import Any
@@ -27,6 +28,18 @@ __all__ = ["DistDevice", "device_for", "setup"]
 # torch 2.13 renamed the flat collectives; keep both spellings working (torch >= 2.4).
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def _drop_groups() -> None:
+    """Forget the cached process groups and devices (before the interpreter tears torch down: gloo can
+    abort at exit while a module-level dict still holds its groups)."""
+    for dev in _DEVICES.values():
+        dev._order.clear()
+    _DEVICES.clear()
+    _GROUPS.clear()
+
+
+atexit.register(_drop_groups)
 
 _GROUPS: dict[tuple[Any, ...], dict[frozenset[str], Any]] = {}
 _DEVICES: dict[Any, DistDevice] = {}
