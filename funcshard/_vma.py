@@ -31,15 +31,21 @@ _unwrap = torch._C._functorch.get_unwrapped
 _is_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
 
 
-def get_vma(t: torch.Tensor) -> frozenset[str]:
-    """The axes ``t`` varies over (looking through torch.func wrappers)."""
+def find_vma(t: torch.Tensor) -> frozenset[str] | None:
+    """The tag of ``t`` (looking through torch.func wrappers), or None when it carries none."""
     while True:
         v = t.__dict__.get(_ATTR)
         if v is not None:
             return v
         if not _is_wrapped(t):
-            return EMPTY
+            return None
         t = _unwrap(t)
+
+
+def get_vma(t: torch.Tensor) -> frozenset[str]:
+    """The axes ``t`` varies over (looking through torch.func wrappers); untagged means invariant."""
+    v = find_vma(t)
+    return EMPTY if v is None else v
 
 
 def set_vma(t: torch.Tensor, axes: frozenset[str]) -> torch.Tensor:

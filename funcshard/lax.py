@@ -182,6 +182,28 @@ def _dim(d: int, ndim: int, name: str, what: str, shape: Sequence[int]) -> int:
     return d % ndim
 
 
+def _gather(x: PyTree, axis: _Axis, dim: int, tiled: bool, name: str) -> PyTree:
+    """all_gather / all_gather_invariant: the same forward, different transposes and tags."""
+    ctx = current(name)
+    axes = axes_of(axis, ctx.mesh, name)
+    invariant = name == "all_gather_invariant"
+
+    def one(t: torch.Tensor) -> torch.Tensor:
+        d = _dim(dim, max(t.dim() + (0 if tiled else 1), 1), name, "dim", t.shape)
+        with torch._C.DisableTorchFunction():
+            t = _prep(ctx, t, axes)
+            if invariant:
+                y = _prims.call(_prims.AllGatherInvariant, t, ctx.device, axes, axis_index(axes))  # [*s] -> [n, *s]
+            else:
+                y = _prims.call(_prims.AllGather, t, ctx.device, axes)  # [*s] -> [n, *s]
+            y = y.movedim(0, d)
+            if tiled:
+                y = y.flatten(d, d + 1)  # [.., n, s_d, ..] -> [.., n*s_d, ..]
+        return _tag(ctx, y, get_vma(t) - frozenset(axes) if invariant else get_vma(t))
+
+    return _tmap(one, x, name)
+
+
 def all_gather(x: PyTree, axis: _Axis, *, dim: int = 0, tiled: bool = False) -> PyTree:
     """Gather the shards of ``axis`` in axis order (forward); reduce-scatter (backward).
 
@@ -191,21 +213,7 @@ def all_gather(x: PyTree, axis: _Axis, *, dim: int = 0, tiled: bool = False) -> 
     Example:
         >>> # w_full = fs.all_gather(w, "fsdp", dim=0, tiled=True)  # [h/n, d] -> [h, d]
     """
-    ctx = current("all_gather")
-    axes = axes_of(axis, ctx.mesh, "all_gather")
-
-    def one(t: torch.Tensor) -> torch.Tensor:
-        nd = t.dim() + (0 if tiled else 1)
-        d = _dim(dim, max(nd, 1), "all_gather", "dim", t.shape)
-        with torch._C.DisableTorchFunction():
-            t = _prep(ctx, t, axes)
-            y = _prims.call(_prims.AllGather, t, ctx.device, axes)  # [*s] -> [n, *s]
-            y = y.movedim(0, d)
-            if tiled:
-                y = y.flatten(d, d + 1)  # [.., n, s_d, ..] -> [.., n*s_d, ..]
-        return _tag(ctx, y, get_vma(t))
-
-    return _tmap(one, x, "all_gather")
+    return _gather(x, axis, dim, tiled, "all_gather")
 
 
 def all_gather_invariant(x: PyTree, axis: _Axis, *, dim: int = 0, tiled: bool = False) -> PyTree:
@@ -218,21 +226,7 @@ def all_gather_invariant(x: PyTree, axis: _Axis, *, dim: int = 0, tiled: bool = 
     Example:
         >>> # full = fs.all_gather_invariant(x, "tp", dim=0, tiled=True)  # [s/tp, d] -> [s, d]
     """
-    ctx = current("all_gather_invariant")
-    axes = axes_of(axis, ctx.mesh, "all_gather_invariant")
-
-    def one(t: torch.Tensor) -> torch.Tensor:
-        nd = t.dim() + (0 if tiled else 1)
-        d = _dim(dim, max(nd, 1), "all_gather_invariant", "dim", t.shape)
-        with torch._C.DisableTorchFunction():
-            t = _prep(ctx, t, axes)
-            y = _prims.call(_prims.AllGatherInvariant, t, ctx.device, axes, axis_index(axes))  # [*s] -> [n, *s]
-            y = y.movedim(0, d)
-            if tiled:
-                y = y.flatten(d, d + 1)  # [.., n, s_d, ..] -> [.., n*s_d, ..]
-        return _tag(ctx, y, get_vma(t) - frozenset(axes))
-
-    return _tmap(one, x, "all_gather_invariant")
+    return _gather(x, axis, dim, tiled, "all_gather_invariant")
 
 
 def split_invariant(x: PyTree, axis: _Axis, *, dim: int = 0) -> PyTree:

@@ -12,7 +12,7 @@ from .._array import Array
 from .._context import maybe_current
 from .._errors import ShardingError
 from .._spec import P, is_spec
-from .._vma import _ATTR, _is_wrapped, _unwrap, get_vma
+from .._vma import find_vma, get_vma
 from ._base import (
     ClipByGlobalNormState,
     Optimizer,
@@ -28,17 +28,6 @@ from ._base import (
 
 def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
-
-
-def _explicit_vma(t: torch.Tensor) -> frozenset[str] | None:
-    """The vma tag of ``t`` (looking through torch.func wrappers), or None when it carries none."""
-    while True:
-        v = t.__dict__.get(_ATTR)
-        if v is not None:
-            return v
-        if not _is_wrapped(t):
-            return None
-        t = _unwrap(t)
 
 
 def global_norm(tree: PyTree, *, specs: PyTree = None, params: PyTree = None) -> torch.Tensor:
@@ -89,7 +78,7 @@ def global_norm(tree: PyTree, *, specs: PyTree = None, params: PyTree = None) ->
             p_leaves = _check_like("global_norm", "params", params, tree, "tree") if params is not None else None
             raw = []
             for k, g in enumerate(leaves):
-                tag = _explicit_vma(p_leaves[k]) if p_leaves is not None else None
+                tag = find_vma(p_leaves[k]) if p_leaves is not None else None
                 raw.append(tag if tag is not None else get_vma(g))
         axis_sets = [tuple(a for a in mesh.axis_names if a in r and mesh.shape[a] > 1) for r in raw]
     groups: dict[tuple[str, ...], torch.Tensor] = {}
