@@ -167,7 +167,8 @@ def comm_theory(
     - TP+SP: each all-reduce becomes an all-gather (payload ``b*s/tp*d``) and a reduce-scatter (payload
       ``b*s*d``), forward and backward; the replicated norm weights' gradients are all-reduced over tp.
     - FSDP: one all-gather per parameter forward (payload: the shard) and one reduce-scatter per parameter
-      backward (payload: the full parameter); HSDP adds an all-reduce of each gradient shard over ``dp``.
+      backward (payload: the full parameter); HSDP adds one bucketed all-reduce of the gradient shards over
+      ``dp``.
     """
     shape = mesh_shape(mode)
     d, f = cfg.dim, cfg.ffn
@@ -201,12 +202,14 @@ def comm_theory(
         add("pmean", "tp", 1, 1)
     if mode in ("fsdp", "fsdp_tp", "hsdp"):
         n = shape["fsdp"]
+        shards = 0
         for name in _NAMES:
             full = sizes[name] // (tp if name not in ("attn_norm", "mlp_norm") else 1)
             add("all_gather", "fsdp", 1, full // n)
             add("psum_scatter", "fsdp", 1, full)
-            if mode == "hsdp":
-                add("psum", "dp", 1, full // n)
+            shards += full // n
+        if mode == "hsdp":
+            add("psum", "dp", 1, shards)  # one bucketed all-reduce of every gradient shard
         if mode == "hsdp":
             out[("pmean", "dp,fsdp")] = (1, itemsize)
         else:

@@ -58,7 +58,8 @@ def fsdp_gather(
         specs: the parameters' spec tree (or prefix), as given to ``shard_map``.
         axis: the FSDP mesh axis.
         replicate_axis: HSDP's replica axis (or axes): the shards are made varying over it before the
-            gather, so the backward all-reduces the small reduce-scattered shard, not the full gradient.
+            gather, so the backward all-reduces the small reduce-scattered shards (all of them in one
+            bucketed collective), not the full gradients.
 
     Returns:
         The tree with ``axis`` gathered out of every leaf (other axes, e.g. ``tp``, stay sharded).
@@ -69,17 +70,18 @@ def fsdp_gather(
     Example:
         >>> # full = fsdp_gather(params, specs, axis="fsdp")  # wq: [d/fsdp, d] -> [d, d]
     """
+    flat_specs = pytree.broadcast_prefix(specs, params, prefix_is_leaf=is_spec, where="fsdp_gather: ")
+    if replicate_axis is not None:
+        # identity forward; backward: one bucketed psum over the replicas of all the shards' gradients
+        params = lax.pvary(params, replicate_axis)
     leaves, treedef = optree.tree_flatten(params)
     paths = [p for p, _ in pytree.leaves_with_path(params)]
-    flat_specs = pytree.broadcast_prefix(specs, params, prefix_is_leaf=is_spec, where="fsdp_gather: ")
     out = []
     for path, leaf, spec in zip(paths, leaves, flat_specs, strict=True):
         if not isinstance(leaf, torch.Tensor):
             out.append(leaf)
             continue
         d = _fsdp_dim(spec, leaf.dim(), axis, path)
-        if replicate_axis is not None:
-            leaf = lax.pvary(leaf, replicate_axis)  # identity forward; psum of the shard's gradient backward
         if d is not None:
             leaf = lax.all_gather(leaf, axis, dim=d, tiled=True)  # [.., s_d/n, ..] -> [.., s_d, ..]
         out.append(leaf)
