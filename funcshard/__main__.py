@@ -1,4 +1,4 @@
-"""``python -m funcshard <command>``: the command-line entry (``demo`` for now)."""
+"""``python -m funcshard <command>`` (or ``funcshard <command>``): the command-line entry."""
 
 from __future__ import annotations
 
@@ -7,7 +7,11 @@ import sys
 USAGE = """usage: python -m funcshard <command> [options]
 
 commands:
-  demo    train a DP x TP MLP with a functional step on a simulated mesh (or under torchrun)
+  train     train a byte-level Llama on real text over a dp / fsdp / tp mesh (simulated, or under torchrun)
+  generate  sample text from the latest checkpoint of a train run
+  demo      train a DP x TP MLP with a functional step on a simulated mesh (or under torchrun)
+
+'python -m funcshard <command> --help' lists a command's options.
 """
 
 
@@ -18,11 +22,21 @@ def main(argv: list[str] | None = None) -> int:
         print(USAGE)
         return 0 if argv else 2
     cmd, rest = argv[0], argv[1:]
+    if cmd == "train":
+        from .train import main as train_main
+
+        return train_main(rest)
+    if cmd == "generate":
+        from .train import generate_main
+
+        return generate_main(rest)
     if cmd == "demo":
         from ._demo import main as demo_main
 
         return demo_main(rest)
-    print(f"error: unknown command {cmd!r}\n\n{USAGE}", file=sys.stderr)
+    print(
+        f"error: unknown command {cmd!r}; choose train, generate or demo (python -m funcshard --help)", file=sys.stderr
+    )
     return 2
 
 

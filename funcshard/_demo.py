@@ -17,31 +17,11 @@ import torch
 import torch.nn.functional as F
 
 from . import _array, _mesh, _shard_map, _stats, _visualize, lax
+from ._cli import parse_mesh
 from ._errors import MeshError, ShardingError
 from ._spec import P
 
-__all__ = ["parse_mesh", "run_demo"]
-
-
-def parse_mesh(text: str) -> dict[str, int]:
-    """``"dp=2,tp=2"`` -> ``{"dp": 2, "tp": 2}``.
-
-    Raises:
-        MeshError: text that is not ``name=size`` pairs separated by commas.
-
-    Example:
-        >>> parse_mesh("dp=2,tp=4")
-        {'dp': 2, 'tp': 4}
-    """
-    out: dict[str, int] = {}
-    for part in text.split(","):
-        name, eq, size = part.strip().partition("=")
-        if not eq or not name.strip() or not size.strip().isdigit() or int(size) < 1:
-            raise MeshError(f"--mesh {text!r}: write axis=size pairs separated by commas, e.g. --mesh dp=2,tp=2.")
-        if name.strip() in out:
-            raise MeshError(f"--mesh {text!r}: axis '{name.strip()}' appears twice.")
-        out[name.strip()] = int(size)
-    return out
+__all__ = ["parse_mesh", "run_demo"]  # parse_mesh lives in _cli
 
 
 def _params(d: int, h: int, seed: int) -> dict[str, torch.Tensor]:

@@ -1,0 +1,380 @@
+"""The main job: train the Llama on real text over a dp / fsdp / tp mesh, simulated or under torchrun.
+
+``python -m funcshard train`` (no arguments) trains a ~3M-parameter byte-level Llama on the Python standard
+library's own source on a simulated ``dp=2,tp=2`` mesh; ``torchrun --nproc-per-node 4 -m funcshard train``
+runs the same job with one device per process. The whole step is ONE ``shard_map``: loss and gradients
+(``fs.value_and_grad`` of ``llama.loss``) and the optimiser update (clip by global norm, AdamW with warmup +
+cosine), with the parameters and optimiser state laid out by ``llama.param_specs`` in and out. Parameters are
+initialised sharded (each device draws only its blocks). Along the way: a progress bar (loss, tokens/s, MFU
+estimate), held-out validation loss, checkpoints with exact resume; at the end a loss curve and a CSV.
+
+``python -m funcshard generate`` samples bytes from the latest checkpoint with the unsharded ``llama.forward``.
+
+Example:
+    >>> from funcshard import train
+    >>> train.main(["--steps", "2", "--dim", "32", "--layers", "1", "--ffn", "64"])  # doctest: +SKIP
+    0
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import dataclasses
+import json
+import math
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from . import _array, _grad, _mesh, _shard_map, checkpoint, optim
+from . import random as fsr
+from ._cli import UsageError, generate_parser, parse_mesh, run, train_parser
+from ._data import eval_batches, load_corpus, train_batch
+from ._spec import P
+from .models import llama
+from .models.llama.sharding import param_shapes
+
+__all__ = ["generate", "generate_main", "main", "train"]
+
+CSV_FIELDS = ("step", "train_loss", "val_loss", "tokens_per_s")
+
+
+def _lead() -> bool:
+    return int(os.environ.get("RANK", "0")) == 0
+
+
+def _say(*args: Any) -> None:
+    if _lead():
+        print(*args, flush=True)
+
+
+def model_config(args: argparse.Namespace) -> llama.Config:
+    """The Llama of the command line (byte-level: vocabulary 256)."""
+    cfg = llama.Config(
+        vocab_size=256,
+        dim=args.dim,
+        n_layers=args.layers,
+        n_heads=args.heads,
+        n_kv_heads=args.kv_heads,
+        ffn_dim=args.ffn,
+        max_seq_len=args.seq,
+    )
+    return dataclasses.replace(cfg, sequence_parallel=True) if args.sp else cfg
+
+
+def _check_args(args: argparse.Namespace, mesh: _mesh.Mesh, cfg: llama.Config) -> int:
+    """Sizes the mesh cannot use -> UsageError; returns the warmup steps."""
+    data = math.prod(mesh.shape.get(a, 1) for a in ("dp", "fsdp"))
+    if args.batch % data:
+        raise UsageError(f"--batch {args.batch} is not divisible by the data-parallel size (dp x fsdp = {data}).")
+    tp = mesh.shape.get("tp", 1)
+    if args.sp and args.seq % tp:
+        raise UsageError(f"--sp needs --seq divisible by tp={tp}; found --seq {args.seq}.")
+    warmup = min(20, args.steps // 10) if args.warmup is None else args.warmup
+    if warmup >= args.steps:
+        raise UsageError(f"--warmup {warmup} must be smaller than --steps {args.steps}.")
+    for name in ("lr", "weight_decay", "clip", "peak_tflops"):
+        if not getattr(args, name) > 0 and not (name == "weight_decay" and args.weight_decay == 0):
+            raise UsageError(f"--{name.replace('_', '-')} must be a positive number, found {getattr(args, name)}.")
+    return warmup
+
+
+def _optimizer(args: argparse.Namespace, warmup: int) -> optim.Optimizer:
+    final = args.lr / 10 if args.final_lr is None else args.final_lr
+    schedule = optim.warmup_cosine(args.lr, warmup, args.steps, final_lr=final)
+    return optim.chain(optim.clip_by_global_norm(args.clip), optim.adamw(schedule, weight_decay=args.weight_decay))
+
+
+def _threads(args: argparse.Namespace, mesh: _mesh.Mesh) -> int:
+    """Torch threads per process: the cores shared by the devices this machine runs (sim: the whole mesh)."""
+    if args.threads:
+        return args.threads
+    local = mesh.size if mesh.backend == "sim" else int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, cores // local)
+
+
+# ---------------------------------------------------------------------------------------------- reports
+
+
+def _read_rows(path: Path, upto: int) -> list[dict[str, str]]:
+    if not path.is_file():
+        return []
+    with open(path, newline="") as f:
+        return [r for r in csv.DictReader(f) if int(r["step"]) <= upto]
+
+
+def _write_rows(path: Path, rows: list[dict[str, Any]]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=CSV_FIELDS)
+        w.writeheader()
+        w.writerows(rows)
+
+
+def _plot(path: Path, rows: list[dict[str, Any]], title: str) -> bool:
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError:
+        return False
+    train = [(int(r["step"]), float(r["train_loss"])) for r in rows if r["train_loss"] != ""]
+    val = [(int(r["step"]), float(r["val_loss"])) for r in rows if r["val_loss"] != ""]
+    fig = Figure(figsize=(7, 4.2))
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    if train:
+        ax.plot(*zip(*train, strict=True), lw=1, label="train (batch)")
+    if val:
+        ax.plot(*zip(*val, strict=True), "o-", lw=2, label="validation (held out)")
+    ax.set(xlabel="step", ylabel="loss (nats / byte)", title=title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    return True
+
+
+# ---------------------------------------------------------------------------------------------- train
+
+
+def train(args: argparse.Namespace) -> dict[str, Any]:
+    """Run the training job described by ``args`` (see ``funcshard train --help``); returns a summary."""
+    from tqdm.auto import tqdm
+
+    cfg = model_config(args)
+    corpus = load_corpus(args.data, max_bytes=args.max_bytes, seq=args.seq)
+    mesh = _mesh.make_mesh(parse_mesh(args.mesh))
+    specs = llama.param_specs(cfg, mesh)  # ShardingError: an axis the model cannot use
+    bs = llama.batch_spec(mesh)
+    warmup = _check_args(args, mesh, cfg)
+    opt = _optimizer(args, warmup)
+    sspecs = opt.state_specs(specs)
+    ckpt_dir, out = Path(args.ckpt_dir), Path(args.out)
+    saved = checkpoint.list_steps(ckpt_dir)
+    if args.resume:
+        if not saved:
+            raise UsageError(f"--resume: no checkpoint in '{ckpt_dir}'; drop --resume to start, or fix --ckpt-dir.")
+        _check_same_model(ckpt_dir, cfg)
+
+    n_threads = _threads(args, mesh)
+
+    def step_fn(p: Any, s: Any, tokens: torch.Tensor, targets: torch.Tensor) -> tuple[Any, Any, Any]:
+        torch.set_num_threads(n_threads)  # per thread: each simulated device runs in a thread of its own
+        loss, grads = _grad.value_and_grad(llama.loss)(p, tokens, targets, cfg)  # [], grads laid out like p
+        p, s = opt.update(grads, s, p)
+        return loss, p, s
+
+    def eval_fn(p: Any, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        torch.set_num_threads(n_threads)
+        with torch.no_grad():
+            return llama.loss(p, tokens, targets, cfg)
+
+    kw = {"mesh": mesh, "check_vma": args.check_vma}
+    train_step = _shard_map.shard_map(step_fn, in_specs=(specs, sspecs, bs, bs), out_specs=(P(), specs, sspecs), **kw)
+    eval_step = _shard_map.shard_map(eval_fn, in_specs=(specs, bs, bs), out_specs=P(), **kw)
+    init = _shard_map.shard_map(lambda k: llama.init(k, cfg), in_specs=(P(),), out_specs=specs, **kw)
+    opt_init = _shard_map.shard_map(opt.init, in_specs=(specs,), out_specs=sspecs, **kw)
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(n_threads)
+    try:
+        key = fsr.key(args.seed)
+        params = init(fsr.fold_in(key, 0))  # sharded init: each device draws its own blocks
+        state, data_key, start = opt_init(params), fsr.fold_in(key, 1), 0
+        if args.resume:
+            path = checkpoint.step_path(ckpt_dir, saved[-1])
+            like = {"params": params, "opt_state": state, "step": 0, "data_key": data_key}
+            tree = checkpoint.load(path, like)
+            params, state, start, data_key = tree["params"], tree["opt_state"], tree["step"], tree["data_key"]
+            if start >= args.steps:
+                raise UsageError(f"--resume: the checkpoint is at step {start} already; raise --steps to train on.")
+        elif saved and _lead():
+            for s in saved:  # a fresh run: the old run's checkpoints would shadow this one's
+                shutil.rmtree(checkpoint.step_path(ckpt_dir, s), ignore_errors=True)
+            print(f"starting fresh: removed {len(saved)} old checkpoint(s) in {ckpt_dir} (--resume continues one)")
+        if _lead():
+            ckpt_dir.mkdir(parents=True, exist_ok=True)
+            meta = {"model": dataclasses.asdict(cfg), "args": vars(args), "mesh": mesh.shape}
+            (ckpt_dir / "config.json").write_text(json.dumps({**meta, "corpus": corpus.describe()}, indent=1))
+
+        vals = eval_batches(corpus.val, n=args.eval_batches, batch=args.batch, seq=args.seq)
+
+        def evaluate(p: Any) -> float:
+            return sum(float(_array.device_get(eval_step(p, x, y))) for x, y in vals) / len(vals)
+
+        n_params, tok_per_step = cfg.num_params(), args.batch * args.seq
+        _say(f"mesh {mesh.shape} ({mesh.backend}, {mesh.size} devices){'  sequence parallel' if args.sp else ''}")
+        _say(f"model: Llama, {n_params / 1e6:.2f}M params, {cfg}")
+        _say(f"data: {corpus.describe()}")
+        _say(f"batch {args.batch} x {args.seq} = {tok_per_step} tokens/step; steps {start} -> {args.steps}")
+        rows: list[dict[str, Any]] = _read_rows(out / "metrics.csv", start) if start else []
+        if start == 0:
+            rows.append({"step": 0, "train_loss": "", "val_loss": evaluate(params), "tokens_per_s": ""})
+            _say(f"step 0: val loss {rows[-1]['val_loss']:.4f} (ln 256 = {math.log(256):.4f})")
+        end = args.steps if args.stop_after is None else min(args.steps, start + args.stop_after)
+        flops = cfg.flops_per_token(args.seq)
+        peak = args.peak_tflops * 1e12
+        times: list[float] = []
+        last_val = next((float(r["val_loss"]) for r in reversed(rows) if r["val_loss"] != ""), float("nan"))
+        bar = tqdm(total=end, initial=start, desc="train", disable=not _lead(), dynamic_ncols=True, mininterval=0.5)
+        t_start = time.perf_counter()
+        for i in range(start, end):
+            tokens, targets = train_batch(corpus.train, data_key, step=i, batch=args.batch, seq=args.seq)
+            t0 = time.perf_counter()
+            loss, params, state = train_step(params, state, tokens, targets)
+            loss_v = float(_array.device_get(loss))
+            times.append(time.perf_counter() - t0)
+            if not math.isfinite(loss_v):
+                raise UsageError(f"the loss became {loss_v} at step {i + 1}; lower --lr (now {args.lr}).")
+            row: dict[str, Any] = {"step": i + 1, "train_loss": loss_v, "val_loss": ""}
+            row["tokens_per_s"] = tok_per_step / times[-1]
+            if (i + 1) % args.eval_every == 0 or i + 1 == end:
+                row["val_loss"] = last_val = evaluate(params)
+            rows.append(row)
+            tps = tok_per_step * min(len(times), 10) / sum(times[-10:])
+            bar.set_postfix(
+                loss=f"{loss_v:.3f}", val=f"{last_val:.3f}", tok_s=f"{tps:.0f}", mfu=f"{flops * tps / peak:.1%}"
+            )
+            bar.update(1)
+            if (i + 1) % args.ckpt_every == 0 or i + 1 == end:
+                _save(ckpt_dir, i + 1, params, state, data_key, cfg)
+                if _lead():
+                    _write_rows(out / "metrics.csv", rows)
+        bar.close()
+        wall = time.perf_counter() - t_start
+    finally:
+        torch.set_num_threads(threads)
+
+    steady = times[1:] or times
+    tps = tok_per_step * len(steady) / sum(steady) if steady else float("nan")
+    vals_seen = [(int(r["step"]), float(r["val_loss"])) for r in rows if r["val_loss"] != ""]
+    summary = {
+        "initial_val_loss": vals_seen[0],  # (step, loss)
+        "final_val_loss": vals_seen[-1],
+        "tokens_per_s": tps,
+        "mfu": flops * tps / peak,
+        "wall_s": wall,
+        "steps": end,
+        "losses": [float(r["train_loss"]) for r in rows if r["train_loss"] != "" and int(r["step"]) > start],
+        "params": params,
+    }
+    if _lead():
+        _report(args, summary, rows, f"Llama {cfg.num_params() / 1e6:.1f}M on {mesh.shape}, byte-level", flops)
+    return summary
+
+
+def _report(
+    args: argparse.Namespace, summary: dict[str, Any], rows: list[dict[str, Any]], title: str, flops: float
+) -> None:
+    """Write the CSV and the loss curve into ``--out`` and print the numbers of the run."""
+    out = Path(args.out)
+    _write_rows(out / "metrics.csv", rows)
+    plotted = _plot(out / "loss.png", rows, title)
+    (s0, v0), (s1, v1) = summary["initial_val_loss"], summary["final_val_loss"]
+    print(f"val loss {v0:.4f} (step {s0}) -> {v1:.4f} (step {s1})")
+    print(
+        f"{len(summary['losses'])} steps in {summary['wall_s']:.1f} s: {summary['tokens_per_s']:.0f} tokens/s, "
+        f"MFU ~{summary['mfu']:.1%} (an estimate: {flops / 1e6:.1f} MFLOP/token over an assumed peak of "
+        f"{args.peak_tflops} TFLOP/s, --peak-tflops)"
+    )
+    print(f"metrics: {out / 'metrics.csv'}")
+    print(f"loss curve: {out / 'loss.png'}" if plotted else "loss curve: skipped (pip install matplotlib)")
+    print(f"checkpoints: {args.ckpt_dir} (step {summary['steps']}); sample with: python -m funcshard generate")
+
+
+def _check_same_model(ckpt_dir: Path, cfg: llama.Config) -> None:
+    try:
+        saved = json.loads((ckpt_dir / "config.json").read_text())["model"]
+    except (OSError, ValueError, KeyError):
+        return  # nothing to compare with: loading checks the shapes
+    now = {k: v for k, v in dataclasses.asdict(cfg).items() if k != "sequence_parallel"}
+    diff = [f"{k}={saved.get(k)!r} (now {v!r})" for k, v in now.items() if saved.get(k) != v]
+    if diff:
+        raise UsageError(
+            f"--resume: the checkpoints in '{ckpt_dir}' are of another model: {', '.join(diff)}; "
+            f"pass the same model flags, or use another --ckpt-dir."
+        )
+
+
+def _save(ckpt_dir: Path, step: int, params: Any, state: Any, data_key: torch.Tensor, cfg: llama.Config) -> None:
+    tree = {"params": params, "opt_state": state, "step": step, "data_key": data_key}
+    checkpoint.save(checkpoint.step_path(ckpt_dir, step), tree, step=step, metadata={"model": dataclasses.asdict(cfg)})
+    if _lead():
+        for s in checkpoint.list_steps(ckpt_dir)[:-2]:  # keep the last two
+            shutil.rmtree(checkpoint.step_path(ckpt_dir, s), ignore_errors=True)
+
+
+# ---------------------------------------------------------------------------------------------- generate
+
+
+def load_model(ckpt_dir: str | os.PathLike[str]) -> tuple[llama.Config, Any, int]:
+    """``(cfg, params, step)``: the latest checkpoint under ``ckpt_dir`` as plain full tensors."""
+    ckpt_dir = Path(ckpt_dir)
+    steps = checkpoint.list_steps(ckpt_dir)
+    if not steps:
+        raise UsageError(f"--ckpt-dir '{ckpt_dir}' has no checkpoint; train first (python -m funcshard train).")
+    try:
+        model = json.loads((ckpt_dir / "config.json").read_text())["model"]
+    except (OSError, ValueError, KeyError):
+        raise UsageError(f"--ckpt-dir '{ckpt_dir}' has no readable config.json; it was not written by train.") from None
+    cfg = llama.Config(**{**model, "sequence_parallel": False})
+    mesh = _mesh.make_mesh({"dp": 1}, backend="sim")
+    zeros = {
+        k: ({a: torch.zeros(s) for a, s in v.items()} if isinstance(v, dict) else torch.zeros(v))
+        for k, v in param_shapes(cfg).items()
+    }
+    like = _array.device_put(zeros, mesh, llama.param_specs(cfg, mesh))
+    tree = checkpoint.load(checkpoint.step_path(ckpt_dir, steps[-1]), {"params": like}, strict=False)
+    return cfg, _array.device_get(tree["params"]), steps[-1]
+
+
+def generate(args: argparse.Namespace) -> str:
+    """Sample ``args.tokens`` bytes after ``args.prompt`` from the latest checkpoint; returns (and prints) the text."""
+    if not args.temperature >= 0:
+        raise UsageError(f"--temperature must be >= 0 (0: greedy), found {args.temperature}.")
+    cfg, params, _ = load_model(args.ckpt_dir)
+    ids = list(args.prompt.encode("utf-8")) or [ord("\n")]
+    key = fsr.key(args.seed)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # one token at a time: ops too small to split, and spinning threads cost more
+    try:
+        ids = _sample(params, cfg, ids, key, args.tokens, args.temperature)
+    finally:
+        torch.set_num_threads(threads)
+    text = bytes(ids).decode("utf-8", errors="replace")
+    print(text)
+    return text
+
+
+def _sample(params: Any, cfg: llama.Config, ids: list[int], key: torch.Tensor, n: int, temperature: float) -> list[int]:
+    """``ids`` followed by ``n`` sampled bytes (inverse-CDF draws from ``fs.random``, so the seed fixes them)."""
+    ids = list(ids)
+    with torch.no_grad():
+        for i in range(n):
+            ctx = torch.tensor([ids[-cfg.max_seq_len :]])  # [1, s]
+            logits = llama.forward(params, ctx, cfg)[0, -1].float()  # [1, s, V] -> [V]
+            if temperature == 0:
+                nxt = int(logits.argmax())
+            else:
+                cdf = F.softmax(logits / temperature, dim=-1).cumsum(0)  # [V]
+                u = fsr.uniform(fsr.fold_in(key, i), ()) * cdf[-1]
+                nxt = min(int(torch.searchsorted(cdf, u, right=True)), cfg.vocab_size - 1)
+            ids.append(nxt)
+    return ids
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``funcshard train``: exit code 0, or 2 with one ``error: ...`` line on bad input."""
+    return run(train_parser(), train, argv)
+
+
+def generate_main(argv: list[str] | None = None) -> int:
+    """``funcshard generate``: exit code 0, or 2 with one ``error: ...`` line on bad input."""
+    return run(generate_parser(), generate, argv)

@@ -1,0 +1,132 @@
+"""The main job, ``python -m funcshard train`` / ``generate``, on a tiny model and a tiny corpus (sim backend)."""
+
+from __future__ import annotations
+
+import csv
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import optree
+import pytest
+import torch
+
+import funcshard as fs
+from funcshard import _cli, checkpoint, train
+from funcshard.__main__ import main as cli_main
+
+TINY = ["--dim", "32", "--layers", "2", "--heads", "4", "--kv-heads", "2", "--ffn", "64", "--seq", "32", "--batch", "4"]
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _write_corpus(d: Path, n_files: int = 24) -> Path:
+    """A small folder of Python-like text files (enough for a train and a held-out split)."""
+    d.mkdir(parents=True, exist_ok=True)
+    for i in range(n_files):
+        lines = [f"def function_{i}_{j}(x, y):\n    return x * {j} + y - {i}\n\n" for j in range(12)]
+        (d / f"mod_{i:02d}.py").write_text("".join(lines))
+    (d / "blob.bin").write_bytes(b"\0\1\2" * 100)  # binary: skipped
+    return d
+
+
+def _args(tmp: Path, data: Path, *extra: str) -> list[str]:
+    return [*TINY, "--data", str(data), "--ckpt-dir", str(tmp / "ckpt"), "--out", str(tmp / "out"), *extra]
+
+
+def _rows(path: Path) -> list[dict[str, str]]:
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    tmp = tmp_path_factory.mktemp("run")
+    data = _write_corpus(tmp / "data")
+    argv = _args(tmp, data, "--steps", "30", "--eval-every", "10", "--ckpt-every", "10", "--lr", "1e-2")
+    assert cli_main(["train", *argv]) == 0
+    return tmp
+
+
+def test_short_run_learns_and_writes_outputs(trained: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    rows = _rows(trained / "out" / "metrics.csv")
+    assert [int(r["step"]) for r in rows] == list(range(31))
+    vals = [float(r["val_loss"]) for r in rows if r["val_loss"]]
+    assert len(vals) == 4  # steps 0, 10, 20, 30
+    assert vals[-1] < vals[0] - 1.0, vals
+    assert all(float(r["tokens_per_s"]) > 0 for r in rows[1:])
+    png = trained / "out" / "loss.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert checkpoint.list_steps(trained / "ckpt") == [20, 30]  # the last two are kept
+    assert (trained / "ckpt" / "config.json").is_file()
+
+
+def test_generate_prints_text(trained: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    capsys.readouterr()
+    argv = ["generate", "--ckpt-dir", str(trained / "ckpt"), "--prompt", "def ", "--tokens", "40", "--seed", "1"]
+    assert cli_main(argv) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("def ") and len(out) > 30
+    assert cli_main(argv) == 0
+    assert capsys.readouterr().out == out  # the seed fixes the sample
+    assert cli_main([*argv[:-2], "--temperature", "0"]) == 0
+
+
+def test_resume_is_exact(tmp_path: Path) -> None:
+    data = _write_corpus(tmp_path / "data")
+    common = ["--steps", "20", "--eval-every", "5", "--ckpt-every", "5", "--mesh", "dp=2,tp=2"]
+    parse = _cli.train_parser().parse_args
+    straight = train.train(parse(_args(tmp_path / "a", data, *common)))
+    first = train.train(parse(_args(tmp_path / "b", data, *common, "--stop-after", "10")))
+    assert first["steps"] == 10 and checkpoint.list_steps(tmp_path / "b" / "ckpt") == [5, 10]
+    second = train.train(parse(_args(tmp_path / "b", data, *common, "--resume")))
+    assert second["steps"] == 20
+    assert first["losses"] + second["losses"] == straight["losses"]  # bitwise: floats compared exactly
+    a, b = _rows(tmp_path / "a" / "out" / "metrics.csv"), _rows(tmp_path / "b" / "out" / "metrics.csv")
+    assert [(r["step"], r["train_loss"], r["val_loss"]) for r in a] == [
+        (r["step"], r["train_loss"], r["val_loss"]) for r in b
+    ]
+    pa, pb = fs.device_get(straight["params"]), fs.device_get(second["params"])
+    for x, y in zip(optree.tree_leaves(pa), optree.tree_leaves(pb), strict=True):
+        assert torch.equal(x, y)
+
+
+def _bad(tmp: Path, data: Path, empty: Path) -> list[tuple[list[str], str]]:
+    base = ["train", *_args(tmp, data, "--steps", "2")]
+    return [
+        ([*base, "--mesh", "dp2"], "--mesh"),
+        ([*base, "--mesh", "dp=2,pp=2"], "'pp'"),
+        ([*base, "--mesh", "tp=3"], "n_heads"),
+        ([*base, "--dim", "24", "--heads", "3", "--kv-heads", "3", "--mesh", "tp=3"], "vocab_size"),
+        ([*base, "--mesh", "dp=3"], "--batch"),
+        ([*base, "--data", str(empty)], "no text"),
+        ([*base, "--data", str(tmp / "nowhere")], "no such file"),
+        ([*base, "--resume"], "--resume"),
+        ([*base, "--steps", "many"], "--steps"),
+        (["generate", "--ckpt-dir", str(tmp / "nothing")], "no checkpoint"),
+        (["bogus"], "unknown command"),
+    ]
+
+
+def test_bad_input_is_one_line_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    data = _write_corpus(tmp_path / "data")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / "zero.bin").write_bytes(b"\0" * 64)
+    for argv, needle in _bad(tmp_path, data, empty):
+        code = cli_main(argv)
+        err = capsys.readouterr().err
+        assert code == 2, (argv, err)
+        assert "Traceback" not in err, err
+        lines = err.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0], (argv, err)
+
+
+def test_module_entry_runs_without_warnings(tmp_path: Path) -> None:
+    data = _write_corpus(tmp_path / "data")
+    cmd = [sys.executable, "-W", "default", "-m", "funcshard", "train", *_args(tmp_path, data, "--steps", "2")]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert "Warning" not in p.stderr and "Traceback" not in p.stderr, p.stderr[-2000:]
+    assert "val loss" in p.stdout and (tmp_path / "out" / "loss.png").is_file()
