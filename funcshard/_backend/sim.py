@@ -85,12 +85,12 @@ class SimWorld:
         grad = torch.is_grad_enabled() if grad is None else grad
         # the devices share the caller's cores: each thread gets its share of torch's intra-op threads
         # (a new thread would otherwise start with all of them and oversubscribe the machine)
-        threads = max(1, torch.get_num_threads() // self.mesh.size)
+        per_device = max(1, torch.get_num_threads() // self.mesh.size)
 
         def work(dev: SimDevice) -> None:
             try:
                 if self.mesh.size > 1:
-                    torch.set_num_threads(threads)
+                    torch.set_num_threads(per_device)
                 with torch.set_grad_enabled(grad):
                     results[dev.rank] = fn(dev)
             except _Aborted:
