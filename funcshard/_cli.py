@@ -153,6 +153,11 @@ def run(parser: ArgumentParser, job: Callable[[argparse.Namespace], object], arg
         job(args)
     except (UsageError, MeshError, ShardingError, CheckpointError) as e:
         return _fail(str(e))
+    finally:
+        if "RANK" in os.environ:  # under torchrun: leave the process group cleanly
+            from ._backend import dist as dist_backend
+
+            dist_backend.shutdown()
     return 0
 
 

@@ -130,3 +130,35 @@ def test_module_entry_runs_without_warnings(tmp_path: Path) -> None:
     assert p.returncode == 0, p.stderr[-2000:]
     assert "Warning" not in p.stderr and "Traceback" not in p.stderr, p.stderr[-2000:]
     assert "val loss" in p.stdout and (tmp_path / "out" / "loss.png").is_file()
+
+
+def test_train_under_torchrun_matches_sim(tmp_path: Path) -> None:
+    """The same command under torchrun (4 gloo processes, dp=2 x tp=2) gives the simulated run's losses."""
+    data = _write_corpus(tmp_path / "data")
+    common = [*TINY, "--data", str(data), "--steps", "3", "--eval-every", "3", "--mesh", "dp=2,tp=2", "--threads", "1"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "FUNCSHARD_TIMEOUT": "120"}
+    dist_out = tmp_path / "dist"
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "4",
+        "-m",
+        "funcshard",
+        "train",
+        *common,
+        "--ckpt-dir",
+        str(dist_out / "ckpt"),
+        "--out",
+        str(dist_out),
+    ]
+    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    sim_out = tmp_path / "sim"
+    assert cli_main(["train", *common, "--ckpt-dir", str(sim_out / "ckpt"), "--out", str(sim_out)]) == 0
+    dist_rows, sim_rows = _rows(dist_out / "metrics.csv"), _rows(sim_out / "metrics.csv")
+    for d, s in zip(dist_rows, sim_rows, strict=True):
+        assert abs(float(d["train_loss"] or 0) - float(s["train_loss"] or 0)) < 1e-4, (d, s)
+        assert abs(float(d["val_loss"] or 0) - float(s["val_loss"] or 0)) < 1e-4, (d, s)

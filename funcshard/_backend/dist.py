@@ -23,7 +23,18 @@ import torch.distributed as dist
 from .._errors import MeshError
 from .base import DeviceHandle, default_timeout, group_members
 
-__all__ = ["DistDevice", "device_for", "setup"]
+__all__ = [
+    "DistDevice",
+    "barrier",
+    "broadcast_object",
+    "device_for",
+    "initialized",
+    "process_rank",
+    "requested",
+    "setup",
+    "shutdown",
+    "tensor_device",
+]
 
 # torch 2.13 renamed the flat collectives; keep both spellings working (torch >= 2.4).
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -40,6 +51,15 @@ def _drop_groups() -> None:
 
 
 atexit.register(_drop_groups)
+
+
+def shutdown() -> None:
+    """End this process's part in torch.distributed cleanly: drop funcshard's groups, destroy the default
+    process group (a no-op when none was started)."""
+    _drop_groups()
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
 
 _GROUPS: dict[tuple[Any, ...], dict[frozenset[str], Any]] = {}
 _DEVICES: dict[Any, DistDevice] = {}
