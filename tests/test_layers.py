@@ -22,6 +22,8 @@ FLOORS = {
     "_vma": 3,
     "lax": 3,
     "_shard_map": 4,
+    "_shard_map_io": 4,
+    "_sim_grad": 4,
     "_array": 4,
     "_visualize": 4,
     "random": 5,

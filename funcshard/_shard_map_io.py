@@ -1,0 +1,241 @@
+"""What ``shard_map`` does at its edges: check the arguments against ``in_specs`` and cut them into each
+device's blocks (once per call signature), and check and assemble the devices' outputs into ``fs.Array``s."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import optree
+import torch
+
+from . import pytree
+from ._array import Array, local_shards, reshard
+from ._errors import ShardingError
+from ._mesh import Mesh
+from ._spec import P, check_spec, format_mesh, is_spec
+from ._vma import get_vma
+
+__all__ = ["InputCache", "assemble_outputs", "device_args", "is_array"]
+
+
+def is_array(x: Any) -> bool:
+    return isinstance(x, Array)
+
+
+def _leaf_sig(leaf: Any) -> tuple[Any, ...]:
+    if isinstance(leaf, Array):
+        return ("A", leaf.shape, leaf.spec, leaf.mesh)
+    if isinstance(leaf, torch.Tensor):
+        return ("T", tuple(leaf.shape))
+    return ("V",)
+
+
+def _check_inputs(name: str, mesh: Mesh, in_specs: Any, args: tuple[Any, ...]) -> list[list[P]]:
+    """Validate the arguments against ``in_specs`` (once per call signature); the spec of every leaf."""
+    if isinstance(in_specs, P) and len(args) == 1:
+        in_specs = (in_specs,)
+    if not isinstance(in_specs, (tuple, list)):
+        raise ShardingError(
+            f"{name}: in_specs must be a tuple with one spec per positional argument, found {in_specs!r}; "
+            f"write in_specs=(P(...),) for one argument."
+        )
+    if len(in_specs) != len(args):
+        raise ShardingError(
+            f"{name}: in_specs has {len(in_specs)} entries but the function was called with {len(args)} "
+            f"positional arguments; give one spec (or spec tree) per argument."
+        )
+    specs_all = []
+    for i, (arg, spec_tree) in enumerate(zip(args, in_specs, strict=True)):
+        where = f"{name}: in_specs[{i}]: "
+        with_paths = pytree.leaves_with_path(arg, is_leaf=is_array)
+        specs = pytree.broadcast_prefix(spec_tree, arg, prefix_is_leaf=is_spec, where=where)
+        for (p, leaf), s in zip(with_paths, specs, strict=True):
+            path = f"args[{i}]" + (f"/{p}" if p else "")
+            if isinstance(leaf, Array):
+                if leaf.mesh != mesh:
+                    raise ShardingError(
+                        f"{name} at '{path}': the Array lives on mesh {format_mesh(leaf.mesh)} "
+                        f"({leaf.mesh.backend}) but shard_map runs on {format_mesh(mesh)} ({mesh.backend}); "
+                        f"move it with fs.device_put(fs.device_get(x), mesh, spec)."
+                    )
+                check_spec(s, leaf.shape, mesh, path=path, fn=name)
+            elif isinstance(leaf, torch.Tensor):
+                check_spec(s, leaf.shape, mesh, path=path, fn=name)
+            elif s != P():
+                raise ShardingError(
+                    f"{name} at '{path}': a {type(leaf).__name__} leaf cannot be sharded by {s!r}; only "
+                    f"tensors are split. Give it P() or pass a tensor."
+                )
+        specs_all.append(specs)
+    return specs_all
+
+
+class InputCache:
+    """Validated specs per call signature (tree structures, leaf kinds, shapes, layouts), so a step that is
+    called many times checks its specs once."""
+
+    def __init__(self) -> None:
+        self.specs: dict[Any, list[list[P]]] = {}
+        self.outputs: dict[Any, list[tuple[str, P, tuple[int, ...] | None]]] = {}
+
+    def prepare(
+        self, name: str, mesh: Mesh, in_specs: Any, args: tuple[Any, ...]
+    ) -> tuple[list[Any], list[list[P]], list[Any]]:
+        """Per argument: treedef, leaf specs, and per leaf a dict coords -> local block (or the value)."""
+        flat = [optree.tree_flatten(a, is_leaf=is_array) for a in args]
+        key = tuple((td, tuple(_leaf_sig(x) for x in leaves)) for leaves, td in flat)
+        specs_all = self.specs.get(key)
+        if specs_all is None:
+            specs_all = _check_inputs(name, mesh, in_specs, args)
+            if len(self.specs) > 64:
+                self.specs.clear()
+            self.specs[key] = specs_all
+        locals_all = []
+        for (leaves, _), specs in zip(flat, specs_all, strict=True):
+            local: list[Any] = []
+            for leaf, s in zip(leaves, specs, strict=True):
+                if isinstance(leaf, Array):
+                    local.append(dict((leaf if leaf.spec == s else reshard(leaf, s)).shards))
+                elif isinstance(leaf, torch.Tensor):
+                    local.append(local_shards(leaf, mesh, s))
+                else:
+                    local.append(leaf)
+            locals_all.append(local)
+        return [td for _, td in flat], specs_all, locals_all
+
+
+def device_args(coords: tuple[int, ...], treedefs: list[Any], locals_all: list[Any]) -> list[list[Any]]:
+    return [[leaf[coords] if isinstance(leaf, dict) else leaf for leaf in local] for local in locals_all]
+
+
+def _out_plan(
+    name: str, mesh: Mesh, out_specs: Any, out_def: Any, leaves: list[Any]
+) -> list[tuple[str, P, tuple[int, ...] | None]]:
+    """Path, spec and global shape of each output leaf, validated (once per output signature)."""
+    template = optree.tree_unflatten(out_def, leaves)
+    paths = ["out" + (f"/{p}" if p else "") for p, _ in pytree.leaves_with_path(template, is_leaf=is_array)]
+    specs = pytree.broadcast_prefix(out_specs, template, prefix_is_leaf=is_spec, where=f"{name}: out_specs: ")
+    plan: list[tuple[str, P, tuple[int, ...] | None]] = []
+    for path, spec, v0 in zip(paths, specs, leaves, strict=True):
+        if not isinstance(v0, torch.Tensor):
+            plan.append((path, spec, None))
+            continue
+        if not isinstance(spec, P) or len(spec) > v0.dim():
+            check_spec(spec, v0.shape, mesh, path=path, fn=name)
+        dims = spec.dim_axes(v0.dim())
+        shape = mesh.shape
+        gshape = tuple(s * math.prod(shape.get(a, 1) for a in axes) for s, axes in zip(v0.shape, dims, strict=True))
+        check_spec(spec, gshape, mesh, path=path, fn=name)
+        plan.append((path, spec, gshape))
+    return plan
+
+
+def assemble_outputs(
+    name: str,
+    mesh: Mesh,
+    out_specs: Any,
+    check_vma: bool,
+    all_coords: list[tuple[int, ...]],
+    results: list[Any],
+    cache: InputCache,
+) -> Any:
+    out_def = results[0][1]
+    for c, (_, d) in zip(all_coords, results, strict=True):
+        if d != out_def:
+            raise ShardingError(
+                f"{name}: devices returned different output structures: {out_def} on device {all_coords[0]} and "
+                f"{d} on device {c}; every device must return the same tree."
+            )
+    key = (out_def, tuple(_leaf_sig(v) for v in results[0][0]))
+    plan = cache.outputs.get(key)
+    if plan is None:
+        plan = _out_plan(name, mesh, out_specs, out_def, results[0][0])
+        if len(cache.outputs) > 64:
+            cache.outputs.clear()
+        cache.outputs[key] = plan
+    out = []
+    specs = [spec for _, spec, _ in plan]
+    for k, (path, spec, gshape) in enumerate(plan):
+        vals = [r[0][k] for r in results]
+        v0 = vals[0]
+        for c, v in zip(all_coords, vals, strict=True):
+            if isinstance(v, torch.Tensor) != isinstance(v0, torch.Tensor):
+                raise ShardingError(
+                    f"{name} at '{path}': device {c} returned a {type(v).__name__} but device {all_coords[0]} "
+                    f"returned a {type(v0).__name__}; every device must return the same kind of value."
+                )
+        if not isinstance(v0, torch.Tensor):
+            if spec != P():
+                raise ShardingError(
+                    f"{name} at '{path}': the function returned a {type(v0).__name__}, which cannot be laid "
+                    f"out by {spec!r}; return a tensor or give P()."
+                )
+            for c, v in zip(all_coords, vals, strict=True):
+                if not _equal_values(v, v0):
+                    axes = [a for a, i, j in zip(mesh.axis_names, c, all_coords[0], strict=True) if i != j]
+                    raise ShardingError(
+                        f"{name} at '{path}': out_specs gives {spec!r} (the same on every device), but device "
+                        f"{c} returned {v!r} and device {all_coords[0]} returned {v0!r}: it varies over "
+                        f"{', '.join(repr(a) for a in axes)}. Return a tensor with a spec that names those axes, "
+                        f"or reduce it first."
+                    )
+            out.append(v0)
+            continue
+        allowed = frozenset(spec.axes)
+        for c, v in zip(all_coords, vals, strict=True):
+            if v.dtype != v0.dtype:
+                raise ShardingError(
+                    f"{name} at '{path}': device {c} returned dtype {v.dtype} but device {all_coords[0]} returned "
+                    f"{v0.dtype}; every device must return blocks of the same dtype."
+                )
+            if tuple(v.shape) != tuple(v0.shape):
+                raise ShardingError(
+                    f"{name} at '{path}': device {c} returned shape {tuple(v.shape)} but device {all_coords[0]} "
+                    f"returned {tuple(v0.shape)}; every device must return blocks of the same shape."
+                )
+            if check_vma:
+                extra = sorted(get_vma(v) - allowed)
+                if extra:
+                    raise ShardingError(
+                        f"{name} at '{path}': the output varies over axis '{extra[0]}' but out_specs gives "
+                        f"{spec!r}, which does not name it (so it promises the value is the same on every "
+                        f"device of '{extra[0]}'). Reduce it first (fs.psum / fs.pmean over '{extra[0]}'), or name "
+                        f"'{extra[0]}' in the out spec."
+                    )
+        if not check_vma and len(vals) > 1:
+            _check_replicated(name, path, spec, mesh, all_coords, vals)
+        out.append(Array(mesh, spec, gshape, v0.dtype, dict(zip(all_coords, vals, strict=True))))
+    return optree.tree_unflatten(out_def, out), specs
+
+
+def _equal_values(a: Any, b: Any) -> bool:
+    try:
+        return bool(a == b)
+    except Exception:  # noqa: BLE001 - values that cannot be compared are taken as equal
+        return True
+
+
+def _check_replicated(
+    name: str, path: str, spec: P, mesh: Mesh, all_coords: list[tuple[int, ...]], vals: list[torch.Tensor]
+) -> None:
+    """Under sim with check_vma=False: values must agree across every axis their spec omits."""
+    by = dict(zip(all_coords, vals, strict=True))
+    names = mesh.axis_names
+    for ai, axis in enumerate(names):
+        if axis in spec.axes or mesh.shape[axis] == 1:
+            continue
+        for c, v in by.items():
+            if c[ai] != 0:
+                continue
+            for j in range(1, mesh.shape[axis]):
+                c2 = (*c[:ai], j, *c[ai + 1 :])
+                w = by[c2]
+                if not torch.equal(v.detach(), w.detach()):
+                    diff = (v.detach().double() - w.detach().double()).abs().max().item()
+                    raise ShardingError(
+                        f"{name} at '{path}': out_specs gives {spec!r}, which says the output is the same on "
+                        f"every device of axis '{axis}', but device {dict(zip(names, c, strict=True))} and device "
+                        f"{dict(zip(names, c2, strict=True))} differ by up to {diff:.3g}. Reduce it over '{axis}' "
+                        f"(fs.psum / fs.pmean), or name '{axis}' in the out spec."
+                    )
