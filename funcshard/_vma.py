@@ -97,11 +97,15 @@ _INPLACE_EXTRA = {
 }
 
 
+_INPLACE_CACHE: dict[Any, bool] = {}
+
+
 def _is_inplace(func: Any) -> bool:
-    if func in _INPLACE_EXTRA:
-        return True
-    name = getattr(func, "__name__", "")
-    return name.endswith("_") and not name.endswith("__")
+    hit = _INPLACE_CACHE.get(func)
+    if hit is None:
+        name = getattr(func, "__name__", "")
+        hit = _INPLACE_CACHE[func] = func in _INPLACE_EXTRA or (name.endswith("_") and not name.endswith("__"))
+    return hit
 
 
 def _tensors(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:
@@ -127,14 +131,20 @@ class VmaMode(TorchFunctionMode):
             return func(*args, **kwargs)
         if func in _GRAD:
             return self._grad(func, args, kwargs)
-        tensors = _tensors(args, kwargs)
-        if not tensors:
+        union: frozenset[str] = EMPTY
+        first: frozenset[str] | None = None
+        mixed = False
+        for t in _tensors(args, kwargs):
+            v = get_vma(t)
+            if first is None:
+                first = union = v
+            elif v is not first and v != first:
+                mixed = True
+                union = union | v
+        if not union:  # every operand invariant: nothing to tag (the common case for constants)
             return func(*args, **kwargs)
-        tags = [get_vma(t) for t in tensors]
-        union = frozenset().union(*tags)
-        inplace = _is_inplace(func)
-        if union and any(t != union for t in tags):
-            target = args[0] if inplace and args and isinstance(args[0], torch.Tensor) else None
+        if mixed:
+            target = args[0] if _is_inplace(func) and args and isinstance(args[0], torch.Tensor) else None
             if target is not None and get_vma(target) != union:
                 self._widen_inplace(func, target, union)
 
@@ -145,13 +155,12 @@ class VmaMode(TorchFunctionMode):
 
             args, kwargs = optree.tree_map(fix, (args, kwargs), is_leaf=lambda a: isinstance(a, torch.Tensor))
         out = func(*args, **kwargs)
-        if union:
-            if isinstance(out, torch.Tensor):
-                _tag_through(out, union)
-            elif isinstance(out, (tuple, list)):
-                for o in out:
-                    if isinstance(o, torch.Tensor):
-                        _tag_through(o, union)
+        if isinstance(out, torch.Tensor):
+            _tag_through(out, union)
+        elif isinstance(out, (tuple, list)):
+            for o in out:
+                if isinstance(o, torch.Tensor):
+                    _tag_through(o, union)
         return out
 
     def _widen_inplace(self, func: Any, target: torch.Tensor, union: frozenset[str]) -> None:
