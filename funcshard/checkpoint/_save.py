@@ -1,0 +1,143 @@
+"""``save``: write a tree to a checkpoint directory, atomically."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import uuid
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .. import checkpoint as _package  # _swap_in is called through the package, where tests patch it
+from .._array import Array
+from ..pytree import PyTree
+from ._files import _check_replaceable, _fsync_dir
+from ._manifest import _VALUE_TYPES, FORMAT, MANIFEST, VERSION, CheckpointError, _dtype_name, _manifest_text, _spec_json
+from ._planners import _cause, _dcp, _quiet
+from ._tree import _all_offsets, _backend_of, _flatten, _offsets
+
+
+def save(path: str | os.PathLike[str], tree: PyTree, *, step: int | None = None, metadata: Any = None) -> str:
+    """Write ``tree`` to the checkpoint directory ``path``, atomically (a crash keeps the previous one).
+
+    Every process calls it with its part of the tree. Each ``fs.Array`` leaf is written as the distinct
+    blocks of its layout (under ``"dist"`` each process writes its own; a replicated block once); plain
+    tensors and Python scalars (int, float, bool, str) are saved whole as extras (under ``"dist"``, rank
+    0's). ``None`` leaves are empty subtrees, as in optree.
+
+    Args:
+        path: the checkpoint directory (created; an existing checkpoint there is replaced).
+        tree: a pytree of ``fs.Array``, ``torch.Tensor`` and Python scalars.
+        step: an optional step number, recorded in the manifest (see :func:`info`).
+        metadata: optional JSON-serialisable data recorded in the manifest.
+
+    Returns:
+        ``path`` as a string.
+
+    Raises:
+        CheckpointError: a leaf of another type, two leaves with one path, metadata that is not JSON, or a
+            ``path`` that exists and is not a checkpoint.
+
+    Example:
+        >>> checkpoint.save("ckpt/step_100", {"params": params, "opt": opt_state}, step=100)  # doctest: +SKIP
+    """
+    path = Path(os.fspath(path))
+    where = f"save('{path}')"
+    leaves, treedef = _flatten(tree, where)
+    backend = _backend_of(leaves, where)
+    distributed = backend == "dist"
+    if step is not None and (isinstance(step, bool) or not isinstance(step, int)):
+        raise CheckpointError(f"{where}: step must be an int or None, found {step!r}.")
+    try:
+        user_meta = json.loads(json.dumps(metadata))
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"{where}: metadata must be JSON-serialisable ({e}).") from None
+    _check_replaceable(path)
+
+    from .._backend import dist as dist_backend
+
+    rank0 = not distributed or dist_backend.process_rank() == 0
+    entries: dict[str, dict[str, Any]] = {}
+    state: dict[str, tuple[tuple[int, ...], dict[tuple[int, ...], torch.Tensor]]] = {}
+    for name, leaf in leaves:
+        if isinstance(leaf, Array):
+            blocks: dict[tuple[int, ...], torch.Tensor] = {}
+            for c, t in leaf.shards.items():
+                off, sizes = _offsets(leaf, c)
+                if tuple(t.shape) != sizes:
+                    raise CheckpointError(
+                        f"{where}: leaf '{name}': the shard of device {c} has shape {tuple(t.shape)}, but spec "
+                        f"{leaf.spec!r} of shape {leaf.shape} on mesh {leaf.mesh.shape} gives blocks of {sizes}."
+                    )
+                blocks.setdefault(off, t)
+            state[name] = (leaf.shape, blocks)
+            entries[name] = {
+                "kind": "array",
+                "shape": list(leaf.shape),
+                "dtype": _dtype_name(leaf.dtype),
+                "mesh": leaf.mesh.shape,
+                "backend": leaf.mesh.backend,
+                "spec": _spec_json(leaf.spec),
+                "blocks": _all_offsets(leaf),
+            }
+        elif isinstance(leaf, torch.Tensor):
+            if rank0:
+                state[name] = (tuple(leaf.shape), {(0,) * leaf.dim(): leaf})
+            entries[name] = {"kind": "tensor", "shape": list(leaf.shape), "dtype": _dtype_name(leaf.dtype)}
+        elif isinstance(leaf, _VALUE_TYPES):
+            entries[name] = {"kind": "value", "value": leaf}
+        else:
+            raise CheckpointError(
+                f"{where}: leaf '{name}' is a {type(leaf).__name__}; a checkpoint holds fs.Array, torch.Tensor "
+                f"and int / float / bool / str leaves (convert it, e.g. with torch.as_tensor)."
+            )
+    manifest = {
+        "format": FORMAT,
+        "version": VERSION,
+        "step": step,
+        "metadata": user_meta,
+        "treedef": str(treedef),
+        "leaves": entries,
+    }
+
+    uid = uuid.uuid4().hex[:12]
+    if distributed:
+        uid = dist_backend.broadcast_object(uid)  # every process writes into rank 0's temp dir
+    tmp = path.with_name(f"{path.name}.tmp-{uid}")
+    dcp, save_planner, _, _ = _dcp()
+    try:
+        writer = dcp.FileSystemWriter(str(tmp), single_file_per_rank=True, sync_files=True, thread_count=1)
+        with _quiet():
+            dcp.save(state, storage_writer=writer, planner=save_planner(), no_dist=not distributed)
+    except BaseException as e:
+        if rank0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, dcp.CheckpointException):  # a BaseException that names only the failing ranks
+            raise CheckpointError(
+                f"{where}: writing the blocks failed ({_cause(e)}); the previous checkpoint is untouched."
+            ) from e
+        raise
+    if distributed:
+        dist_backend.barrier()  # every process has written and fsync'd its blocks
+    err: BaseException | None = None
+    if rank0:
+        try:
+            with open(tmp / MANIFEST, "w") as f:
+                f.write(_manifest_text(manifest))
+                f.flush()
+                os.fsync(f.fileno())
+            _fsync_dir(tmp)
+            _package._swap_in(tmp, path)
+        except BaseException as e:  # noqa: BLE001 - re-raised below, after the other ranks hear of it
+            shutil.rmtree(tmp, ignore_errors=True)
+            err = e
+    if distributed:
+        msg = dist_backend.broadcast_object(None if err is None else f"{type(err).__name__}: {err}")
+        if msg is not None and err is None:
+            raise CheckpointError(f"{where}: rank 0 could not put the checkpoint in place ({msg}); nothing changed.")
+    if err is not None:
+        raise err
+    return str(path)
