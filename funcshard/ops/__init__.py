@@ -7,21 +7,35 @@ Example:
 from .attention import attention as attention
 from .fsdp import fsdp_gather as fsdp_gather
 from .fsdp import fsdp_unsharded_specs as fsdp_unsharded_specs
+from .ring import ring_attention as ring_attention
+from .ring import zigzag_indices as zigzag_indices
+from .ring import zigzag_inverse_indices as zigzag_inverse_indices
+from .ring import zigzag_merge as zigzag_merge
+from .ring import zigzag_positions as zigzag_positions
+from .ring import zigzag_split as zigzag_split
 from .tp import column_parallel_linear as column_parallel_linear
 from .tp import row_parallel_linear as row_parallel_linear
 from .tp import sequence_gather as sequence_gather
 from .tp import sequence_scatter as sequence_scatter
 from .tp import vocab_parallel_cross_entropy as vocab_parallel_cross_entropy
 from .tp import vocab_parallel_embedding as vocab_parallel_embedding
+from .ulysses import ulysses_attention as ulysses_attention
 
 __all__ = [
     "attention",
     "column_parallel_linear",
     "fsdp_gather",
     "fsdp_unsharded_specs",
+    "ring_attention",
     "row_parallel_linear",
     "sequence_gather",
     "sequence_scatter",
+    "ulysses_attention",
     "vocab_parallel_cross_entropy",
     "vocab_parallel_embedding",
+    "zigzag_indices",
+    "zigzag_inverse_indices",
+    "zigzag_merge",
+    "zigzag_positions",
+    "zigzag_split",
 ]

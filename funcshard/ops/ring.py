@@ -1,0 +1,279 @@
+"""Ring attention (context parallelism): the sequence is split over a mesh axis, k/v blocks travel the ring.
+
+Each device holds a block of queries and a block of keys/values. In ``n - 1`` steps the k/v blocks rotate
+around the ring with :func:`funcshard.ppermute` (k and v packed into one message per step); at every step
+each device attends its queries to the block it holds and merges the partial result into its running
+output with the log-sum-exp rule, in float32. The result equals softmax attention over the whole sequence.
+
+Layouts of the sequence over the axis (``n`` devices):
+
+- ``"contiguous"``: device ``i`` holds chunk ``i`` of ``n``. Simple, but under a causal mask device ``n-1``
+  does ``n`` times the work of device ``0``.
+- ``"zigzag"`` (load-balanced, the default): the sequence is cut into ``2n`` chunks and device ``i`` holds
+  chunks ``i`` and ``2n-1-i``, concatenated. Every off-diagonal step then costs exactly half a block on every
+  device. Lay data out with :func:`zigzag_split` inside ``shard_map`` (from a replicated value), or outside
+  with :func:`zigzag_indices` and an ordinary ``P(None, None, "cp")`` spec; undo it with
+  :func:`zigzag_merge` / :func:`zigzag_inverse_indices`. Give RoPE the positions of
+  :func:`zigzag_positions`.
+
+The backward is autograd through the ring: ppermute's transpose is the inverse ppermute, so the k/v
+gradients travel back around the ring (``n - 1`` ppermutes of the packed k/v cotangent). Autograd keeps the
+received k/v blocks and the per-step scores alive until the backward.
+
+Example:
+    >>> import torch, funcshard as fs
+    >>> from funcshard import P
+    >>> from funcshard.ops import attention, ring_attention, zigzag_indices, zigzag_inverse_indices
+    >>> mesh = fs.make_mesh({"cp": 2}, backend="sim")
+    >>> q = k = v = torch.randn(1, 2, 8, 4)  # [b, h, s, d]
+    >>> idx = zigzag_indices(8, 2)  # zigzag order of the 8 positions
+    >>> f = fs.shard_map(ring_attention, mesh=mesh, in_specs=(P(None, None, "cp"),) * 3,
+    ...                  out_specs=P(None, None, "cp"))
+    >>> out = fs.device_get(f(q[:, :, idx], k[:, :, idx], v[:, :, idx]))[:, :, zigzag_inverse_indices(8, 2)]
+    >>> torch.allclose(out, attention(q, k, v, causal=True), atol=1e-5)
+    True
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import lax
+from .._errors import ShardingError
+from .attention import attention
+
+__all__ = [
+    "ring_attention",
+    "zigzag_indices",
+    "zigzag_inverse_indices",
+    "zigzag_merge",
+    "zigzag_positions",
+    "zigzag_split",
+]
+
+LAYOUTS = ("zigzag", "contiguous")
+
+
+# --- the zigzag layout ----------------------------------------------------------------------------------------
+
+
+def _check_zigzag(seq_len: int, n: int, fn: str, where: str = "") -> int:
+    """The chunk length ``seq_len / 2n``, or a ShardingError saying how to fix the length."""
+    if n < 1 or seq_len % (2 * n):
+        raise ShardingError(
+            f"{fn}: the zigzag layout cuts the sequence into 2n = {2 * n} chunks (n = {n}), but the sequence"
+            f"{where} has length {seq_len}, not divisible by {2 * n}; pad it to a multiple of {2 * n} or use the "
+            f"contiguous layout."
+        )
+    return seq_len // (2 * n)
+
+
+def zigzag_indices(seq_len: int, n: int) -> torch.Tensor:
+    """Positions in zigzag order: ``x.index_select(dim, zigzag_indices(s, n))`` lays a full sequence out so
+    that an ordinary ``n``-way split of ``dim`` gives device ``i`` chunks ``i`` and ``2n-1-i`` (of ``2n``).
+
+    Args:
+        seq_len: the full sequence length, a multiple of ``2n``.
+        n: the number of devices on the context-parallel axis.
+
+    Returns:
+        ``[seq_len]`` int64 positions.
+
+    Raises:
+        ShardingError: ``seq_len`` not divisible by ``2n``.
+
+    Example:
+        >>> zigzag_indices(8, 2)  # chunks of 2: device 0 gets chunks 0, 3; device 1 gets chunks 1, 2
+        tensor([0, 1, 6, 7, 2, 3, 4, 5])
+    """
+    c = _check_zigzag(seq_len, n, "zigzag_indices")
+    chunks = torch.arange(seq_len).view(2 * n, c)  # [2n, c]
+    order = [j for i in range(n) for j in (i, 2 * n - 1 - i)]
+    return chunks[order].reshape(-1)  # [2n, c] -> [s]
+
+
+def zigzag_inverse_indices(seq_len: int, n: int) -> torch.Tensor:
+    """The inverse permutation of :func:`zigzag_indices`: ``y.index_select(dim, zigzag_inverse_indices(s, n))``
+    puts a zigzag-ordered sequence back in order.
+
+    Example:
+        >>> zigzag_inverse_indices(8, 2)
+        tensor([0, 1, 4, 5, 6, 7, 2, 3])
+    """
+    return torch.argsort(zigzag_indices(seq_len, n))
+
+
+def zigzag_positions(seq_len: int, n: int, index: int) -> torch.Tensor:
+    """The global positions device ``index`` holds under the zigzag layout (e.g. for rotary embeddings).
+
+    Example:
+        >>> zigzag_positions(8, 2, 1)
+        tensor([2, 3, 4, 5])
+        >>> # inside shard_map: pos = zigzag_positions(s, fs.axis_size("cp"), fs.axis_index("cp"))
+    """
+    block = seq_len // n
+    return zigzag_indices(seq_len, n)[index * block : (index + 1) * block]
+
+
+def zigzag_split(x: torch.Tensor, axis: str, dim: int) -> torch.Tensor:
+    """This device's zigzag chunks (``i`` and ``2n-1-i`` of ``2n``, concatenated) of a value replicated over
+    ``axis``: a local slice (forward, no communication); all-gather of the cotangent chunks back into place
+    (backward).
+
+    Args:
+        x: the full sequence along ``dim``, invariant over ``axis``.
+        axis: the context-parallel mesh axis.
+        dim: the sequence dim.
+
+    Returns:
+        ``x`` with ``dim`` of length ``s / n``, varying over ``axis``.
+
+    Raises:
+        ShardingError: ``x.shape[dim]`` not divisible by ``2n``.
+
+    Example:
+        >>> # q = zigzag_split(q_full, "cp", dim=2)  # [b, h, s, d] -> [b, h, s/n, d]
+    """
+    n = lax.axis_size(axis)
+    d = dim % x.dim()
+    _check_zigzag(x.shape[d], n, "zigzag_split", f" (dim {d} of shape {tuple(x.shape)})")
+    idx = zigzag_indices(x.shape[d], n).to(x.device)
+    x = x.index_select(d, idx)  # [.., s, ..] -> [.., s, ..] in zigzag order (local, no communication)
+    return lax.split_invariant(x, axis, dim=d)  # [.., s, ..] -> [.., s/n, ..]; backward all-gathers
+
+
+def zigzag_merge(x: torch.Tensor, axis: str, dim: int) -> torch.Tensor:
+    """The inverse of :func:`zigzag_split`: all-gather the zigzag chunks and put them in order (forward, the
+    result invariant over ``axis``); this device's chunks of the cotangent (backward, no communication).
+
+    Args:
+        x: this device's zigzag chunks along ``dim``, ``s / n`` long.
+        axis: the context-parallel mesh axis.
+        dim: the sequence dim.
+
+    Returns:
+        The full sequence along ``dim``, invariant over ``axis``.
+
+    Example:
+        >>> # out_full = zigzag_merge(out, "cp", dim=2)  # [b, h, s/n, d] -> [b, h, s, d]
+    """
+    n = lax.axis_size(axis)
+    d = dim % x.dim()
+    seq = x.shape[d] * n
+    _check_zigzag(seq, n, "zigzag_merge", f" (dim {d}: {x.shape[d]} per device x {n})")
+    y = lax.all_gather_invariant(x, axis, dim=d, tiled=True)  # [.., s/n, ..] -> [.., s, ..] in zigzag order
+    return y.index_select(d, zigzag_inverse_indices(seq, n).to(y.device))  # [.., s, ..] -> [.., s, ..] in order
+
+
+# --- ring attention -------------------------------------------------------------------------------------------
+
+
+def _merge(
+    out: torch.Tensor, lse: torch.Tensor, o: torch.Tensor, lo: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Merge a partial result ``(o, lo)`` into the running ``(out, lse)``, in ``out``'s (float32 or float64)
+    dtype, by the log-sum-exp rule:
+    ``lse' = log(e^lse + e^lo)``, ``out' = out e^(lse - lse') + o e^(lo - lse')``; finite because every
+    query sees at least itself on the diagonal step."""
+    o, lo = o.to(out.dtype), lo.to(out.dtype)
+    new = torch.logaddexp(lse, lo)  # [b, h, sq]
+    out = out * (lse - new).exp().unsqueeze(-1) + o * (lo - new).exp().unsqueeze(-1)  # [b, h, sq, d]
+    return out, new
+
+
+def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, layout: str, fn: str) -> None:
+    if layout not in LAYOUTS:
+        raise ShardingError(f"{fn}: unknown layout {layout!r}; use one of {LAYOUTS}.")
+    if q.dim() != 4 or k.dim() != 4 or k.shape != v.shape or k.shape[0] != q.shape[0] or k.shape[3] != q.shape[3]:
+        raise ShardingError(
+            f"{fn}: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} do not fit: need local sequence "
+            f"shards [b, h, s/n, d] for q and [b, hkv, s/n, d] for k and v."
+        )
+    if q.shape[1] % k.shape[1]:
+        raise ShardingError(
+            f"{fn}: q has {q.shape[1]} heads and k/v {k.shape[1]}; q heads must be a multiple of k/v heads (GQA)."
+        )
+    if causal and k.shape[2] != q.shape[2]:
+        raise ShardingError(
+            f"{fn}(causal=True): q holds {q.shape[2]} positions per device but k/v {k.shape[2]}; shard q, k and v "
+            f"the same way along the sequence."
+        )
+    if causal and layout == "zigzag" and q.shape[2] % 2:
+        raise ShardingError(
+            f"{fn}(layout='zigzag'): each device must hold two equal chunks, but it holds {q.shape[2]} positions "
+            f"(odd); make the sequence a multiple of 2 x the axis size, or use layout='contiguous'."
+        )
+
+
+def ring_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    axis: str = "cp",
+    causal: bool = True,
+    layout: str = "zigzag",
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Softmax attention over a sequence sharded on ``axis``: k/v blocks rotate around the ring.
+
+    Forward: ``n - 1`` ppermutes of the packed ``[2, b, hkv, s/n, d]`` k/v block, each device sending to
+    its successor; per step one local :func:`attention` with log-sum-exp, merged in float32. Backward:
+    autograd through the ring (each ppermute's transpose, the inverse shift, carries the k/v gradients back).
+
+    With ``causal=True`` the mask follows the global positions of ``layout``. Device ``i`` holding the block
+    of device ``j`` computes: ``j == i``: causal attention on its own block; ``"contiguous"``: ``j < i`` full,
+    ``j > i`` nothing; ``"zigzag"``: ``j < i`` all queries against the first chunk of the block (its second
+    chunk lies in the future of both query chunks), ``j > i`` the second query chunk against the whole block
+    (the first query chunk precedes it all). The layout is irrelevant when ``causal=False``.
+
+    Args:
+        q: ``[b, h, s/n, d]`` this device's queries.
+        k: ``[b, hkv, s/n, d]`` this device's keys (``h`` a multiple of ``hkv``: grouped-query attention).
+        v: ``[b, hkv, s/n, d]`` this device's values.
+        axis: the context-parallel mesh axis.
+        causal: mask each query's future positions (global positions, per ``layout``).
+        layout: ``"zigzag"`` (device ``i`` holds chunks ``i`` and ``2n-1-i`` of ``2n``) or ``"contiguous"``
+            (chunk ``i`` of ``n``).
+        scale: score scale, default ``1/sqrt(d)``.
+
+    Returns:
+        ``[b, h, s/n, d]`` this device's rows of the attention output, in ``q``'s dtype, varying over ``axis``.
+
+    Raises:
+        ShardingError: an unknown layout, shapes that do not fit, or an odd local length under zigzag.
+
+    Example:
+        >>> # inside shard_map over {"cp": 4}, q/k/v with spec P(None, None, "cp") in zigzag order:
+        >>> # out = ring_attention(q, k, v, axis="cp")  # [b, h, s/4, d] -> [b, h, s/4, d]
+    """
+    _check(q, k, v, causal, layout, "ring_attention")
+    n = lax.axis_size(axis)
+    i = lax.axis_index(axis)
+    shift = [(src, (src + 1) % n) for src in range(n)]  # device src sends to src + 1
+    c = q.shape[2] // 2  # zigzag chunk length
+    kv = torch.stack((k, v))  # 2 x [b, hkv, s/n, d] -> [2, b, hkv, s/n, d]: one message per step
+    # step 0, this device's own block (the diagonal: causal within it)
+    o, lse = attention(q, k, v, causal=causal, return_lse=True, scale=scale)  # [b, h, s/n, d], [b, h, s/n]
+    acc = torch.promote_types(q.dtype, torch.float32)  # merge in float32 (float64 stays float64)
+    out, lse = o.to(acc), lse.to(acc)
+    for step in range(1, n):
+        kv = lax.ppermute(kv, axis, shift)  # [2, b, hkv, s/n, d] -> [2, b, hkv, s/n, d], from device i-1
+        j = (i - step) % n  # the device whose k/v block this is (never i)
+        kb, vb = kv[0], kv[1]  # [b, hkv, s/n, d] each
+        if not causal or (layout == "contiguous" and j < i):
+            o, lo = attention(q, kb, vb, return_lse=True, scale=scale)  # [b, h, s/n, d] x [b, hkv, s/n, d]
+            out, lse = _merge(out, lse, o, lo)
+        elif layout == "contiguous":  # j > i: the whole block lies in the future, nothing to compute
+            # ...but keep the block in the graph (a zero-size slice, no work): every device must run the
+            # backward ppermute of every step, or the ring's backward deadlocks on the devices that used it
+            out = out + kv.narrow(-1, 0, 0).sum()  # [2, b, hkv, s/n, 0] -> [], exactly 0
+        elif j < i:  # zigzag: both query chunks see the block's first chunk, neither sees its second
+            o, lo = attention(q, kb[:, :, :c], vb[:, :, :c], return_lse=True, scale=scale)  # [b,h,s/n,d] x [b,hkv,c,d]
+            out, lse = _merge(out, lse, o, lo)
+        else:  # zigzag, j > i: only the second query chunk sees the block, all of it
+            o, lo = attention(q[:, :, c:], kb, vb, return_lse=True, scale=scale)  # [b,h,c,d] x [b,hkv,s/n,d]
+            o2, l2 = _merge(out[:, :, c:], lse[:, :, c:], o, lo)  # rows c: of [b, h, s/n, d]
+            out = torch.cat((out[:, :, :c], o2), dim=2)  # [b, h, c, d] + [b, h, c, d] -> [b, h, s/n, d]
+            lse = torch.cat((lse[:, :, :c], l2), dim=2)  # [b, h, c] + [b, h, c] -> [b, h, s/n]
+    return out.to(q.dtype)
