@@ -16,6 +16,7 @@ Example:
 
 from . import lax as lax
 from . import optim as optim
+from . import pipeline as pipeline
 from . import pytree as pytree
 from . import random as random
 from ._array import Array as Array
@@ -67,6 +68,7 @@ __all__ = [
     "logical_to_mesh",
     "make_mesh",
     "optim",
+    "pipeline",
     "pmax",
     "pmean",
     "pmin",

@@ -21,6 +21,10 @@ MESHES = {
     "dp2_tp2": ({"dp": 2, "tp": 2}, False),
     "fsdp2_tp2": ({"fsdp": 2, "tp": 2}, False),
     "dp2_fsdp2": ({"dp": 2, "fsdp": 2}, False),
+    "cp4": ({"cp": 4}, False),
+    "dp2_cp2": ({"dp": 2, "cp": 2}, False),
+    "fsdp2_cp2": ({"fsdp": 2, "cp": 2}, False),
+    "tp2_cp2_sp": ({"tp": 2, "cp": 2}, True),
 }
 
 
@@ -97,6 +101,7 @@ def test_layers_are_stacked() -> None:
         ({"tp": 8}, "n_kv_heads=4 is not divisible by tp=8"),
         ({"fsdp": 3}, "dim=32 is not divisible by fsdp=3"),
         ({"pp": 2}, "axis 'pp' of size 2, which the Llama does not use"),
+        ({"ep": 2}, "axis 'ep' of size 2, which the Llama does not use"),
     ],
 )
 def test_meshes_the_model_cannot_use(shape: dict[str, int], match: str) -> None:

@@ -4,7 +4,8 @@ Called on full tensors they are the plain single-device model. Called inside ``s
 any of the axes ``dp``, ``fsdp``, ``tp`` (with sequence parallelism when ``cfg.sequence_parallel``), with
 ``in_specs=(param_specs(cfg, mesh), batch_spec(mesh), batch_spec(mesh))``, they run the sharded model:
 parameters are gathered layer by layer over ``fsdp`` (ZeRO-3), replicated ones are marked varying over
-``dp`` (their gradients are summed), the attention and MLP are Megatron column/row-parallel over ``tp``,
+``dp`` and ``cp`` (their gradients are summed), the attention and MLP are Megatron column/row-parallel over
+``tp``, a ``cp`` axis splits the sequence (ring attention, RoPE at each block's positions),
 logits stay vocab-parallel and the loss never gathers the vocabulary. Correct with ``check_vma`` on or off.
 
 Seams for later: :func:`attention_fn` is the one place attention is called (context parallelism plugs in
@@ -39,6 +40,7 @@ from ...ops import (
     attention,
     column_parallel_linear,
     fsdp_gather,
+    ring_attention,
     row_parallel_linear,
     vocab_parallel_cross_entropy,
     vocab_parallel_embedding,
@@ -58,12 +60,20 @@ class Plan:
     tp: str | None = None
     fsdp: str | None = None
     dp: str | None = None
+    cp: str | None = None
     sp: bool = False
     specs: Any = None
 
     @property
     def data_axes(self) -> tuple[str, ...]:
-        return tuple(a for a in (self.dp, self.fsdp) if a)
+        """The axes the tokens are split over (batch or sequence): the loss is summed over them."""
+        return tuple(a for a in (self.dp, self.fsdp, self.cp) if a)
+
+    @property
+    def replica_axes(self) -> tuple[str, ...] | None:
+        """The axes the parameters are replicated over while the data varies: their gradients are summed."""
+        axes = tuple(a for a in (self.dp, self.cp) if a)
+        return axes or None
 
 
 @functools.lru_cache(maxsize=64)
@@ -74,6 +84,7 @@ def _plan_for(cfg: Config, mesh: Any) -> Plan:
         tp=tp,
         fsdp="fsdp" if "fsdp" in shape else None,
         dp="dp" if "dp" in shape else None,
+        cp="cp" if "cp" in shape else None,
         sp=bool(tp and cfg.sequence_parallel),
         specs=param_specs(cfg, mesh),
     )
@@ -89,11 +100,13 @@ def _drop_leading(spec: P) -> P:
 
 
 def _use(p: PyTree, specs: PyTree, plan: Plan) -> PyTree:
-    """Parameters as the computation needs them: gathered over fsdp, varying over dp."""
+    """Parameters as the computation needs them: gathered over fsdp, varying over dp and cp."""
     if plan.fsdp:
-        return fsdp_gather(p, specs, axis=plan.fsdp, replicate_axis=plan.dp)  # [.., s/fsdp, ..] -> [.., s, ..]
-    if plan.dp:
-        return lax.pvary(p, plan.dp)  # identity forward; psum over dp of the gradient backward
+        return fsdp_gather(
+            p, specs, axis=plan.fsdp, replicate_axis=plan.replica_axes
+        )  # [.., s/fsdp, ..] -> [.., s, ..]
+    if plan.replica_axes:
+        return lax.pvary(p, plan.replica_axes)  # identity forward; one bucketed psum of the gradients backward
     return p
 
 
@@ -113,7 +126,10 @@ def _rope(x: torch.Tensor, theta: float, offset: int = 0) -> torch.Tensor:
 
 
 def attention_fn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: Config, plan: Plan) -> torch.Tensor:
-    """Causal grouped-query attention on ``[b, heads, s, hd]`` (the seam for context parallelism)."""
+    """Causal grouped-query attention on ``[b, heads, s, hd]``; with a ``cp`` axis the sequence is split
+    in contiguous blocks over it and k/v go around the ring."""
+    if plan.cp:
+        return ring_attention(q, k, v, axis=plan.cp, causal=True, layout="contiguous")  # [b, h, s/cp, hd]
     return attention(q, k, v, causal=True)  # [b, h, s, hd] -> [b, h, s, hd]
 
 
@@ -128,7 +144,8 @@ def layer(x: torch.Tensor, p: dict[str, torch.Tensor], cfg: Config, plan: Plan) 
         q, k, v = (F.linear(h, p[n]) for n in ("wq", "wk", "wv"))  # [b, s, d] @ [d, heads*hd] -> [b, s, heads*hd]
     b, s = q.shape[:2]
     q, k, v = (t.unflatten(-1, (-1, hd)) for t in (q, k, v))  # -> [b, s, heads(/tp), hd]
-    q, k = _rope(q, cfg.rope_theta), _rope(k, cfg.rope_theta)
+    offset = lax.axis_index(plan.cp) * s if plan.cp else 0  # this device's first position
+    q, k = _rope(q, cfg.rope_theta, offset), _rope(k, cfg.rope_theta, offset)
     o = attention_fn(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), cfg, plan)  # [b, h, s, hd]
     o = o.transpose(1, 2).reshape(b, s, -1)  # -> [b, s, heads(/tp)*hd]
     if plan.tp:

@@ -2,8 +2,8 @@
 
 Rules (t5x / MaxText style, regex on the leaf path): vocab and the output features of q/k/v/gate/up are
 split over ``tp`` (column-parallel), the input features of o/down over ``tp`` (row-parallel); the other
-weight dim, and the norms, over ``fsdp``. The batch dim goes over ``dp`` and ``fsdp``. Axes the mesh does
-not have are dropped, so one rule set serves every mesh.
+weight dim, and the norms, over ``fsdp``. The batch dim goes over ``dp`` and ``fsdp``, the sequence over
+``cp``. Axes the mesh does not have are dropped, so one rule set serves every mesh.
 
 Example:
     >>> import funcshard as fs
@@ -27,7 +27,7 @@ from .config import Config
 __all__ = ["RULES", "batch_spec", "check_mesh", "param_shapes", "param_specs"]
 
 BATCH_AXES = ("dp", "fsdp")
-KNOWN_AXES = ("dp", "fsdp", "tp")
+KNOWN_AXES = ("dp", "fsdp", "tp", "cp")
 
 RULES = [
     (r"embed", P("tp", "fsdp")),
@@ -94,11 +94,12 @@ def param_specs(cfg: Config, mesh: Any) -> dict[str, Any]:
     Raises:
         ShardingError: the mesh has an axis the model cannot use, or a size that does not divide the model.
     """
-    check_mesh(cfg, mesh)
+    check_mesh(cfg, mesh)  # the parameters are replicated over cp
     return _rules.spec_rules(param_shapes(cfg), RULES, default=None, mesh=mesh, drop_missing_axes=True)
 
 
 def batch_spec(mesh: Any) -> P:
-    """The spec of a ``[batch, seq]`` token tensor: batch over the data axes (``dp``, ``fsdp``) present."""
+    """The spec of a ``[batch, seq]`` token tensor: batch over the data axes (``dp``, ``fsdp``) present,
+    the sequence over ``cp`` (context parallelism, contiguous blocks) when the mesh has it."""
     axes = tuple(a for a in BATCH_AXES if a in mesh.shape)
-    return P(axes if len(axes) > 1 else axes[0] if axes else None)
+    return P(axes if len(axes) > 1 else axes[0] if axes else None, "cp" if "cp" in mesh.shape else None)

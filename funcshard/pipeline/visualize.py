@@ -1,0 +1,152 @@
+"""Pictures of a pipeline schedule's simulated timeline: ASCII (``text``) and PNG (``plot``).
+
+Example:
+    >>> from funcshard.pipeline import one_f_one_b
+    >>> print(one_f_one_b(2, 3).text())
+    1f1b: 2 stages, 3 microbatches, bubble 25.0%, peak in-flight [2, 1]  (F=1 B=2)
+    stage 0 | F0 F1 .  .  B0--- F2 B1--- .  B2---
+    stage 1 | .  F0 B0--- F1 B1--- F2 B2--- .  .
+"""
+
+from __future__ import annotations
+
+import math
+from fractions import Fraction
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .schedules import Schedule, SimResult
+
+__all__ = ["plot", "text"]
+
+COLORS = {"F": "#4c72b0", "B": "#dd8452", "W": "#55a868"}
+NAMES = {"F": "forward", "B": "backward", "W": "weight grad"}
+MAX_CELLS = 400
+
+
+def _label(schedule: Schedule, a: Any, with_kind: bool = True) -> str:
+    base = (a.kind if with_kind else "") + str(a.microbatch)
+    return base + (f"c{a.chunk}" if schedule.n_virtual > 1 else "")
+
+
+def _cost_note(sim: SimResult, split: bool) -> str:
+    c = sim.costs
+    note = " ".join(f"{k}={c[k]:g}" for k in ("F", "B", "W") if split or k != "W")
+    return note + (f" comm={c['comm']:g}" if c["comm"] else "")
+
+
+def _header(schedule: Schedule, sim: SimResult) -> str:
+    v = f", {schedule.n_virtual} chunks/stage" if schedule.n_virtual > 1 else ""
+    return (
+        f"{schedule.name}: {schedule.n_stages} stages, {schedule.n_microbatches} microbatches{v}, "
+        f"bubble {sim.bubble_fraction:.1%}, peak in-flight {sim.peak_in_flight}"
+    )
+
+
+def _step(sim: SimResult) -> float:
+    """The time of one text cell: the gcd of all durations and start times, or a coarser step if too fine."""
+    times = {Fraction(x).limit_denominator(1000) for row in sim.timeline for b, e, _ in row for x in (b, e - b)}
+    num = den = 0
+    for f in times:
+        if f:
+            num, den = math.gcd(num, f.numerator), math.lcm(den or 1, f.denominator)
+    step = num / den if num else 1.0
+    return max(step, sim.makespan / MAX_CELLS) if sim.makespan else 1.0
+
+
+def text(schedule: Schedule, costs: dict[str, float] | None = None) -> str:
+    """A compact ASCII timeline: one row per stage, one cell per time step, ``.`` for idle.
+
+    An action longer than one step is drawn as its label followed by dashes (``B0---`` for a 2-step B).
+
+    Args:
+        schedule: the schedule to draw.
+        costs: as for ``Schedule.simulate``.
+
+    Example:
+        >>> from funcshard.pipeline import gpipe
+        >>> print(gpipe(2, 2).text().splitlines()[1])
+        stage 0 | F0 F1 .  .  .  B0--- B1---
+    """
+    sim = schedule.simulate(costs)
+    step = _step(sim)
+    width = max((len(_label(schedule, a)) for row in sim.timeline for _, _, a in row), default=2) + 1
+    n_cells = round(sim.makespan / step)
+    lines = [f"{_header(schedule, sim)}  ({_cost_note(sim, schedule.split_backward)})"]
+    for s, row in enumerate(sim.timeline):
+        out, cell = [], 0
+        for b, e, a in row:
+            start, stop = round(b / step), max(round(e / step), round(b / step) + 1)
+            out += [".".ljust(width)] * max(start - cell, 0)
+            out.append(_label(schedule, a).ljust((stop - start) * width - 1, "-") + " ")
+            cell = max(stop, cell)
+        out += [".".ljust(width)] * max(n_cells - cell, 0)
+        lines.append(f"stage {s} | " + "".join(out).rstrip())
+    return "\n".join(lines)
+
+
+def _shade(color: str, chunk: int, n_virtual: int) -> tuple[float, float, float]:
+    """The kind's color, lightened for later chunks so the chunks of one stage tell apart."""
+    r, g, b = (int(color[i : i + 2], 16) / 255 for i in (1, 3, 5))
+    t = 0.45 * chunk / max(n_virtual - 1, 1) if n_virtual > 1 else 0.0
+    return (r + (1 - r) * t, g + (1 - g) * t, b + (1 - b) * t)
+
+
+def plot(schedule: Schedule, path: str | Path, costs: dict[str, float] | None = None, *, dpi: int = 120) -> Path:
+    """Draw the simulated timeline as a PNG: a row per stage, a box per action colored by kind.
+
+    Boxes are labelled with the microbatch (and ``c<chunk>`` for interleaved schedules; later chunks are
+    lighter); idle time shows as gaps. The title names the schedule and its bubble fraction. Uses
+    matplotlib's object API with the Agg canvas, so it changes no global pyplot state.
+
+    Args:
+        schedule: the schedule to draw.
+        path: where to write the PNG (parent folders are created).
+        costs: as for ``Schedule.simulate``.
+        dpi: resolution of the PNG.
+
+    Returns:
+        The path written.
+
+    Example:
+        >>> from funcshard.pipeline import zero_bubble_h1
+        >>> zero_bubble_h1(4, 8).plot("/tmp/zb_h1.png").name
+        'zb_h1.png'
+    """
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from matplotlib.patches import Patch, Rectangle
+
+    sim = schedule.simulate(costs)
+    p, span = schedule.n_stages, sim.makespan or 1.0
+    n_actions = max(len(row) for row in schedule.actions)
+    fig_w, fig_h = min(max(6.0, 0.48 * n_actions), 24.0), 0.55 * p + 1.6
+    fig = Figure(figsize=(fig_w, fig_h))
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot(1, 1, 1)
+    points_per_time = fig_w * 0.8 / span * 72
+    for s, row in enumerate(sim.timeline):
+        for b, e, a in row:
+            color = _shade(COLORS[a.kind], a.chunk, schedule.n_virtual)
+            ax.add_patch(Rectangle((b, s - 0.4), e - b, 0.8, facecolor=color, edgecolor="white", linewidth=0.8))
+            label = _label(schedule, a, with_kind=False)
+            size = min(9.0, (e - b) * points_per_time / (0.65 * len(label) + 0.6))
+            if size >= 4:  # too narrow a box stays unlabelled
+                ink = "white" if a.chunk == 0 else "black"
+                ax.text((b + e) / 2, s, label, ha="center", va="center", fontsize=size, color=ink)
+    ax.set_xlim(0, span)
+    ax.set_ylim(p - 0.5, -0.5)
+    ax.set_yticks(range(p), [f"stage {s}" for s in range(p)])
+    ax.set_xlabel(f"time ({_cost_note(sim, schedule.split_backward)})")
+    for side in ("top", "right"):
+        ax.spines[side].set_visible(False)
+    ax.set_title(_header(schedule, sim), fontsize=10)
+    kinds = [k for k in COLORS if any(a.kind == k for row in schedule.actions for a in row)]
+    handles = [Patch(color=COLORS[k], label=f"{k} ({NAMES[k]})") for k in kinds]
+    fig.legend(handles=handles, loc="lower center", ncol=len(kinds), frameon=False, fontsize=8)
+    fig.tight_layout(rect=(0, 0.3 / fig_h, 1, 1))
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, format="png", dpi=dpi)
+    return out
