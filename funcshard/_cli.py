@@ -59,26 +59,23 @@ class ArgumentParser(argparse.ArgumentParser):
         raise _ArgError(f"{self.prog}: {message} (see {self.prog} --help)")
 
 
-def positive_int(text: str) -> int:
-    """An argparse type: an int >= 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, found {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, found {value}")
-    return value
+def _int_at_least(low: int, what: str) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {what}, found {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"expected {what}, found {value}")
+        return value
+
+    return parse
 
 
-def nonneg_int(text: str) -> int:
-    """An argparse type: an int >= 0."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, found {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, found {value}")
-    return value
+positive_int = _int_at_least(1, "a positive integer")
+positive_int.__doc__ = "An argparse type: an int >= 1."
+nonneg_int = _int_at_least(0, "an integer >= 0")
+nonneg_int.__doc__ = "An argparse type: an int >= 0."
 
 
 def train_parser() -> ArgumentParser:
