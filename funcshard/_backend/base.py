@@ -69,7 +69,3 @@ class DeviceHandle:
 
     def ppermute(self, x: torch.Tensor, axes: tuple[str, ...], perm: tuple[tuple[int, int], ...]) -> torch.Tensor:
         raise NotImplementedError
-
-    def gather_objects(self, obj: Any) -> list[Any]:
-        """Every device's ``obj``, in rank order (a host-side exchange for checks, not for tensors)."""
-        raise NotImplementedError

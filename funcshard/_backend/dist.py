@@ -231,14 +231,6 @@ class DistDevice(DeviceHandle):
                 req.wait()
         return out
 
-    def gather_objects(self, obj: Any) -> list[Any]:
-        out: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(out, obj)
-        return out
-
-
-# Whole-world helpers for funcshard.checkpoint (called outside shard_map, by every process).
-
 
 def initialized() -> bool:
     """True when the default process group is up."""

@@ -28,7 +28,7 @@ from .base import DeviceHandle, default_timeout, group_members
 __all__ = ["SimDevice", "SimWorld"]
 
 
-_PUBLIC = {"reduce_scatter": "psum_scatter", "gather_objects": "a host-side exchange"}
+_PUBLIC = {"reduce_scatter": "psum_scatter"}
 _REDUCE = {"sum": "psum (or pmean)", "max": "pmax", "min": "pmin"}
 
 
@@ -36,8 +36,6 @@ def _describe(kind: str, meta: Any) -> str:
     """A collective as the user wrote it, e.g. ``psum (or pmean) of a (2, 3) torch.float32 block``."""
     if kind == "all_reduce":
         return f"{_REDUCE[meta[0]]} of a {meta[1]} {meta[2]} block"
-    if kind == "gather_objects":
-        return _PUBLIC[kind]
     return f"{_PUBLIC.get(kind, kind)} of a {meta[0]} {meta[1]} block"
 
 
@@ -254,6 +252,3 @@ class SimDevice(DeviceHandle):
             if dst == i:
                 return vals[src].clone()
         return torch.zeros_like(x)
-
-    def gather_objects(self, obj: Any) -> list[Any]:
-        return self.world.exchange(self, "gather_objects", tuple(self.mesh.axis_names), obj, ())
