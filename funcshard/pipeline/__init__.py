@@ -11,6 +11,7 @@ Example:
     0.111
 """
 
+from .runtime import run as run
 from .schedules import Action as Action
 from .schedules import Schedule as Schedule
 from .schedules import ScheduleError as ScheduleError
@@ -31,6 +32,7 @@ __all__ = [
     "interleaved_1f1b",
     "one_f_one_b",
     "plot",
+    "run",
     "text",
     "zero_bubble_h1",
 ]

@@ -1,0 +1,313 @@
+"""``funcshard.pipeline.run`` against the same model without a pipeline.
+
+A toy model of ``L = n_stages * n_virtual`` residual-MLP layers (``y = x + tanh(x @ W1) @ W2``), one layer
+per stage chunk, runs through each schedule inside shard_map; its loss and every layer's gradient must
+equal those of the plain model on the full batch. Sim with check_vma on and off, dist on gloo workers
+(pp=4, and dp=2 x pp=2 with the batch also split over dp), the exact ppermute count, and bad inputs.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import funcshard as fs
+from funcshard import P
+from funcshard.pipeline import gpipe, interleaved_1f1b, one_f_one_b, run, zero_bubble_h1
+from funcshard.pipeline.runtime import ticks, virtual_stage_order
+
+D, H, MB = 4, 6, 3  # feature dim, hidden dim, rows per microbatch
+DT = torch.float64
+
+
+def _layer(params, x):
+    w1, w2 = params
+    return x + torch.tanh(x @ w1) @ w2
+
+
+def _mse(y, t):
+    return ((y - t) ** 2).mean()
+
+
+def _data(n_layers: int, batch: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    w1 = torch.randn(n_layers, D, H, generator=g, dtype=DT) * 0.5
+    w2 = torch.randn(n_layers, H, D, generator=g, dtype=DT) * 0.5
+    x = torch.randn(batch, D, generator=g, dtype=DT)
+    t = torch.randn(batch, D, generator=g, dtype=DT)
+    return w1, w2, x, t
+
+
+def _reference(w1, w2, x, t):
+    """Loss and per-layer grads of the plain model on the full batch."""
+    w1, w2 = w1.clone().requires_grad_(), w2.clone().requires_grad_()
+    y = x
+    for i in range(w1.shape[0]):
+        y = _layer((w1[i], w2[i]), y)
+    loss = _mse(y, t)
+    g1, g2 = torch.autograd.grad(loss, (w1, w2))
+    return loss.detach(), g1, g2
+
+
+def _schedule(name: str, p: int, m: int):
+    if name == "gpipe":
+        return gpipe(p, m)
+    if name == "1f1b":
+        return one_f_one_b(p, m)
+    if name == "interleaved":
+        return interleaved_1f1b(p, m, 2)
+    return zero_bubble_h1(p, m)
+
+
+def _pipeline_body(mesh: fs.Mesh, name: str, m: int, check_vma: bool) -> str:
+    p = mesh.shape["pp"]
+    sched = _schedule(name, p, m)
+    v = sched.n_virtual
+    w1, w2, x, t = _data(p * v, m * MB)
+    ref_loss, ref_g1, ref_g2 = _reference(w1, w2, x, t)
+    order = virtual_stage_order(p, v)  # global stacked index -> layer
+    params = (w1[order], w2[order])  # [p * v, D, H], [p * v, H, D]
+
+    def step(params, xs, ts):
+        return run(sched, _layer, params, xs, targets=ts, loss_fn=_mse)
+
+    f = fs.shard_map(step, mesh=mesh, in_specs=(P("pp"), P(), P()), out_specs=(P(), P("pp")), check_vma=check_vma)
+    loss, (g1, g2) = f(params, x.reshape(m, MB, D), t.reshape(m, MB, D))
+    torch.testing.assert_close(fs.device_get(loss).reshape(()), ref_loss, rtol=1e-5, atol=1e-12)
+    inv = torch.tensor(order).argsort()  # layer -> global stacked index
+    torch.testing.assert_close(fs.device_get(g1)[inv], ref_g1, rtol=1e-5, atol=1e-12)
+    torch.testing.assert_close(fs.device_get(g2)[inv], ref_g2, rtol=1e-5, atol=1e-12)
+    return "ok"
+
+
+CASES = [
+    (name, p, m)
+    for name in ("gpipe", "1f1b", "interleaved", "zb_h1")
+    for p in (2, 4)
+    for m in (4, 8)
+    if not (name == "interleaved" and m % p)
+]
+
+
+@pytest.mark.parametrize("check_vma", [True, False], ids=["vma", "novma"])
+@pytest.mark.parametrize(("name", "p", "m"), CASES, ids=[f"{n}-p{p}-m{m}" for n, p, m in CASES])
+def test_pipeline_matches_plain_model_sim(name: str, p: int, m: int, check_vma: bool) -> None:
+    from _dist_pool import run_body
+
+    assert run_body("sim", _pipeline_body, {"pp": p}, name, m, check_vma) == ["ok"]
+
+
+def _all_schedules_body(mesh: fs.Mesh) -> str:
+    for name in ("gpipe", "1f1b", "interleaved", "zb_h1"):
+        _pipeline_body(mesh, name, 8, True)
+    _pipeline_body(mesh, "1f1b", 4, False)
+    return "ok"
+
+
+def test_pipeline_dist_pp4() -> None:
+    from _dist_pool import run_body
+
+    assert set(run_body("dist", _all_schedules_body, {"pp": 4})) == {"ok"}
+
+
+def _dp_pp_body(mesh: fs.Mesh, name: str, check_vma: bool, explicit: bool = True) -> str:
+    """dp=2 x pp=2: the batch is also split over dp; the loss is pmean'd over dp, the grads psum'd by the
+    pvary the stage function writes (correct with and without check_vma), or, with ``explicit=False``
+    under check_vma, by the pvary shard_map inserts where the dp-replicated weights meet the dp-split batch."""
+    p, dp, m = mesh.shape["pp"], mesh.shape["dp"], 4
+    sched = _schedule(name, p, m)
+    v = sched.n_virtual
+    w1, w2, x, t = _data(p * v, dp * m * MB, seed=1)
+    ref_loss, ref_g1, ref_g2 = _reference(w1, w2, x, t)
+    order = virtual_stage_order(p, v)
+
+    def layer(params, x):
+        # the weights are replicated over dp: pvary's backward psums their grads over dp
+        return _layer(fs.pvary(params, "dp") if explicit else params, x)
+
+    def step(params, xs, ts):  # xs, ts: [m, MB, D] local (this dp shard)
+        loss, grads = run(sched, layer, params, xs, targets=ts, loss_fn=_mse)
+        return fs.pmean(loss, "dp"), [g / dp for g in grads]  # loss: [] -> [], the mean over dp shards
+
+    bspec = P(None, "dp")
+    f = fs.shard_map(step, mesh=mesh, in_specs=(P("pp"), bspec, bspec), out_specs=(P(), P("pp")), check_vma=check_vma)
+    # global [m, dp * MB, D]: dp shard k holds rows k*m*MB ... of the batch, cut into m microbatches
+    xs = x.reshape(dp, m, MB, D).transpose(0, 1).reshape(m, dp * MB, D)
+    ts = t.reshape(dp, m, MB, D).transpose(0, 1).reshape(m, dp * MB, D)
+    loss, (g1, g2) = f((w1[order], w2[order]), xs, ts)
+    inv = torch.tensor(order).argsort()
+    torch.testing.assert_close(fs.device_get(loss).reshape(()), ref_loss, rtol=1e-5, atol=1e-12)
+    torch.testing.assert_close(fs.device_get(g1)[inv], ref_g1, rtol=1e-5, atol=1e-12)
+    torch.testing.assert_close(fs.device_get(g2)[inv], ref_g2, rtol=1e-5, atol=1e-12)
+    return "ok"
+
+
+@pytest.mark.parametrize(
+    ("check_vma", "explicit"), [(True, True), (True, False), (False, True)], ids=["vma", "vma-auto", "novma"]
+)
+@pytest.mark.parametrize("name", ["1f1b", "interleaved", "zb_h1"])
+def test_pipeline_dp_pp_sim(name: str, check_vma: bool, explicit: bool) -> None:
+    from _dist_pool import run_body
+
+    assert run_body("sim", _dp_pp_body, {"dp": 2, "pp": 2}, name, check_vma, explicit) == ["ok"]
+
+
+def _dp_pp_all_body(mesh: fs.Mesh) -> str:
+    for name in ("1f1b", "interleaved", "zb_h1"):
+        _dp_pp_body(mesh, name, True)
+    _dp_pp_body(mesh, "zb_h1", True, False)
+    _dp_pp_body(mesh, "1f1b", False)
+    return "ok"
+
+
+def test_pipeline_dp_pp_dist() -> None:
+    from _dist_pool import run_body
+
+    assert set(run_body("dist", _dp_pp_all_body, {"dp": 2, "pp": 2})) == {"ok"}
+
+
+def _expected_ppermutes(sched) -> int:
+    """From the unit-cost timeline, independently of ``ticks``: one forward shift per time step at which
+    some stage starts an F that is not on the last virtual stage, one backward shift per step at which some
+    stage starts a B that is not on virtual stage 0."""
+    p, last = sched.n_stages, sched.n_stages * sched.n_virtual - 1
+    timeline = sched.simulate({"F": 1, "B": 1, "W": 1}).timeline
+    fwd, bwd = set(), set()
+    for s, row in enumerate(timeline):
+        for start, _, a in row:
+            vs = a.chunk * p + s
+            if a.kind == "F" and vs != last:
+                fwd.add(start)
+            if a.kind == "B" and vs != 0:
+                bwd.add(start)
+    return len(fwd) + len(bwd)
+
+
+@pytest.mark.parametrize("name", ["1f1b", "zb_h1", "interleaved", "gpipe"])
+def test_ppermute_count(name: str) -> None:
+    p, m = 4, 8
+    sched = _schedule(name, p, m)
+    mesh = fs.make_mesh({"pp": p}, backend="sim")
+    w1, w2, x, t = _data(p * sched.n_virtual, m * MB)
+    order = virtual_stage_order(p, sched.n_virtual)
+    f = fs.shard_map(
+        lambda params, xs, ts: run(sched, _layer, params, xs, targets=ts, loss_fn=_mse),
+        mesh=mesh,
+        in_specs=(P("pp"), P(), P()),
+        out_specs=(P(), P("pp")),
+    )
+    with fs.comm_stats() as st:
+        f((w1[order], w2[order]), x.reshape(m, MB, D), t.reshape(m, MB, D))
+    expected = _expected_ppermutes(sched)
+    assert st.calls("ppermute", "pp") == expected
+    assert st.bytes("ppermute") == expected * MB * D * 8  # one [MB, D] float64 block per shift
+    assert st.calls("psum", "pp") == 1  # the loss
+    if name == "1f1b":
+        # 1F1B p=4 m=8 at F=B=1: 22 ticks; forward shifts at ticks 0-3 and 6-16 (15), backward at 4-20
+        # (17): 32 ppermutes instead of 2 per tick (44) for a loop that never skips
+        assert len(ticks(sched)) == 2 * (m + p - 1) == 22
+        assert expected == 15 + 17
+
+
+def test_ticks_one_action_per_stage_and_deps() -> None:
+    sched = interleaved_1f1b(4, 8, 2)
+    p, last = 4, 7
+    done: dict[tuple[str, int, int], int] = {}
+    for i, tick in enumerate(ticks(sched)):
+        for s, a in enumerate(tick.actions):
+            if a is None:
+                continue
+            vs = a.chunk * p + s
+            if a.kind == "F" and vs > 0:
+                assert done[("F", a.microbatch, vs - 1)] < i
+            if a.kind == "B" and vs < last:
+                assert done[("B", a.microbatch, vs + 1)] < i
+            done[(a.kind, a.microbatch, vs)] = i
+    assert len(done) == 2 * 8 * 8
+
+
+def _no_targets_fp32_body(mesh: fs.Mesh, check_vma: bool) -> str:
+    p, m = mesh.shape["pp"], 4
+    w1, w2, x, _ = (a.float() for a in _data(p, m * MB, seed=2))
+
+    def loss_fn(y):
+        return (y**2).mean()
+
+    w1r, w2r = w1.clone().requires_grad_(), w2.clone().requires_grad_()
+    y = x
+    for i in range(p):
+        y = _layer((w1r[i], w2r[i]), y)
+    ref = loss_fn(y)
+    ref_g = torch.autograd.grad(ref, (w1r, w2r))
+    f = fs.shard_map(
+        lambda params, xs: run(zero_bubble_h1(p, m), _layer, params, xs, loss_fn=loss_fn),
+        mesh=mesh,
+        in_specs=(P("pp"), P()),
+        out_specs=(P(), P("pp")),
+        check_vma=check_vma,
+    )
+    loss, grads = f((w1, w2), x.reshape(m, MB, D))
+    torch.testing.assert_close(fs.device_get(loss).reshape(()), ref.detach(), rtol=1e-5, atol=1e-6)
+    for g, r in zip(grads, ref_g, strict=True):
+        torch.testing.assert_close(fs.device_get(g), r, rtol=1e-5, atol=1e-6)
+    return "ok"
+
+
+@pytest.mark.parametrize("check_vma", [True, False], ids=["vma", "novma"])
+def test_no_targets_fp32(check_vma: bool) -> None:
+    from _dist_pool import run_body
+
+    assert run_body("sim", _no_targets_fp32_body, {"pp": 4}, check_vma) == ["ok"]
+
+
+def test_virtual_stage_order() -> None:
+    assert virtual_stage_order(4, 1) == [0, 1, 2, 3]
+    assert virtual_stage_order(2, 3) == [0, 2, 4, 1, 3, 5]
+
+
+def _bad(mesh_shape: dict[str, int], sched, params, xs, ts):
+    mesh = fs.make_mesh(mesh_shape, backend="sim")
+    f = fs.shard_map(
+        lambda params, xs, ts: run(sched, _layer, params, xs, targets=ts, loss_fn=_mse),
+        mesh=mesh,
+        in_specs=(P("pp"), P(), P()),
+        out_specs=(P(), P("pp")),
+    )
+    return f(params, xs, ts)
+
+
+def test_bad_axis_size() -> None:
+    w1, w2, x, t = _data(4, 4 * MB)
+    with pytest.raises(fs.ShardingError, match=r"axis 'pp' has size 2 .* n_stages=4; build the schedule"):
+        _bad({"pp": 2}, one_f_one_b(4, 4), (w1, w2), x.reshape(4, MB, D), t.reshape(4, MB, D))
+
+
+def test_bad_param_leading_dim() -> None:
+    w1, w2, x, t = _data(4, 4 * MB)  # 4 layers on pp=2 is 2 chunks per stage, but the schedule has 1
+    with pytest.raises(
+        fs.ShardingError, match=r"leaf 0 has local shape \(2, 4, 6\); expected a leading dim of n_virtual=1"
+    ):
+        _bad({"pp": 2}, one_f_one_b(2, 4), (w1, w2), x.reshape(4, MB, D), t.reshape(4, MB, D))
+
+
+def test_bad_microbatch_count() -> None:
+    w1, w2, x, t = _data(2, 4 * MB)
+    with pytest.raises(
+        fs.ShardingError, match=r"microbatches has local shape \(2, 6, 4\); expected .* n_microbatches=4"
+    ):
+        _bad({"pp": 2}, one_f_one_b(2, 4), (w1, w2), x.reshape(2, 2 * MB, D), t.reshape(4, MB, D))
+    with pytest.raises(fs.ShardingError, match=r"targets has local shape \(2, 6, 4\)"):
+        _bad({"pp": 2}, one_f_one_b(2, 4), (w1, w2), x.reshape(4, MB, D), t.reshape(2, 2 * MB, D))
+
+
+def test_stage_fn_must_keep_shape() -> None:
+    mesh = fs.make_mesh({"pp": 2}, backend="sim")
+    w1, w2, x, t = _data(2, 4 * MB)
+    f = fs.shard_map(
+        lambda params, xs, ts: run(one_f_one_b(2, 4), lambda p, x: x @ p[0], params, xs, targets=ts, loss_fn=_mse),
+        mesh=mesh,
+        in_specs=(P("pp"), P(), P()),
+        out_specs=(P(), P("pp")),
+    )
+    with pytest.raises(fs.ShardingError, match="must keep the activation's shape and dtype"):
+        f((w1, w2), x.reshape(4, MB, D), t.reshape(4, MB, D))
