@@ -7,7 +7,7 @@ import sys
 USAGE = """usage: python -m funcshard <command> [options]
 
 commands:
-  train     train a byte-level Llama on real text over a dp / fsdp / tp mesh (simulated, or under torchrun)
+  train     train a byte-level Llama on real text over a dp / fsdp / tp / cp mesh (simulated, or under torchrun)
   generate  sample text from the latest checkpoint of a train run
   demo      train a DP x TP MLP with a functional step on a simulated mesh (or under torchrun)
 

@@ -83,7 +83,7 @@ def train_parser() -> ArgumentParser:
     ap = ArgumentParser(
         prog="funcshard train",
         description="Train a byte-level Llama on a real text corpus (by default the Python standard library's "
-        "own .py files) over a mesh of dp / fsdp / tp axes: simulated in this process, or one device per process "
+        "own .py files) over a mesh of dp / fsdp / tp / cp axes: simulated in this process, or one device per process "
         "under torchrun.",
     )
     g = ap.add_argument_group("mesh")

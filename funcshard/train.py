@@ -1,4 +1,4 @@
-"""The main job: train the Llama on real text over a dp / fsdp / tp mesh, simulated or under torchrun.
+"""The main job: train the Llama on real text over a dp / fsdp / tp / cp mesh, simulated or under torchrun.
 
 ``python -m funcshard train`` (no arguments) trains a ~3M-parameter byte-level Llama on the Python standard
 library's own source on a simulated ``dp=2,tp=2`` mesh; ``torchrun --nproc-per-node 4 -m funcshard train``
