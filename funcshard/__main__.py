@@ -16,7 +16,18 @@ commands:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Dispatch to a command; exit code 2 on bad usage."""
+    """Dispatch to a command; exit code 2 on bad usage.
+
+    Args:
+        argv: the command and its options (default ``sys.argv[1:]``).
+
+    Returns:
+        The command's exit code; 2 on an unknown or missing command.
+
+    Example:
+        >>> main(["nope"])  # unknown command: one error line on stderr
+        2
+    """
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help"):
         print(USAGE)

@@ -29,6 +29,16 @@ class CommStats:
 
     Counts are those of one device: by default the lowest rank that recorded anything (under ``"dist"``,
     this process; under ``"sim"``, device 0); pass ``device=rank`` to choose another.
+
+    Example:
+        >>> import torch, funcshard as fs
+        >>> from funcshard import P
+        >>> mesh = fs.make_mesh({"tp": 2}, backend="sim")
+        >>> f = fs.shard_map(lambda x: fs.psum(x, "tp"), mesh=mesh, in_specs=(P("tp"),), out_specs=P())
+        >>> with fs.comm_stats() as stats:
+        ...     _ = f(torch.ones(4))
+        >>> stats, stats.devices()
+        (CommStats(calls=1, bytes=8), [0, 1])
     """
 
     def __init__(self) -> None:

@@ -39,7 +39,19 @@ def _label_rows(a: Array, ranks: list[int]) -> list[str]:
 
 
 class Picture(str):
-    """The text picture; in a notebook it is not shown a second time when it was already printed."""
+    """The text picture; in a notebook it is not shown a second time when it was already printed.
+
+    Example:
+        >>> import torch, funcshard as fs
+        >>> from funcshard import P
+        >>> mesh = fs.make_mesh({"tp": 2}, backend="sim")
+        >>> pic = fs.visualize(fs.device_put(torch.zeros(2, 4), mesh, P(None, "tp")), show=False)
+        >>> pic.shown, pic.splitlines()[0]
+        (False, "shape (2, 4)  spec P(None, 'tp')  mesh {'tp': 2}")
+        >>> pic.shown = True  # what visualize(..., show=True) sets after printing it
+        >>> pic
+        <sharding picture, 5 lines>
+    """
 
     shown: bool = False
 

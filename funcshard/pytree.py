@@ -56,20 +56,60 @@ def leaves_with_path(tree: PyTree, *, is_leaf: Callable[[Any], bool] | None = No
 
 
 def flatten(tree: PyTree, *, is_leaf: Callable[[Any], bool] | None = None) -> tuple[list[Any], Any]:
-    """Flatten a tree into its leaves and a treespec (optree's)."""
+    """Flatten a tree into its leaves and a treespec (optree's).
+
+    Args:
+        tree: the tree to flatten.
+        is_leaf: optional predicate; subtrees it accepts are leaves.
+
+    Returns:
+        ``(leaves, treespec)``: the leaves in optree's order and the structure, for :func:`unflatten`.
+
+    Example:
+        >>> leaves, spec = flatten({"b": [2, 3], "a": 1})
+        >>> leaves
+        [1, 2, 3]
+    """
     leaves, spec = optree.tree_flatten(tree, is_leaf=is_leaf)
     return leaves, spec
 
 
 def unflatten(treespec: Any, leaves: list[Any]) -> PyTree:
-    """Rebuild a tree from a treespec and leaves."""
+    """Rebuild a tree from a treespec and leaves.
+
+    Args:
+        treespec: the structure, as :func:`flatten` returns it.
+        leaves: one leaf per leaf of ``treespec``, in its order.
+
+    Returns:
+        The tree with ``leaves`` in place.
+
+    Example:
+        >>> leaves, spec = flatten({"a": 1, "b": [2, 3]})
+        >>> unflatten(spec, [x * 10 for x in leaves])
+        {'a': 10, 'b': [20, 30]}
+    """
     return optree.tree_unflatten(treespec, leaves)
 
 
 def tree_map(
     fn: Callable[..., Any], tree: PyTree, *rest: PyTree, is_leaf: Callable[[Any], bool] | None = None
 ) -> PyTree:
-    """Map ``fn`` over the leaves of one or more trees of the same structure."""
+    """Map ``fn`` over the leaves of one or more trees of the same structure.
+
+    Args:
+        fn: called with one leaf of ``tree`` and the matching leaf of each tree in ``rest``.
+        tree: the first tree; it gives the structure of the result.
+        *rest: more trees with the structure of ``tree``.
+        is_leaf: optional predicate; subtrees it accepts are leaves.
+
+    Returns:
+        A tree with the structure of ``tree`` and ``fn``'s results as leaves.
+
+    Example:
+        >>> tree_map(lambda x, y: x + y, {"a": 1, "b": [2, 3]}, {"a": 10, "b": [20, 30]})
+        {'a': 11, 'b': [22, 33]}
+    """
     return optree.tree_map(fn, tree, *rest, is_leaf=is_leaf)
 
 

@@ -55,7 +55,23 @@ def _say(*args: Any) -> None:
 
 
 def model_config(args: argparse.Namespace) -> llama.Config:
-    """The Llama of the command line (byte-level: vocabulary 256)."""
+    """The Llama of the command line (byte-level: vocabulary 256).
+
+    Args:
+        args: parsed ``funcshard train`` options (``--dim``, ``--layers``, ``--heads``, ``--kv-heads``, ``--ffn``,
+            ``--seq``, ``--sp``).
+
+    Returns:
+        The ``llama.Config``, with ``sequence_parallel`` set by ``--sp``.
+
+    Example:
+        >>> from funcshard._cli import train_parser
+        >>> args = train_parser().parse_args(["--dim", "64", "--layers", "2", "--heads", "4", "--kv-heads", "2",
+        ...                                   "--ffn", "128", "--seq", "32", "--sp"])
+        >>> cfg = model_config(args)
+        >>> cfg.vocab_size, cfg.dim, cfg.n_layers, cfg.max_seq_len, cfg.sequence_parallel
+        (256, 64, 2, 32, True)
+    """
     cfg = llama.Config(
         vocab_size=256,
         dim=args.dim,
@@ -145,7 +161,26 @@ def _plot(path: Path, rows: list[dict[str, Any]], title: str) -> bool:
 
 
 def train(args: argparse.Namespace) -> dict[str, Any]:
-    """Run the training job described by ``args`` (see ``funcshard train --help``); returns a summary."""
+    """Run the training job described by ``args`` (see ``funcshard train --help``); returns a summary.
+
+    Args:
+        args: parsed ``funcshard train`` options (``funcshard._cli.train_parser``).
+
+    Returns:
+        A summary: ``initial_val_loss`` and ``final_val_loss`` as ``(step, loss)``, ``tokens_per_s``, ``mfu``,
+        ``wall_s``, ``steps``, the train ``losses`` of this run, and the final ``params``.
+
+    Raises:
+        UsageError: options the mesh or the checkpoints cannot use (also MeshError, ShardingError,
+            CheckpointError).
+
+    Example:
+        >>> from funcshard._cli import train_parser
+        >>> args = train_parser().parse_args(["--steps", "2", "--dim", "32", "--layers", "1", "--ffn", "64"])
+        >>> summary = train(args)  # doctest: +SKIP
+        >>> summary["steps"]  # doctest: +SKIP
+        2
+    """
     from tqdm.auto import tqdm
 
     cfg = model_config(args)
@@ -315,7 +350,22 @@ def _save(ckpt_dir: Path, step: int, params: Any, state: Any, data_key: torch.Te
 
 
 def load_model(ckpt_dir: str | os.PathLike[str]) -> tuple[llama.Config, Any, int]:
-    """``(cfg, params, step)``: the latest checkpoint under ``ckpt_dir`` as plain full tensors."""
+    """``(cfg, params, step)``: the latest checkpoint under ``ckpt_dir`` as plain full tensors.
+
+    Args:
+        ckpt_dir: the ``--ckpt-dir`` of a train run (holding ``config.json`` and ``step_N`` folders).
+
+    Returns:
+        ``(cfg, params, step)``: the model config, its parameters as full tensors, and the checkpoint's step.
+
+    Raises:
+        UsageError: no checkpoint, or no readable ``config.json``, under ``ckpt_dir``.
+
+    Example:
+        >>> cfg, params, step = load_model("runs/llama/ckpt")  # doctest: +SKIP
+        >>> llama.forward(params, torch.tensor([list(b"def ")]), cfg).shape  # doctest: +SKIP
+        torch.Size([1, 4, 256])
+    """
     ckpt_dir = Path(ckpt_dir)
     steps = checkpoint.list_steps(ckpt_dir)
     if not steps:
@@ -336,7 +386,22 @@ def load_model(ckpt_dir: str | os.PathLike[str]) -> tuple[llama.Config, Any, int
 
 
 def generate(args: argparse.Namespace) -> str:
-    """Sample ``args.tokens`` bytes after ``args.prompt`` from the latest checkpoint; returns (and prints) the text."""
+    """Sample ``args.tokens`` bytes after ``args.prompt`` from the latest checkpoint; returns (and prints) the text.
+
+    Args:
+        args: parsed ``funcshard generate`` options: ``ckpt_dir``, ``prompt``, ``tokens``, ``temperature``
+            (0: greedy), ``seed``.
+
+    Returns:
+        The prompt followed by the sampled bytes, decoded as UTF-8 (bad bytes replaced).
+
+    Raises:
+        UsageError: a negative temperature, or no checkpoint under ``args.ckpt_dir``.
+
+    Example:
+        >>> from funcshard._cli import generate_parser
+        >>> text = generate(generate_parser().parse_args(["--tokens", "20"]))  # doctest: +SKIP
+    """
     if not args.temperature >= 0:
         raise UsageError(f"--temperature must be >= 0 (0: greedy), found {args.temperature}.")
     cfg, params, _ = load_model(args.ckpt_dir)
@@ -371,10 +436,32 @@ def _sample(params: Any, cfg: llama.Config, ids: list[int], key: torch.Tensor, n
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``funcshard train``: exit code 0, or 2 with one ``error: ...`` line on bad input."""
+    """``funcshard train``: exit code 0, or 2 with one ``error: ...`` line on bad input.
+
+    Args:
+        argv: the command-line options (default ``sys.argv[1:]``).
+
+    Returns:
+        The exit code.
+
+    Example:
+        >>> main(["--steps", "0"])  # bad input: one error line on stderr
+        2
+    """
     return run(train_parser(), train, argv)
 
 
 def generate_main(argv: list[str] | None = None) -> int:
-    """``funcshard generate``: exit code 0, or 2 with one ``error: ...`` line on bad input."""
+    """``funcshard generate``: exit code 0, or 2 with one ``error: ...`` line on bad input.
+
+    Args:
+        argv: the command-line options (default ``sys.argv[1:]``).
+
+    Returns:
+        The exit code.
+
+    Example:
+        >>> generate_main(["--tokens", "0"])  # bad input: one error line on stderr
+        2
+    """
     return run(generate_parser(), generate, argv)

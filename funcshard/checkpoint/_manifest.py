@@ -26,6 +26,15 @@ class CheckpointError(ValueError):
     be saved; or a save whose writes failed (the cause is chained, and the previous checkpoint is kept).
 
     The message names the checkpoint path, the leaf path, and what was expected and found.
+
+    Example:
+        >>> import torch
+        >>> from funcshard import checkpoint
+        >>> try:
+        ...     checkpoint.load("no/such/ckpt", {"w": torch.zeros(2)})
+        ... except CheckpointError as e:
+        ...     print(e)
+        load('no/such/ckpt'): there is no checkpoint at 'no/such/ckpt' (no such directory).
     """
 
 

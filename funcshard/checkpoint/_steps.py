@@ -22,7 +22,25 @@ def step_path(root: str | os.PathLike[str], step: int) -> str:
 
 
 def list_steps(root: str | os.PathLike[str]) -> list[int]:
-    """The steps of the complete checkpoints ``<root>/step_N`` (ascending); ``[]`` when there are none."""
+    """The steps of the complete checkpoints ``<root>/step_N`` (ascending); ``[]`` when there are none.
+
+    Args:
+        root: the folder holding the ``step_N`` folders (it need not exist).
+
+    Returns:
+        The step numbers, ascending; incomplete checkpoints are left out.
+
+    Example:
+        >>> import tempfile, torch
+        >>> from funcshard import checkpoint
+        >>> tmp = tempfile.TemporaryDirectory()
+        >>> list_steps(tmp.name)
+        []
+        >>> _ = checkpoint.save(step_path(tmp.name, 5), {"w": torch.ones(2)}, step=5)
+        >>> list_steps(tmp.name)
+        [5]
+        >>> tmp.cleanup()
+    """
     root = Path(os.fspath(root))
     if not root.is_dir():
         return []

@@ -34,7 +34,12 @@ _NAMES = ("attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w1", "w2")
 
 @dataclass(frozen=True)
 class BlockConfig:
-    """Sizes of the block: model dim, attention heads (head dim = dim / heads), MLP hidden size."""
+    """Sizes of the block: model dim, attention heads (head dim = dim / heads), MLP hidden size.
+
+    Example:
+        >>> BlockConfig(dim=16, heads=4, ffn=32)
+        BlockConfig(dim=16, heads=4, ffn=32)
+    """
 
     dim: int = 64
     heads: int = 4
@@ -42,7 +47,20 @@ class BlockConfig:
 
 
 def init(cfg: BlockConfig, *, seed: int = 0) -> dict[str, torch.Tensor]:
-    """Full (unsharded) parameters, F.linear layout ``[out, in]``."""
+    """Full (unsharded) parameters, F.linear layout ``[out, in]``.
+
+    Args:
+        cfg: the block's sizes.
+        seed: seeds the ``torch.Generator`` the weights are drawn from.
+
+    Returns:
+        ``{"attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w1", "w2"}`` as full tensors.
+
+    Example:
+        >>> p = init(BlockConfig(dim=16, heads=4, ffn=32), seed=0)
+        >>> p["w1"].shape, p["w2"].shape  # [ffn, dim], [dim, ffn]
+        (torch.Size([32, 16]), torch.Size([16, 32]))
+    """
     g = torch.Generator().manual_seed(seed)
     d, f = cfg.dim, cfg.ffn
 
@@ -62,7 +80,21 @@ def init(cfg: BlockConfig, *, seed: int = 0) -> dict[str, torch.Tensor]:
 
 
 def mesh_shape(mode: str) -> dict[str, int]:
-    """The 4-device mesh each mode is shown on."""
+    """The 4-device mesh each mode is shown on.
+
+    Args:
+        mode: one of :data:`MODES`.
+
+    Returns:
+        ``{axis: size}`` for ``fs.make_mesh``.
+
+    Raises:
+        ShardingError: an unknown mode.
+
+    Example:
+        >>> mesh_shape("fsdp_tp")
+        {'fsdp': 2, 'tp': 2}
+    """
     return {
         "tp": {"tp": 4},
         "tp_sp": {"tp": 4},
@@ -80,7 +112,22 @@ def _check(mode: str | None) -> str | None:
 
 def param_specs(mode: str | None) -> dict[str, P]:
     """The parameters' layout for ``mode``: column-parallel q/k/v/w1, row-parallel o/w2 under TP; the
-    other weight dim (and the norms) over ``fsdp`` under FSDP."""
+    other weight dim (and the norms) over ``fsdp`` under FSDP.
+
+    Args:
+        mode: one of :data:`MODES`, or None (unsharded: specs with no mesh axes).
+
+    Returns:
+        One ``P`` spec per parameter name of :func:`init`.
+
+    Raises:
+        ShardingError: an unknown mode.
+
+    Example:
+        >>> specs = param_specs("fsdp_tp")
+        >>> specs["wq"], specs["wo"]  # column-parallel, row-parallel
+        (P('tp', 'fsdp'), P('fsdp', 'tp'))
+    """
     _check(mode)
     tp = "tp" if mode in ("tp", "tp_sp", "fsdp_tp") else None
     fsdp = "fsdp" if mode in ("fsdp", "fsdp_tp", "hsdp") else None
@@ -98,7 +145,21 @@ def param_specs(mode: str | None) -> dict[str, P]:
 
 
 def batch_spec(mode: str | None) -> P:
-    """The layout of a ``[batch, seq, dim]`` input: batch over the data axes, seq over tp under SP."""
+    """The layout of a ``[batch, seq, dim]`` input: batch over the data axes, seq over tp under SP.
+
+    Args:
+        mode: one of :data:`MODES`, or None (unsharded).
+
+    Returns:
+        The ``P`` spec of the input.
+
+    Raises:
+        ShardingError: an unknown mode.
+
+    Example:
+        >>> batch_spec("tp_sp"), batch_spec("hsdp")
+        (P(None, 'tp'), P(('dp', 'fsdp')))
+    """
     _check(mode)
     return {
         None: P(),
@@ -115,7 +176,23 @@ def _rms(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 
 def forward(p: dict[str, torch.Tensor], x: torch.Tensor, cfg: BlockConfig, mode: str | None) -> torch.Tensor:
-    """The block on local shards (inside shard_map) or, with ``mode=None``, on full tensors."""
+    """The block on local shards (inside shard_map) or, with ``mode=None``, on full tensors.
+
+    Args:
+        p: the parameters of :func:`init` (local blocks of :func:`param_specs` inside shard_map).
+        x: ``[batch, seq, dim]`` input (local block of :func:`batch_spec` inside shard_map).
+        cfg: the block's sizes.
+        mode: the parallel mode the shard_map's mesh and specs follow, or None (full tensors).
+
+    Returns:
+        The block's output, laid out like ``x``.
+
+    Example:
+        >>> import torch
+        >>> cfg = BlockConfig(dim=16, heads=4, ffn=32)
+        >>> forward(init(cfg), torch.randn(2, 8, 16), cfg, None).shape
+        torch.Size([2, 8, 16])
+    """
     _check(mode)
     if mode in ("fsdp", "fsdp_tp", "hsdp"):
         p = fsdp_gather(p, param_specs(mode), axis="fsdp", replicate_axis="dp" if mode == "hsdp" else None)
@@ -148,7 +225,27 @@ def forward(p: dict[str, torch.Tensor], x: torch.Tensor, cfg: BlockConfig, mode:
 
 
 def loss(p: dict[str, torch.Tensor], x: torch.Tensor, cfg: BlockConfig, mode: str | None) -> torch.Tensor:
-    """Mean of the block's output squared over the global batch (invariant over every mesh axis)."""
+    """Mean of the block's output squared over the global batch (invariant over every mesh axis).
+
+    Args:
+        p: the parameters of :func:`init` (local blocks of :func:`param_specs` inside shard_map).
+        x: ``[batch, seq, dim]`` input (local block of :func:`batch_spec` inside shard_map).
+        cfg: the block's sizes.
+        mode: the parallel mode the shard_map's mesh and specs follow, or None (full tensors).
+
+    Returns:
+        A 0-dim tensor, the same on every device.
+
+    Example:
+        >>> import torch, funcshard as fs
+        >>> cfg = BlockConfig(dim=16, heads=4, ffn=32)
+        >>> p, x = init(cfg), torch.randn(4, 8, 16)
+        >>> mesh = fs.make_mesh(mesh_shape("fsdp"), backend="sim")
+        >>> f = fs.shard_map(lambda p, x: loss(p, x, cfg, "fsdp"), mesh=mesh,
+        ...                  in_specs=(param_specs("fsdp"), batch_spec("fsdp")), out_specs=fs.P())
+        >>> torch.allclose(fs.device_get(f(p, x)), loss(p, x, cfg, None), atol=1e-6)
+        True
+    """
     y = forward(p, x, cfg, mode)
     local = y.pow(2).mean()
     spread = {"tp_sp": ("tp",), "fsdp": ("fsdp",), "fsdp_tp": ("fsdp",), "hsdp": ("dp", "fsdp")}.get(mode or "")
@@ -169,6 +266,20 @@ def comm_theory(
     - FSDP: one all-gather per parameter forward (payload: the shard) and one reduce-scatter per parameter
       backward (payload: the full parameter); HSDP adds one bucketed all-reduce of the gradient shards over
       ``dp``.
+
+    Args:
+        cfg: the block's sizes.
+        mode: one of :data:`MODES` (on the mesh of :func:`mesh_shape`).
+        batch: global batch size.
+        seq: sequence length.
+        itemsize: bytes per element.
+
+    Returns:
+        ``{(collective, axis): (calls, bytes)}`` for one device.
+
+    Example:
+        >>> comm_theory(BlockConfig(dim=16, heads=4, ffn=32), "tp", batch=2, seq=8)  # 4 x (2*8*16 floats)
+        {('psum', 'tp'): (4, 4096)}
     """
     shape = mesh_shape(mode)
     d, f = cfg.dim, cfg.ffn

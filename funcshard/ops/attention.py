@@ -46,6 +46,12 @@ def attention(
 
     Raises:
         ShardingError: heads or shapes that do not fit.
+
+    Example:
+        >>> import torch
+        >>> q, kv = torch.randn(1, 4, 8, 16), torch.randn(1, 2, 8, 16)  # 4 query heads share 2 kv heads
+        >>> attention(q, kv, kv, causal=True).shape
+        torch.Size([1, 4, 8, 16])
     """
     b, hq, sq, d = q.shape
     hkv = k.shape[1]

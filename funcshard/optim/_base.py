@@ -70,7 +70,13 @@ class Optimizer:
 
 
 class AdamWState(NamedTuple):
-    """State of :func:`adamw`: the step count (``P()``), first and second moments (the params' specs)."""
+    """State of :func:`adamw`: the step count (``P()``), first and second moments (the params' specs).
+
+    Example:
+        >>> from funcshard.optim import adamw
+        >>> adamw(1e-3).init({"w": torch.zeros(2)})
+        AdamWState(count=tensor(0), mu={'w': tensor([0., 0.])}, nu={'w': tensor([0., 0.])})
+    """
 
     count: Any
     mu: PyTree
@@ -78,14 +84,31 @@ class AdamWState(NamedTuple):
 
 
 class SgdState(NamedTuple):
-    """State of :func:`sgd`: the step count (``P()``) and the momentum buffers (``None`` without momentum)."""
+    """State of :func:`sgd`: the step count (``P()``) and the momentum buffers (``None`` without momentum).
+
+    Example:
+        >>> from funcshard.optim import sgd
+        >>> sgd(0.1).init({"w": torch.zeros(2)})
+        SgdState(count=tensor(0), momentum=None)
+        >>> sgd(0.1, momentum=0.9).init({"w": torch.zeros(2)}).momentum
+        {'w': tensor([0., 0.])}
+    """
 
     count: Any
     momentum: PyTree
 
 
 class ClipByGlobalNormState(NamedTuple):
-    """State of :func:`clip_by_global_norm`: the global norm of the last gradients seen (``P()``), for logs."""
+    """State of :func:`clip_by_global_norm`: the global norm of the last gradients seen (``P()``), for logs.
+
+    Example:
+        >>> from funcshard.optim import clip_by_global_norm
+        >>> clip = clip_by_global_norm(1.0)
+        >>> p = {"w": torch.zeros(2)}
+        >>> updates, state = clip.transform({"w": torch.tensor([3.0, 4.0])}, clip.init(p), p)
+        >>> state
+        ClipByGlobalNormState(norm=tensor(5.))
+    """
 
     norm: Any
 

@@ -54,6 +54,11 @@ class Tick:
         actions: ``actions[stage]`` is the action that stage starts at this tick, or None.
         fwd: ``(src, dst)`` stage pairs of the forward shift (an ``F`` not on the last virtual stage).
         bwd: ``(src, dst)`` stage pairs of the backward shift (a ``B`` not on virtual stage 0).
+
+    Example:
+        >>> from funcshard.pipeline import one_f_one_b
+        >>> ticks(one_f_one_b(2, 2))[0]  # stage 0 starts F0 and sends it to stage 1
+        Tick(actions=(Action(kind='F', microbatch=0, chunk=0), None), fwd=((0, 1),), bwd=())
     """
 
     actions: tuple[Action | None, ...]

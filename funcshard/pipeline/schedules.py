@@ -44,7 +44,7 @@ class ScheduleError(ShardingError):
 
     Example:
         >>> from funcshard.pipeline import Action, Schedule
-        >>> Schedule("bad", 1, 1, 1, [[Action("B", 0), Action("F", 0)]]).validate()
+        >>> Schedule("bad", 1, 1, 1, [[Action("B", 0), Action("F", 0)]]).validate()  # doctest: +ELLIPSIS
         Traceback (most recent call last):
         ...
         funcshard.pipeline.schedules.ScheduleError: Schedule 'bad': deadlock: stage 0 stalls at B0 ...
@@ -90,6 +90,14 @@ class SimResult:
         peak_memory: ``peak_in_flight / n_virtual``: the same peak in units of one microbatch's activations
             for the whole stage, comparable across interleaved and plain schedules.
         costs: the costs used (``F``, ``B``, ``W``, ``comm``).
+
+    Example:
+        >>> from funcshard.pipeline import gpipe
+        >>> sim = gpipe(2, 2).simulate()  # F=1, B=2
+        >>> sim.makespan, round(sim.bubble_fraction, 3), sim.peak_in_flight
+        (9.0, 0.333, [2, 2])
+        >>> sim.timeline[0][0]  # stage 0's first action: (start, end, action)
+        (0.0, 1.0, Action(kind='F', microbatch=0, chunk=0))
     """
 
     timeline: list[list[tuple[float, float, Action]]]
@@ -110,6 +118,15 @@ class Schedule:
         n_microbatches: microbatches per step.
         n_virtual: model chunks per stage (1 unless interleaved).
         actions: ``actions[stage]`` is that stage's list of ``Action`` in execution order.
+
+    Example:
+        >>> from funcshard.pipeline import Action
+        >>> sched = Schedule("tiny", 1, 2, 1, [[Action("F", 0), Action("F", 1), Action("B", 0), Action("B", 1)]])
+        >>> sched.validate()  # returns the schedule
+        Schedule('tiny', n_stages=1, n_microbatches=2, n_virtual=1)
+        >>> print(sched.text())
+        tiny: 1 stages, 2 microbatches, bubble 0.0%, peak in-flight [2]  (F=1 B=2)
+        stage 0 | F0 F1 B0--- B1---
     """
 
     name: str

@@ -127,14 +127,52 @@ def _rope(x: torch.Tensor, theta: float, offset: int = 0) -> torch.Tensor:
 
 def attention_fn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: Config, plan: Plan) -> torch.Tensor:
     """Causal grouped-query attention on ``[b, heads, s, hd]``; with a ``cp`` axis the sequence is split
-    in contiguous blocks over it and k/v go around the ring."""
+    in contiguous blocks over it and k/v go around the ring.
+
+    Args:
+        q: ``[b, n_heads, s, hd]`` queries (``n_heads/tp`` heads and ``s/cp`` positions inside ``shard_map``).
+        k: ``[b, n_kv_heads, s, hd]`` keys (grouped-query: fewer heads than ``q``).
+        v: ``[b, n_kv_heads, s, hd]`` values.
+        cfg: the model config.
+        plan: the parallel styles in use (:class:`Plan`; ``Plan()`` outside ``shard_map``).
+
+    Returns:
+        ``[b, n_heads, s, hd]``, the attention output.
+
+    Example:
+        >>> import torch
+        >>> from funcshard.models.llama import Config
+        >>> cfg = Config(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, max_seq_len=32)
+        >>> q, kv = torch.randn(2, 4, 16, 16), torch.randn(2, 2, 16, 16)
+        >>> attention_fn(q, kv, kv, cfg, Plan()).shape
+        torch.Size([2, 4, 16, 16])
+    """
     if plan.cp:
         return ring_attention(q, k, v, axis=plan.cp, causal=True, layout="contiguous")  # [b, h, s/cp, hd]
     return attention(q, k, v, causal=True)  # [b, h, s, hd] -> [b, h, s, hd]
 
 
 def layer(x: torch.Tensor, p: dict[str, torch.Tensor], cfg: Config, plan: Plan) -> torch.Tensor:
-    """One decoder layer on its (gathered) parameters; ``x`` is ``[b, s, d]`` (``[b, s/tp, d]`` under SP)."""
+    """One decoder layer on its (gathered) parameters; ``x`` is ``[b, s, d]`` (``[b, s/tp, d]`` under SP).
+
+    Args:
+        x: ``[b, s, d]`` hidden states (``[b, s/tp, d]`` under sequence parallelism).
+        p: one layer's parameters: ``params["layers"]`` indexed at the layer (gathered over ``fsdp``).
+        cfg: the model config.
+        plan: the parallel styles in use (:class:`Plan`; ``Plan()`` outside ``shard_map``).
+
+    Returns:
+        The layer's output, the shape of ``x``.
+
+    Example:
+        >>> import torch, funcshard as fs
+        >>> from funcshard.models import llama
+        >>> cfg = llama.Config(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, max_seq_len=32)
+        >>> params = llama.init(fs.random.key(0), cfg)
+        >>> p0 = {k: v[0] for k, v in params["layers"].items()}  # layer 0
+        >>> layer(torch.randn(2, 16, 64), p0, cfg, Plan()).shape
+        torch.Size([2, 16, 64])
+    """
     hd, eps = cfg.head_dim, cfg.norm_eps
     sp = 1 if plan.sp else None
     h = _rms(x, p["attn_norm"], eps)
@@ -164,7 +202,30 @@ def layer(x: torch.Tensor, p: dict[str, torch.Tensor], cfg: Config, plan: Plan) 
 
 def forward(params: PyTree, tokens: torch.Tensor, cfg: Config) -> torch.Tensor:
     """Logits of ``tokens [b, s]``: ``[b, s, vocab]``, or inside ``shard_map`` this device's
-    ``[b/data, s, vocab/tp]`` block (vocab-parallel; feed it to :func:`loss`'s cross-entropy)."""
+    ``[b/data, s, vocab/tp]`` block (vocab-parallel; feed it to :func:`loss`'s cross-entropy).
+
+    Args:
+        params: the parameter tree of :func:`init` (this device's blocks inside ``shard_map``).
+        tokens: ``[b, s]`` token ids (``[b/data, s/cp]`` inside ``shard_map``).
+        cfg: the model config.
+
+    Returns:
+        The logits, ``[b, s, vocab]`` (a vocab-parallel block inside ``shard_map``).
+
+    Example:
+        >>> import torch, funcshard as fs
+        >>> from funcshard import P
+        >>> from funcshard.models import llama
+        >>> cfg = llama.Config(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, max_seq_len=32)
+        >>> params, tokens = llama.init(fs.random.key(0), cfg), torch.arange(32).reshape(2, 16)
+        >>> mesh = fs.make_mesh({"tp": 2}, backend="sim")
+        >>> specs = llama.param_specs(cfg, mesh)
+        >>> f = fs.shard_map(lambda p, t: forward(p, t, cfg), mesh=mesh,
+        ...                  in_specs=(specs, llama.batch_spec(mesh)), out_specs=P(None, None, "tp"))
+        >>> torch.allclose(fs.device_get(f(fs.device_put(params, mesh, specs), tokens)),
+        ...                forward(params, tokens, cfg), atol=1e-5)
+        True
+    """
     plan = _plan(cfg)
     specs = plan.specs
     sp = 1 if plan.sp else None
@@ -196,7 +257,25 @@ def forward(params: PyTree, tokens: torch.Tensor, cfg: Config) -> torch.Tensor:
 
 def loss(params: PyTree, tokens: torch.Tensor, targets: torch.Tensor, cfg: Config) -> torch.Tensor:
     """Mean token cross-entropy over the whole global batch (targets of -100 are skipped); inside
-    ``shard_map`` the result is invariant over every mesh axis."""
+    ``shard_map`` the result is invariant over every mesh axis.
+
+    Args:
+        params: the parameter tree of :func:`init` (this device's blocks inside ``shard_map``).
+        tokens: ``[b, s]`` input token ids.
+        targets: ``[b, s]`` target token ids, -100 where no loss is wanted.
+        cfg: the model config.
+
+    Returns:
+        A 0-dim float tensor: the mean loss per target token.
+
+    Example:
+        >>> import torch, funcshard as fs
+        >>> from funcshard.models import llama
+        >>> cfg = llama.Config(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, max_seq_len=32)
+        >>> params, tokens = llama.init(fs.random.key(0), cfg), torch.arange(32).reshape(2, 16)
+        >>> round(loss(params, tokens, tokens.roll(-1, dims=1), cfg).item(), 1)  # about ln(256) at init
+        5.6
+    """
     plan = _plan(cfg)
     logits = forward(params, tokens, cfg)
     if plan.tp:
@@ -212,7 +291,29 @@ def loss(params: PyTree, tokens: torch.Tensor, targets: torch.Tensor, cfg: Confi
 def init(key: torch.Tensor, cfg: Config) -> PyTree:
     """Parameters drawn with ``fs.random`` from ``key``: normal(0, init_std) weights (output projections
     scaled by ``1/sqrt(2 n_layers)``), unit norms. Inside ``shard_map`` each device draws only its blocks
-    of ``param_specs(cfg, mesh)``, bitwise equal to the same blocks of the unsharded init."""
+    of ``param_specs(cfg, mesh)``, bitwise equal to the same blocks of the unsharded init.
+
+    Args:
+        key: an ``fs.random`` key (``fs.random.key(seed)``).
+        cfg: the model config.
+
+    Returns:
+        The parameter tree, shaped as ``param_shapes(cfg)`` (local blocks inside ``shard_map``).
+
+    Example:
+        >>> import torch, funcshard as fs
+        >>> from funcshard import P
+        >>> from funcshard.models import llama
+        >>> cfg = llama.Config(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, max_seq_len=32)
+        >>> params = init(fs.random.key(0), cfg)
+        >>> params["layers"]["wq"].shape  # [n_layers, n_heads * head_dim, dim]
+        torch.Size([2, 64, 64])
+        >>> mesh = fs.make_mesh({"tp": 2}, backend="sim")
+        >>> sharded = fs.shard_map(lambda k: init(k, cfg), mesh=mesh, in_specs=(P(),),
+        ...                        out_specs=llama.param_specs(cfg, mesh))(fs.random.key(0))
+        >>> torch.equal(fs.device_get(sharded)["layers"]["wq"], params["layers"]["wq"])
+        True
+    """
     ctx = maybe_current()
     shapes = param_shapes(cfg)
     specs = param_specs(cfg, ctx.mesh) if ctx is not None else None

@@ -10,7 +10,7 @@ Example:
     >>> from funcshard.models.llama import Config
     >>> cfg = Config(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, max_seq_len=32)
     >>> param_specs(cfg, fs.make_mesh({"dp": 2, "tp": 2}, backend="sim"))["layers"]["wq"]
-    P(None, 'tp')
+    P(None, 'tp', None)
 """
 
 from __future__ import annotations
@@ -40,7 +40,21 @@ RULES = [
 
 
 def param_shapes(cfg: Config) -> dict[str, Any]:
-    """The parameter tree's shapes (``torch.Size`` leaves); layers stacked on a leading dim."""
+    """The parameter tree's shapes (``torch.Size`` leaves); layers stacked on a leading dim.
+
+    Args:
+        cfg: the model config.
+
+    Returns:
+        ``{"embed", "layers": {...}, "norm"}`` (and ``"head"`` unless ``cfg.tie_embeddings``) of ``torch.Size``.
+
+    Example:
+        >>> from funcshard.models.llama import Config
+        >>> cfg = Config(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, max_seq_len=32)
+        >>> shapes = param_shapes(cfg)
+        >>> shapes["embed"], shapes["layers"]["wk"]  # [vocab, dim], [n_layers, n_kv_heads * head_dim, dim]
+        (torch.Size([256, 64]), torch.Size([2, 32, 64]))
+    """
     d, f, v, n, hd = cfg.dim, cfg.ffn_dim, cfg.vocab_size, cfg.n_layers, cfg.head_dim
     kv = cfg.n_kv_heads * hd
     layers = {
@@ -64,7 +78,25 @@ def param_shapes(cfg: Config) -> dict[str, Any]:
 
 
 def check_mesh(cfg: Config, mesh: Any) -> None:
-    """Raise a one-line ``ShardingError`` saying what to change when the model cannot use ``mesh``."""
+    """Raise a one-line ``ShardingError`` saying what to change when the model cannot use ``mesh``.
+
+    Args:
+        cfg: the model config.
+        mesh: the mesh to check (its axes among ``dp``, ``fsdp``, ``tp``, ``cp``).
+
+    Raises:
+        ShardingError: an axis the model does not use, or a size that does not divide the model.
+
+    Example:
+        >>> import funcshard as fs
+        >>> from funcshard.models.llama import Config
+        >>> cfg = Config(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, max_seq_len=32)
+        >>> check_mesh(cfg, fs.make_mesh({"dp": 2, "tp": 2}, backend="sim"))  # fits: returns None
+        >>> check_mesh(cfg, fs.make_mesh({"tp": 8}, backend="sim"))  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        funcshard._errors.ShardingError: llama: n_heads=4 is not divisible by tp=8; choose tp dividing n_heads ...
+    """
     shape = mesh.shape
     unknown = [a for a in mesh.axis_names if a not in KNOWN_AXES and shape[a] > 1]
     if unknown:
@@ -91,8 +123,23 @@ def check_mesh(cfg: Config, mesh: Any) -> None:
 def param_specs(cfg: Config, mesh: Any) -> dict[str, Any]:
     """The spec tree of the parameters on ``mesh`` (only the axes the mesh has).
 
+    Args:
+        cfg: the model config.
+        mesh: the mesh the parameters are laid out on.
+
+    Returns:
+        A tree of ``P`` specs with the structure of ``param_shapes(cfg)``.
+
     Raises:
         ShardingError: the mesh has an axis the model cannot use, or a size that does not divide the model.
+
+    Example:
+        >>> import funcshard as fs
+        >>> from funcshard.models.llama import Config
+        >>> cfg = Config(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, max_seq_len=32)
+        >>> specs = param_specs(cfg, fs.make_mesh({"fsdp": 2, "tp": 2}, backend="sim"))
+        >>> specs["embed"], specs["layers"]["wo"]
+        (P('tp', 'fsdp'), P(None, 'fsdp', 'tp'))
     """
     check_mesh(cfg, mesh)  # the parameters are replicated over cp
     return _rules.spec_rules(param_shapes(cfg), RULES, default=None, mesh=mesh, drop_missing_axes=True)
@@ -100,6 +147,20 @@ def param_specs(cfg: Config, mesh: Any) -> dict[str, Any]:
 
 def batch_spec(mesh: Any) -> P:
     """The spec of a ``[batch, seq]`` token tensor: batch over the data axes (``dp``, ``fsdp``) present,
-    the sequence over ``cp`` (context parallelism, contiguous blocks) when the mesh has it."""
+    the sequence over ``cp`` (context parallelism, contiguous blocks) when the mesh has it.
+
+    Args:
+        mesh: the mesh the batch is laid out on.
+
+    Returns:
+        The ``P`` spec of a ``[batch, seq]`` tensor.
+
+    Example:
+        >>> import funcshard as fs
+        >>> batch_spec(fs.make_mesh({"dp": 2, "tp": 2}, backend="sim"))
+        P('dp', None)
+        >>> batch_spec(fs.make_mesh({"dp": 2, "fsdp": 2, "cp": 2}, backend="sim"))
+        P(('dp', 'fsdp'), 'cp')
+    """
     axes = tuple(a for a in BATCH_AXES if a in mesh.shape)
     return P(axes if len(axes) > 1 else axes[0] if axes else None, "cp" if "cp" in mesh.shape else None)
