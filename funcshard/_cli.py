@@ -90,7 +90,7 @@ def train_parser() -> ArgumentParser:
     g.add_argument("--mesh", default="dp=2,tp=2", help="axis=size pairs over dp, fsdp, tp (default dp=2,tp=2)")
     g.add_argument("--sp", action="store_true", help="sequence parallelism over tp (activations split by sequence)")
     g.add_argument("--no-check-vma", dest="check_vma", action="store_false", help="turn varying-axes tracking off")
-    g.add_argument("--threads", type=nonneg_int, default=0, help="torch threads per process (0: cores / devices)")
+    g.add_argument("--threads", type=nonneg_int, default=0, help="torch threads per process (0: cores / processes)")
     g = ap.add_argument_group("model")
     g.add_argument("--dim", type=positive_int, default=256)
     g.add_argument("--layers", type=positive_int, default=4)

@@ -132,7 +132,7 @@ def _call(
     if mesh.backend == "sim":
         world = SimWorld(mesh)
         all_coords = [tuple(c.values()) for c in mesh.device_coords()]
-        per_dev = [device_args(c, treedefs, locals_all) for c in all_coords]
+        per_dev = [device_args(c, locals_all) for c in all_coords]
         state = SimState(run, world, per_dev, all_coords)
         diff = state.differentiable_inputs() if torch.is_grad_enabled() else []
         if diff:
@@ -145,7 +145,7 @@ def _call(
         dev = device_for(mesh)
         coords = tuple(dev.coords.values())
         all_coords = [coords]
-        results = [run.body(dev, device_args(coords, treedefs, locals_all))]
+        results = [run.body(dev, device_args(coords, locals_all))]
         diff = []
     try:
         out, out_specs_flat = assemble_outputs(name, mesh, out_specs, check_vma, all_coords, results, cache)

@@ -105,7 +105,8 @@ class InputCache:
         return [td for _, td in flat], specs_all, locals_all
 
 
-def device_args(coords: tuple[int, ...], treedefs: list[Any], locals_all: list[Any]) -> list[list[Any]]:
+def device_args(coords: tuple[int, ...], locals_all: list[Any]) -> list[list[Any]]:
+    """One device's local leaves, per argument: its block of each sharded leaf, other leaves as they are."""
     return [[leaf[coords] if isinstance(leaf, dict) else leaf for leaf in local] for local in locals_all]
 
 

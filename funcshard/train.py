@@ -108,10 +108,11 @@ def _optimizer(args: argparse.Namespace, warmup: int) -> optim.Optimizer:
 
 
 def _threads(args: argparse.Namespace, mesh: _mesh.Mesh) -> int:
-    """Torch threads per process: the cores shared by the devices this machine runs (sim: the whole mesh)."""
+    """Torch threads per process: this machine's cores shared by its processes (a simulated mesh's devices
+    then share the process's threads: the sim backend gives each device thread its part)."""
     if args.threads:
         return args.threads
-    local = mesh.size if mesh.backend == "sim" else int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    local = 1 if mesh.backend == "sim" else int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     return max(1, cores // local)
 
@@ -201,13 +202,11 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     n_threads = _threads(args, mesh)
 
     def step_fn(p: Any, s: Any, tokens: torch.Tensor, targets: torch.Tensor) -> tuple[Any, Any, Any]:
-        torch.set_num_threads(n_threads)  # per thread: each simulated device runs in a thread of its own
         loss, grads = _grad.value_and_grad(llama.loss)(p, tokens, targets, cfg)  # [], grads laid out like p
         p, s = opt.update(grads, s, p)
         return loss, p, s
 
     def eval_fn(p: Any, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        torch.set_num_threads(n_threads)
         with torch.no_grad():
             return llama.loss(p, tokens, targets, cfg)
 
