@@ -31,8 +31,7 @@ def measure(cfg: block.BlockConfig, mode: str, batch: int, seq: int) -> dict[tup
     )
     with fs.comm_stats() as stats:
         step(params, x)
-    rank = stats.devices()[0]
-    return {(n, ",".join(a)): (c, b) for (n, a), (c, b) in stats._data[rank].items()}
+    return stats.rows()
 
 
 def main() -> None:

@@ -72,10 +72,8 @@ def _max_diff(a: Any, b: Any) -> float:
 
 def _comm_summary(stats: fs.CommStats) -> str:
     """``psum[dp] 23`` style summary of the calls per (collective, axis) on device 0."""
-    if not stats.devices():
-        return "-"
-    rows = stats._data[stats.devices()[0]]
-    return ", ".join(f"{n}[{','.join(a)}] {c}" for (n, a), (c, _) in sorted(rows.items()))
+    rows = stats.rows()
+    return ", ".join(f"{n}[{a}] {c}" for (n, a), (c, _) in rows.items()) if rows else "-"
 
 
 def bench_mesh(

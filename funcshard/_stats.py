@@ -78,17 +78,30 @@ class CommStats:
         """The ranks that recorded something."""
         return sorted(self._data)
 
+    def rows(self, *, device: int | None = None) -> dict[tuple[str, str], tuple[int, int]]:
+        """``{(collective, "axis1,axis2"): (calls, bytes)}`` of one device, sorted.
+
+        Example:
+            >>> with comm_stats() as stats:
+            ...     pass
+            >>> stats.rows()
+            {}
+        """
+        if not self._data:
+            return {}
+        rank = min(self._data) if device is None else device
+        return {(n, ",".join(a)): (c, b) for (n, a), (c, b) in sorted(self._data.get(rank, {}).items())}
+
     def table(self, *, device: int | None = None) -> str:
         """One row per (collective, axes): calls and bytes of one device, with a total line."""
-        if not self._data:
+        rows = self.rows(device=device)
+        if not rows:
             return "no collectives recorded"
-        rank = min(self._data) if device is None else device
-        rows = sorted(self._data.get(rank, {}).items())
         lines = [f"{'collective':<14} {'axis':<16} {'calls':>7} {'bytes':>14}", "-" * 54]
-        for (name, axes), (calls, nbytes) in rows:
-            lines.append(f"{name:<14} {','.join(axes):<16} {calls:>7} {nbytes:>14,}")
+        for (name, axes), (calls, nbytes) in rows.items():
+            lines.append(f"{name:<14} {axes:<16} {calls:>7} {nbytes:>14,}")
         lines.append("-" * 54)
-        lines.append(f"{'total':<31} {sum(v[0] for _, v in rows):>7} {sum(v[1] for _, v in rows):>14,}")
+        lines.append(f"{'total':<31} {sum(c for c, _ in rows.values()):>7} {sum(b for _, b in rows.values()):>14,}")
         return "\n".join(lines)
 
     def __repr__(self) -> str:

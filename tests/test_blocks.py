@@ -19,8 +19,7 @@ def _x() -> torch.Tensor:
 
 
 def _measured(stats: fs.CommStats) -> dict[tuple[str, str], tuple[int, int]]:
-    rank = stats.devices()[0]
-    return {(n, ",".join(a)): tuple(v) for (n, a), v in stats._data[rank].items()}
+    return stats.rows()
 
 
 def _block_body(mesh: fs.Mesh, mode: str, check_vma: bool) -> str:
