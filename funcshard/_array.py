@@ -23,7 +23,7 @@ import torch
 from . import pytree
 from ._errors import ShardingError
 from ._mesh import Mesh
-from ._spec import P, block_index, check_spec, format_mesh, is_spec, shard_shape, shard_slices
+from ._spec import P, block_index, check_spec, format_mesh, is_spec, shard_slices
 
 __all__ = ["Array", "device_get", "device_put", "local_shards", "reshard"]
 
@@ -293,7 +293,4 @@ def _reshard_one(a: Array, dst: P) -> Array:
                 x = x.narrow(d, lax.axis_index(axes) * size, size)
         return x
 
-    out = shard_map(body, mesh=a.mesh, in_specs=(a.spec,), out_specs=dst, check_vma=False)(a)
-    expected = shard_shape(a.shape, dst, a.mesh.shape)
-    assert tuple(next(iter(out.shards.values())).shape) == expected  # internal invariant
-    return out
+    return shard_map(body, mesh=a.mesh, in_specs=(a.spec,), out_specs=dst, check_vma=False)(a)
