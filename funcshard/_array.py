@@ -290,7 +290,7 @@ def _reshard_one(a: Array, dst: P) -> Array:
                 x = lax.pvary(x, axes)  # the backward psum collects every device's block of the cotangent
                 n = lax.axis_size(axes)
                 size = x.shape[d] // n
-                x = x.narrow(d, lax.axis_index(axes) * size, size)
+                x = x.narrow(d, lax.axis_index_int(axes) * size, size)
         return x
 
     return shard_map(body, mesh=a.mesh, in_specs=(a.spec,), out_specs=dst, check_vma=False)(a)

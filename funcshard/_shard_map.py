@@ -81,6 +81,19 @@ def shard_map(
     return mapped
 
 
+_lazy_clone = getattr(torch, "_lazy_clone", None)
+
+
+def _own(t: Any) -> Any:
+    """A tensor the running device may write in place without touching anyone else's: a copy-on-write clone
+    where torch has it (free until the first write; differentiable), else a copy."""
+    if not isinstance(t, torch.Tensor):
+        return t
+    if _lazy_clone is None or torch._C._are_functorch_transforms_active():
+        return t.clone()
+    return _lazy_clone(t)
+
+
 class _Run:
     """One shard_map call: the per-device bodies, their outputs, and (sim) the threaded backward."""
 
@@ -95,15 +108,13 @@ class _Run:
         ctx = DeviceContext(self.mesh, dev, self.check_vma)
         # inputs are tagged with the axes their spec names in both modes (optimisers read the tags to
         # tell sharded leaves from replicated ones); only check_vma=True propagates tags through ops
-        seen: dict[int, frozenset[str]] = {}
+        # each device owns what it may write: a copy-on-write clone of every input block (no copy is made
+        # unless the function writes to it in place), so no write reaches another device or the caller
+        leaves = [[_own(t) for t in arg_leaves] for arg_leaves in leaves]
         for arg_leaves, arg_specs in zip(leaves, self.specs, strict=True):
-            for k, (t, s) in enumerate(zip(arg_leaves, arg_specs, strict=True)):
+            for t, s in zip(arg_leaves, arg_specs, strict=True):
                 if isinstance(t, torch.Tensor):
-                    vma = frozenset(s.axes)
-                    if seen.get(id(t), vma) != vma:
-                        t = arg_leaves[k] = t.view_as(t)
-                    seen[id(t)] = vma
-                    set_vma(t, vma)
+                    set_vma(t, frozenset(s.axes))
                     self.tagged.append(t)
         args = [optree.tree_unflatten(td, lv) for td, lv in zip(self.treedefs, leaves, strict=True)]
         with enter(ctx), VmaMode(dev) if self.check_vma else nullcontext():

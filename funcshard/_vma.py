@@ -13,7 +13,8 @@ the tag is looked up through them.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import threading
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import optree
@@ -32,11 +33,18 @@ _is_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
 
 
 def find_vma(t: torch.Tensor) -> frozenset[str] | None:
-    """The tag of ``t`` (looking through torch.func wrappers), or None when it carries none."""
+    """The tag of ``t`` (looking through torch.func wrappers, and from a view to the tensor it views: a
+    transform such as ``torch.vmap(..., out_dims=1)`` hands back a fresh view of a tagged result), or None
+    when it carries none."""
     while True:
         v = t.__dict__.get(_ATTR)
         if v is not None:
             return v
+        base = t._base
+        if base is not None:
+            v = base.__dict__.get(_ATTR)
+            if v is not None:
+                return v
         if not _is_wrapped(t):
             return None
         t = _unwrap(t)
@@ -118,12 +126,44 @@ def _tensors(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor
     return out
 
 
+_active = threading.local()  # .mode: the VmaMode this thread runs under, if any
+
+
 class VmaMode(TorchFunctionMode):
     """Tags op outputs with the union of their inputs' varying axes; inserts ``Pvary`` where they differ."""
 
     def __init__(self, dev: Any) -> None:
         super().__init__()
         self.dev = dev
+        self._prev: VmaMode | None = None
+
+    def __enter__(self) -> VmaMode:
+        self._prev = getattr(_active, "mode", None)
+        _active.mode = self
+        return super().__enter__()
+
+    def __exit__(self, *exc: object) -> None:
+        _active.mode = self._prev
+        super().__exit__(*exc)
+
+    def custom_function(self, apply: Callable[..., Any], cls: type, args: tuple[Any, ...], kwargs: Any) -> Any:
+        """``cls.apply(*args, **kwargs)`` of a user's ``torch.autograd.Function``: its operands made to agree
+        (``Pvary`` over the axes some of them lack, so the backward sums what the user's backward returns for
+        an invariant operand), its outputs tagged (as computed inside, else with the operands' union)."""
+        is_t = lambda a: isinstance(a, torch.Tensor)  # noqa: E731
+        union = EMPTY
+        for t in optree.tree_leaves((args, kwargs), is_leaf=is_t):
+            if isinstance(t, torch.Tensor):
+                union = union | get_vma(t)
+        if union:
+            fix = lambda a: pvary_to(a, union, self.dev) if isinstance(a, torch.Tensor) else a  # noqa: E731
+            args, kwargs = optree.tree_map(fix, (args, kwargs), is_leaf=is_t)
+        out = apply(cls, *args, **kwargs)
+        for o in optree.tree_leaves(out, is_leaf=is_t):
+            if isinstance(o, torch.Tensor):
+                inner = find_vma(o)
+                _tag_through(o, union if inner is None else inner)
+        return out
 
     def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
@@ -182,5 +222,32 @@ class VmaMode(TorchFunctionMode):
         if inputs is not None:
             for g, x in zip(out, inputs, strict=False):
                 if isinstance(g, torch.Tensor) and isinstance(x, torch.Tensor):
-                    g.__dict__[_ATTR] = get_vma(x)
+                    # torch.func.grad / vjp hand back the tensor this wraps: tag it too
+                    _tag_through(g, get_vma(x))
         return out
+
+
+# -- user autograd Functions -------------------------------------------------------------------------------
+# ``Function.apply`` is no torch function, so the mode never sees it: without this hook an invariant operand
+# of a user's custom Function (a fused kernel) would get one device's share of its gradient instead of the
+# sum. The hook costs one thread-local lookup per ``apply`` outside shard_map; funcshard's own Functions
+# (whose operands lax prepares itself) pass straight through.
+_original_apply = torch.autograd.Function.apply.__func__  # type: ignore[attr-defined]
+_OWN: dict[type, bool] = {}
+
+
+def _apply(cls: type, *args: Any, **kwargs: Any) -> Any:
+    mode = getattr(_active, "mode", None)
+    if mode is None or not torch._C._is_torch_function_enabled():
+        return _original_apply(cls, *args, **kwargs)
+    own = _OWN.get(cls)
+    if own is None:
+        own = _OWN[cls] = cls.__module__.split(".")[0] == "funcshard"
+    if own:
+        return _original_apply(cls, *args, **kwargs)
+    return mode.custom_function(_original_apply, cls, args, kwargs)
+
+
+if not getattr(torch.autograd.Function.apply, "_funcshard", False):
+    _apply._funcshard = True  # type: ignore[attr-defined]
+    torch.autograd.Function.apply = classmethod(_apply)  # type: ignore[method-assign, assignment]

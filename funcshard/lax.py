@@ -33,7 +33,7 @@ import torch
 from . import _prims
 from ._context import DeviceContext, axes_of, current
 from ._errors import ShardingError
-from ._vma import get_vma, pvary_to, set_vma
+from ._vma import EMPTY, find_vma, get_vma, pvary_to, set_vma
 
 __all__ = [
     "all_gather",
@@ -54,26 +54,39 @@ PyTree = Any
 _Axis = str | tuple[str, ...]
 
 
-def _tmap(fn: Any, tree: PyTree, name: str) -> PyTree:
+def _tmap(fn: Any, tree: PyTree, name: str, *, numbers: bool = False) -> PyTree:
+    """``fn`` on every tensor leaf of ``tree``. A Python number is a value invariant over every axis: passed
+    to ``fn`` as it is where ``numbers`` (the reductions have a rule for it), else as a 0-dim tensor."""
+
     def leaf(x: Any) -> Any:
         if isinstance(x, torch.Tensor):
             return fn(x)
         if isinstance(x, (int, float)) and not isinstance(x, bool):
-            return fn(x)
+            return fn(x if numbers else torch.tensor(x))
         raise ShardingError(f"{name}: leaves must be torch.Tensors (or numbers), found {type(x).__name__}.")
 
     return optree.tree_map(leaf, tree)
 
 
+def _vma_in(ctx: DeviceContext, x: torch.Tensor) -> frozenset[str] | None:
+    """The axes ``x`` varies over, or None where nothing is known: under ``check_vma=False`` only the
+    arguments of shard_map and the results of collectives carry tags (no op is tracked)."""
+    return get_vma(x) if ctx.check_vma else find_vma(x)
+
+
 def _prep(ctx: DeviceContext, x: torch.Tensor, axes: tuple[str, ...]) -> torch.Tensor:
-    """Under check_vma, make ``x`` varying over ``axes`` before a collective that reads every member."""
-    if ctx.check_vma:
-        return pvary_to(x, get_vma(x) | frozenset(axes), ctx.device)
-    return x
+    """Make ``x`` varying over ``axes`` before a collective that reads every member: a value invariant over
+    them stands for equal copies, and its cotangent must be summed over them (``pvary``). Under
+    ``check_vma=False`` this is done where the tag says so (an argument or a collective's result); other
+    values are taken to vary over ``axes`` (write ``fs.pvary`` for those that do not)."""
+    have = _vma_in(ctx, x)
+    if have is None:
+        return x
+    return pvary_to(x, have | frozenset(axes), ctx.device)
 
 
-def _tag(ctx: DeviceContext, y: torch.Tensor, axes: frozenset[str]) -> torch.Tensor:
-    return set_vma(y, axes) if ctx.check_vma else y
+def _tag(ctx: DeviceContext, y: torch.Tensor, axes: frozenset[str] | None) -> torch.Tensor:
+    return y if axes is None else set_vma(y, axes)
 
 
 def _n(ctx: DeviceContext, axes: tuple[str, ...]) -> int:
@@ -86,16 +99,17 @@ def _reduce(x: PyTree, axis: _Axis, op: str, name: str) -> PyTree:
     n = _n(ctx, axes)
 
     def one(t: Any) -> Any:
-        if not isinstance(t, torch.Tensor):  # a number is the same on every device
-            return t * n if op == "sum" else t
+        if not isinstance(t, torch.Tensor):  # a number is the same on every device: n copies of it
+            return t * n if name == "psum" else t
         with torch._C.DisableTorchFunction():
             t = _prep(ctx, t, axes)
             y = _prims.call(_prims.AllReduce, t, ctx.device, axes, op, name)  # [*s] -> [*s], invariant over axes
             if name == "pmean":
                 y = y / n
-        return _tag(ctx, y, get_vma(t) - frozenset(axes))
+        have = _vma_in(ctx, t)
+        return _tag(ctx, y, None if have is None else have - frozenset(axes))
 
-    return _tmap(one, x, name)
+    return _tmap(one, x, name, numbers=True)
 
 
 def psum(x: PyTree, axis: _Axis) -> PyTree:
@@ -156,11 +170,14 @@ def pvary(x: PyTree, axis: _Axis) -> PyTree:
     groups: dict[Any, list[int]] = {}
     for i, t in enumerate(leaves):
         if isinstance(t, torch.Tensor):
-            have = get_vma(t) if ctx.check_vma else frozenset()
-            todo = tuple(a for a in axes if a not in have)
+            have = _vma_in(ctx, t)
+            todo = tuple(a for a in axes if have is None or a not in have)
             if todo:
                 groups.setdefault((todo, t.dtype, t.device, have), []).append(i)
-        elif not (isinstance(t, (int, float)) and not isinstance(t, bool)):
+        elif isinstance(t, (int, float)) and not isinstance(t, bool):
+            leaves[i] = torch.tensor(t)
+            groups.setdefault((axes, leaves[i].dtype, leaves[i].device, EMPTY), []).append(i)
+        else:
             raise ShardingError(f"pvary: leaves must be torch.Tensors (or numbers), found {type(t).__name__}.")
     out = list(leaves)
     for (todo, _, _, have), idx in groups.items():
@@ -172,7 +189,7 @@ def pvary(x: PyTree, axis: _Axis) -> PyTree:
             else:
                 ys = _prims.call(_prims.PvaryBucket, ctx.device, todo, *(leaves[i] for i in idx))  # n x [*s_i] -> same
         for i, y in zip(idx, ys, strict=True):
-            out[i] = _tag(ctx, y, have | frozenset(axes))
+            out[i] = _tag(ctx, y, None if have is None else have | frozenset(axes))
     return optree.tree_unflatten(treedef, out)
 
 
@@ -193,13 +210,15 @@ def _gather(x: PyTree, axis: _Axis, dim: int, tiled: bool, name: str) -> PyTree:
         with torch._C.DisableTorchFunction():
             t = _prep(ctx, t, axes)
             if invariant:
-                y = _prims.call(_prims.AllGatherInvariant, t, ctx.device, axes, axis_index(axes))  # [*s] -> [n, *s]
+                idx = axis_index_int(axes)
+                y = _prims.call(_prims.AllGatherInvariant, t, ctx.device, axes, idx)  # [*s] -> [n, *s]
             else:
                 y = _prims.call(_prims.AllGather, t, ctx.device, axes)  # [*s] -> [n, *s]
             y = y.movedim(0, d)
             if tiled:
                 y = y.flatten(d, d + 1)  # [.., n, s_d, ..] -> [.., n*s_d, ..]
-        return _tag(ctx, y, get_vma(t) - frozenset(axes) if invariant else get_vma(t))
+        have = _vma_in(ctx, t)
+        return _tag(ctx, y, None if have is None else have - frozenset(axes) if invariant else have)
 
     return _tmap(one, x, name)
 
@@ -243,7 +262,7 @@ def split_invariant(x: PyTree, axis: _Axis, *, dim: int = 0) -> PyTree:
     ctx = current("split_invariant")
     axes = axes_of(axis, ctx.mesh, "split_invariant")
     n = _n(ctx, axes)
-    idx = axis_index(axes)
+    idx = axis_index_int(axes)
 
     def one(t: torch.Tensor) -> torch.Tensor:
         d = _dim(dim, t.dim(), "split_invariant", "dim", t.shape)
@@ -252,9 +271,9 @@ def split_invariant(x: PyTree, axis: _Axis, *, dim: int = 0) -> PyTree:
                 f"split_invariant: dim {d} of shape {tuple(t.shape)} has size {t.shape[d]}, not divisible by the "
                 f"size {n} of {axes}; pad it to a multiple of {n}."
             )
-        have = get_vma(t) if ctx.check_vma else frozenset()
+        have = _vma_in(ctx, t) if ctx.check_vma else EMPTY
         with torch._C.DisableTorchFunction():
-            if frozenset(axes) <= have:
+            if have is not None and frozenset(axes) <= have:
                 size = t.shape[d] // n
                 y = t.narrow(d, idx * size, size)  # [.., s_d, ..] -> [.., s_d/n, ..]
             else:
@@ -294,7 +313,7 @@ def psum_scatter(x: PyTree, axis: _Axis, *, dim: int = 0, tiled: bool = False) -
             t = _prep(ctx, t, axes)
             xs = t.unflatten(d, (n, -1)).movedim(d, 0) if tiled else t.movedim(d, 0)  # -> [n, ...]
             y = _prims.call(_prims.ReduceScatter, xs, ctx.device, axes)  # [n, *s] -> [*s]
-        return _tag(ctx, y, get_vma(t))
+        return _tag(ctx, y, _vma_in(ctx, t))
 
     return _tmap(one, x, "psum_scatter")
 
@@ -330,7 +349,7 @@ def all_to_all(x: PyTree, axis: _Axis, split_dim: int, concat_dim: int, *, tiled
             y = ys.movedim(0, cd)
             if tiled:
                 y = y.flatten(cd, cd + 1)  # [.., n, c, ..] -> [.., n*c, ..]
-        return _tag(ctx, y, get_vma(t))
+        return _tag(ctx, y, _vma_in(ctx, t))
 
     return _tmap(one, x, "all_to_all")
 
@@ -364,19 +383,38 @@ def ppermute(x: PyTree, axis: _Axis, perm: Sequence[tuple[int, int]]) -> PyTree:
         with torch._C.DisableTorchFunction():
             t = _prep(ctx, t, axes)
             y = _prims.call(_prims.Ppermute, t, ctx.device, axes, pairs)  # [*s] -> [*s]
-        return _tag(ctx, y, get_vma(t))
+        return _tag(ctx, y, _vma_in(ctx, t))
 
     return _tmap(one, x, "ppermute")
 
 
-def axis_index(axis: _Axis) -> int:
-    """This device's index on ``axis`` (row-major over a tuple of axes), a Python int.
+def axis_index(axis: _Axis) -> torch.Tensor:
+    """This device's index on ``axis`` (row-major over a tuple of axes): a 0-dim int64 tensor that varies
+    over ``axis`` (as in JAX), so values computed from it are tracked (and their gradients summed) like any
+    other varying value. Use ``int(...)`` where a Python number is truly needed (a shape, a branch).
 
     Example:
-        >>> # start = fs.axis_index("tp") * block
+        >>> # start = fs.axis_index("tp") * block  # a varying 0-dim tensor
+        >>> # rows = x.narrow(0, int(fs.axis_index("tp")) * block, block)
     """
     ctx = current("axis_index")
     axes = axes_of(axis, ctx.mesh, "axis_index")
+    with torch._C.DisableTorchFunction():
+        idx = torch.tensor(_index(ctx, axes))
+    return set_vma(idx, frozenset(axes))
+
+
+def axis_index_int(axis: _Axis) -> int:
+    """:func:`axis_index` as a Python int, for shapes and control flow inside funcshard (untracked).
+
+    Example:
+        >>> # start = axis_index_int("cp") * block
+    """
+    ctx = current("axis_index")
+    return _index(ctx, axes_of(axis, ctx.mesh, "axis_index"))
+
+
+def _index(ctx: DeviceContext, axes: tuple[str, ...]) -> int:
     idx = 0
     for a in axes:
         idx = idx * ctx.mesh.shape[a] + ctx.device.coords[a]

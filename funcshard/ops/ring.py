@@ -249,7 +249,7 @@ def ring_attention(
     """
     _check(q, k, v, causal, layout, "ring_attention")
     n = lax.axis_size(axis)
-    i = lax.axis_index(axis)
+    i = lax.axis_index_int(axis)
     shift = [(src, (src + 1) % n) for src in range(n)]  # device src sends to src + 1
     c = q.shape[2] // 2  # zigzag chunk length
     kv = torch.stack((k, v))  # 2 x [b, hkv, s/n, d] -> [2, b, hkv, s/n, d]: one message per step

@@ -213,7 +213,7 @@ def run(
     p, v, m = schedule.n_stages, schedule.n_virtual, schedule.n_microbatches
     last = p * v - 1
     split = schedule.split_backward
-    me = lax.axis_index(axis)
+    me = lax.axis_index_int(axis)
     timeline = ticks(schedule)
 
     # the axes every activation / activation gradient varies over (vma tags of what ppermute delivers)

@@ -115,11 +115,12 @@ def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * w
 
 
-def _rope(x: torch.Tensor, theta: float, offset: int = 0) -> torch.Tensor:
+def _rope(x: torch.Tensor, theta: float, offset: int | torch.Tensor = 0) -> torch.Tensor:
     """Rotary embedding of ``x [b, s, heads, hd]`` at positions ``offset .. offset+s-1`` (rotate-half form)."""
     s, hd = x.shape[1], x.shape[-1]
     inv = 1.0 / theta ** (torch.arange(0, hd, 2, dtype=torch.float32, device=x.device) / hd)  # [hd/2]
-    ang = torch.arange(offset, offset + s, dtype=torch.float32, device=x.device)[:, None] * inv  # [s, hd/2]
+    pos = torch.arange(s, dtype=torch.float32, device=x.device) + offset  # [s]: this device's positions
+    ang = pos[:, None] * inv  # [s, 1] * [hd/2] -> [s, hd/2]
     cos, sin = ang.cos()[None, :, None, :], ang.sin()[None, :, None, :]  # [1, s, 1, hd/2]
     x1, x2 = x.float().chunk(2, dim=-1)
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
