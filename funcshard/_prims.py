@@ -1,8 +1,24 @@
-"""The collectives as autograd Functions over a device handle, each with its transpose as backward.
+"""The collectives as autograd Functions over a device handle, each with its transpose, tangent and batching rule.
 
-Each works on the leading-group-dim form of the backends (see ``_backend``). ``lax`` builds the public
-collectives (dims, tiling, pytrees, varying-axes tags) on top of these. Backwards call the Functions again,
-so higher derivatives work. All use the ``setup_context`` form, so ``torch.func.grad`` / ``vjp`` see them.
+Each works on the leading-group-dim form of the backends (see ``_backend``): all-reduce and ppermute
+``[*s] -> [*s]``, all-gather ``[*s] -> [n, *s]``, reduce-scatter ``[n, *s] -> [*s]``, all-to-all
+``[n, *s] -> [n, *s]``. ``lax`` builds the public collectives (dims, tiling, pytrees, varying-axes tags) on
+top of these.
+
+Every Function has the four rules torch needs to compose with every transform:
+
+- ``forward``: the communication itself (counted by ``fs.comm_stats``).
+- ``backward`` (``torch.autograd``, ``torch.func.grad`` / ``vjp`` / ``jacrev``): the transpose, as JAX's
+  ``lax/parallel.py`` defines it. It calls the Functions again, so higher derivatives work.
+- ``jvp`` (``torch.autograd.forward_ad``, ``torch.func.jvp`` / ``jacfwd`` / ``hessian``): the tangent rule
+  JAX uses. The collectives are linear, so the tangent goes through the same collective; ``pmax`` / ``pmin``
+  take the tangent of the device(s) holding the extreme, averaged over ties (the backward's even split).
+- ``vmap`` (``torch.vmap``, ``torch.func.jacfwd`` / ``jacrev``, per-sample gradients): the batch dim is moved
+  right after the group dim (or to the front) and the collective runs ONCE on the whole batch; every device
+  of the group runs the same program, so every device makes the same batched call. An operand that is not
+  batched at this level never reaches the rule (torch calls the plain Function).
+
+All use the ``setup_context`` form, so the ``torch.func`` transforms see them.
 """
 
 from __future__ import annotations
@@ -14,12 +30,29 @@ from torch._functorch.utils import unwrap_dead_wrappers as _unwrap_dead
 
 from ._stats import record
 
-__all__ = ["AllGather", "AllGatherInvariant", "AllReduce", "AllToAll", "Ppermute", "Pvary", "ReduceScatter", "call"]
+__all__ = [
+    "AllGather",
+    "AllGatherInvariant",
+    "AllReduce",
+    "AllToAll",
+    "Ppermute",
+    "Pvary",
+    "PvaryBucket",
+    "ReduceScatter",
+    "SplitInvariant",
+    "call",
+]
+
+_Dims = tuple[int | None, ...]
 
 
 def call(fn: type[torch.autograd.Function], *args: Any) -> Any:
     """``fn.apply(*args)`` without its per-call ``inspect.signature`` when no torch.func transform is
-    active (all our arguments are positional, so there are no defaults to bind): ~3 us instead of ~13 us."""
+    active (all our arguments are positional, so there are no defaults to bind): ~3 us instead of ~13 us.
+
+    The C++ ``apply`` it calls is the one ``Function.apply`` ends in: it records the backward and, when a
+    ``torch.autograd.forward_ad`` level is active and an input is a dual tensor, calls the ``jvp`` rule.
+    """
     if torch._C._are_functorch_transforms_active():
         return fn.apply(*args)
     return super(torch.autograd.Function, fn).apply(*_unwrap_dead(args))  # type: ignore[misc]
@@ -29,8 +62,22 @@ def _nbytes(x: torch.Tensor) -> int:
     return x.numel() * x.element_size()
 
 
+def _to(x: torch.Tensor, bd: int, dim: int) -> torch.Tensor:
+    """``x`` with its vmapped batch dim ``bd`` moved to ``dim`` (a view)."""
+    return x if bd == dim else x.movedim(bd, dim)
+
+
 class AllReduce(torch.autograd.Function):
-    """All-reduce (sum / max / min) forward; identity backward for sum, the arg-extreme mask for max / min."""
+    """All-reduce ``[*s] -> [*s]`` with ``op`` in ``"sum"``, ``"max"``, ``"min"`` (``name`` is the public
+    collective it stands for, for the communication counts).
+
+    - forward: ``y = reduce_op over the group of x``.
+    - backward: sum: ``g`` (identity per device: the transpose ``pvary``); max / min: ``g * m / psum(m)``
+      with ``m = (x == y)``, the cotangent split evenly between the devices holding the extreme.
+    - jvp: sum: ``psum(t)``; max / min: ``psum(t * m) / psum(m)``, the tangent of the arg-extreme averaged
+      over ties (one all-reduce of both stacked).
+    - vmap: elementwise, so the batch moves to the front and one all-reduce reduces the whole batch.
+    """
 
     @staticmethod
     def forward(x: torch.Tensor, dev: Any, axes: tuple[str, ...], op: str, name: str) -> torch.Tensor:  # type: ignore[override]
@@ -39,10 +86,11 @@ class AllReduce(torch.autograd.Function):
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
-        x, dev, axes, op, _ = inputs
-        ctx.dev, ctx.axes, ctx.op = dev, axes, op
+        x, dev, axes, op, name = inputs
+        ctx.dev, ctx.axes, ctx.op, ctx.name = dev, axes, op, name
         if op != "sum":
             ctx.save_for_backward(x, output)
+            ctx.save_for_forward(x, output)
 
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
@@ -53,9 +101,29 @@ class AllReduce(torch.autograd.Function):
         count = call(AllReduce, mask, ctx.dev, ctx.axes, "sum", "psum")  # [*s] -> [*s]: devices at the extreme
         return g * mask / count, None, None, None, None
 
+    @staticmethod
+    def jvp(ctx: Any, t: torch.Tensor, *_: None) -> torch.Tensor:
+        if ctx.op == "sum":
+            return call(AllReduce, t, ctx.dev, ctx.axes, "sum", ctx.name)  # [*s] -> [*s]
+        x, y = ctx.saved_tensors
+        mask = (x == y).to(t.dtype)
+        both = call(AllReduce, torch.stack((t * mask, mask)), ctx.dev, ctx.axes, "sum", "psum")  # [2, *s] -> [2, *s]
+        return both[0] / both[1]
+
+    @staticmethod
+    def vmap(info: Any, in_dims: _Dims, x: torch.Tensor, dev: Any, axes: tuple[str, ...], op: str, name: str) -> Any:
+        y = call(AllReduce, _to(x, in_dims[0], 0), dev, axes, op, name)  # [B, *s] -> [B, *s]
+        return y, 0
+
 
 class Pvary(torch.autograd.Function):
-    """Identity forward (the value becomes varying over ``axes``); all-reduce sum backward."""
+    """Mark a value varying over ``axes``.
+
+    - forward: ``y = x`` (a view; the value becomes varying over ``axes``).
+    - backward: ``psum(g)`` over ``axes``.
+    - jvp: ``pvary(t)`` (identity in value; a later reverse pass through the tangent sums it).
+    - vmap: ``pvary`` of the batched value, its batch dim where it was.
+    """
 
     @staticmethod
     def forward(x: torch.Tensor, dev: Any, axes: tuple[str, ...]) -> torch.Tensor:  # type: ignore[override]
@@ -69,10 +137,23 @@ class Pvary(torch.autograd.Function):
     def backward(ctx: Any, g: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
         return call(AllReduce, g, ctx.dev, ctx.axes, "sum", "psum"), None, None  # [*s] -> [*s]
 
+    @staticmethod
+    def jvp(ctx: Any, t: torch.Tensor, *_: None) -> torch.Tensor:
+        return call(Pvary, t, ctx.dev, ctx.axes)  # [*s] -> [*s]
+
+    @staticmethod
+    def vmap(info: Any, in_dims: _Dims, x: torch.Tensor, dev: Any, axes: tuple[str, ...]) -> Any:
+        return call(Pvary, x, dev, axes), in_dims[0]  # [.., B, ..] -> [.., B, ..]
+
 
 class PvaryBucket(torch.autograd.Function):
-    """:class:`Pvary` of several tensors of one dtype: identity forward; backward flattens their gradients
-    into one buffer, all-reduces it once and splits it again (one collective instead of one per tensor)."""
+    """:class:`Pvary` of several tensors of one dtype, with one collective for all of them.
+
+    - forward: ``ys = xs`` (views).
+    - backward: the cotangents are flattened into one buffer, all-reduced once and split again.
+    - jvp: ``PvaryBucket`` of the tangents present (outputs whose input has none get none).
+    - vmap: ``PvaryBucket`` of the operands as they come (batched or not), each batch dim where it was.
+    """
 
     @staticmethod
     def forward(dev: Any, axes: tuple[str, ...], *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
@@ -85,14 +166,36 @@ class PvaryBucket(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *gs: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
-        flat = torch.cat([g.reshape(-1) for g in gs])  # n x [*s_i] -> [sum |s_i|]
+        flat = torch.cat([g.reshape(-1) for g in gs])  # k x [*s_i] -> [sum |s_i|]
         total = call(AllReduce, flat, ctx.dev, ctx.axes, "sum", "psum")  # [sum |s_i|] -> [sum |s_i|]
         parts = total.split([s.numel() for s in ctx.shapes])
         return (None, None, *(p.view(s) for p, s in zip(parts, ctx.shapes, strict=True)))
 
+    @staticmethod
+    def jvp(ctx: Any, _dev: None, _axes: None, *ts: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+        have = [i for i, t in enumerate(ts) if t is not None]
+        out: list[torch.Tensor | None] = [None] * len(ts)
+        if len(have) == 1:
+            out[have[0]] = call(Pvary, ts[have[0]], ctx.dev, ctx.axes)  # [*s] -> [*s]
+        elif have:
+            ys = call(PvaryBucket, ctx.dev, ctx.axes, *(ts[i] for i in have))  # k x [*s_i] -> same
+            for i, y in zip(have, ys, strict=True):
+                out[i] = y
+        return tuple(out)
+
+    @staticmethod
+    def vmap(info: Any, in_dims: _Dims, dev: Any, axes: tuple[str, ...], *xs: torch.Tensor) -> Any:
+        return call(PvaryBucket, dev, axes, *xs), tuple(in_dims[2:])  # k x [*s_i] -> same
+
 
 class AllGather(torch.autograd.Function):
-    """All-gather ``[*s] -> [n, *s]`` forward; reduce-scatter backward."""
+    """All-gather ``[*s] -> [n, *s]`` (row i from group member i).
+
+    - forward: ``y[i] = x on member i``; the result varies over ``axes``.
+    - backward: reduce-scatter ``[n, *s] -> [*s]`` of the cotangent.
+    - jvp: all-gather of the tangent.
+    - vmap: ``[B, *s] -> [n, B, *s]`` in one all-gather (out dim 1).
+    """
 
     @staticmethod
     def forward(x: torch.Tensor, dev: Any, axes: tuple[str, ...]) -> torch.Tensor:  # type: ignore[override]
@@ -107,9 +210,23 @@ class AllGather(torch.autograd.Function):
     def backward(ctx: Any, g: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
         return call(ReduceScatter, g, ctx.dev, ctx.axes), None, None  # [n, *s] -> [*s]
 
+    @staticmethod
+    def jvp(ctx: Any, t: torch.Tensor, *_: None) -> torch.Tensor:
+        return call(AllGather, t, ctx.dev, ctx.axes)  # [*s] -> [n, *s]
+
+    @staticmethod
+    def vmap(info: Any, in_dims: _Dims, x: torch.Tensor, dev: Any, axes: tuple[str, ...]) -> Any:
+        return call(AllGather, _to(x, in_dims[0], 0), dev, axes), 1  # [B, *s] -> [n, B, *s]
+
 
 class ReduceScatter(torch.autograd.Function):
-    """Reduce-scatter ``[n, *s] -> [*s]`` forward; all-gather backward."""
+    """Reduce-scatter ``[n, *s] -> [*s]``: member i keeps row i of the sum over the group.
+
+    - forward: ``y = sum over members m of x_m[i]`` on member i.
+    - backward: all-gather ``[*s] -> [n, *s]`` of the cotangent.
+    - jvp: reduce-scatter of the tangent.
+    - vmap: ``[n, B, *s] -> [B, *s]`` in one reduce-scatter (out dim 0).
+    """
 
     @staticmethod
     def forward(x: torch.Tensor, dev: Any, axes: tuple[str, ...]) -> torch.Tensor:  # type: ignore[override]
@@ -124,9 +241,23 @@ class ReduceScatter(torch.autograd.Function):
     def backward(ctx: Any, g: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
         return call(AllGather, g, ctx.dev, ctx.axes), None, None  # [*s] -> [n, *s]
 
+    @staticmethod
+    def jvp(ctx: Any, t: torch.Tensor, *_: None) -> torch.Tensor:
+        return call(ReduceScatter, t, ctx.dev, ctx.axes)  # [n, *s] -> [*s]
+
+    @staticmethod
+    def vmap(info: Any, in_dims: _Dims, x: torch.Tensor, dev: Any, axes: tuple[str, ...]) -> Any:
+        return call(ReduceScatter, _to(x, in_dims[0], 1), dev, axes), 0  # [n, B, *s] -> [B, *s]
+
 
 class AllToAll(torch.autograd.Function):
-    """All-to-all ``[n, *s] -> [n, *s]`` (row j to member j) forward; the same all-to-all backward."""
+    """All-to-all ``[n, *s] -> [n, *s]``: row j goes to member j, row i of the result came from member i.
+
+    - forward: ``y[i] = x_i[me]``.
+    - backward: the same all-to-all of the cotangent (it is its own transpose).
+    - jvp: the same all-to-all of the tangent.
+    - vmap: ``[n, B, *s] -> [n, B, *s]`` in one all-to-all (out dim 1).
+    """
 
     @staticmethod
     def forward(x: torch.Tensor, dev: Any, axes: tuple[str, ...]) -> torch.Tensor:  # type: ignore[override]
@@ -141,9 +272,23 @@ class AllToAll(torch.autograd.Function):
     def backward(ctx: Any, g: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
         return call(AllToAll, g, ctx.dev, ctx.axes), None, None  # [n, *s] -> [n, *s]
 
+    @staticmethod
+    def jvp(ctx: Any, t: torch.Tensor, *_: None) -> torch.Tensor:
+        return call(AllToAll, t, ctx.dev, ctx.axes)  # [n, *s] -> [n, *s]
+
+    @staticmethod
+    def vmap(info: Any, in_dims: _Dims, x: torch.Tensor, dev: Any, axes: tuple[str, ...]) -> Any:
+        return call(AllToAll, _to(x, in_dims[0], 1), dev, axes), 1  # [n, B, *s] -> [n, B, *s]
+
 
 class Ppermute(torch.autograd.Function):
-    """Send along ``perm`` pairs forward; send along the inverse pairs backward."""
+    """Send ``[*s] -> [*s]`` along the ``(src, dst)`` pairs of ``perm``; members that receive nothing get zeros.
+
+    - forward: ``y = x on src`` for the pair ``(src, me)``, else zeros.
+    - backward: the same send along the inverse pairs ``(dst, src)``.
+    - jvp: the same send of the tangent.
+    - vmap: ``[B, *s] -> [B, *s]`` in one send (out dim 0).
+    """
 
     @staticmethod
     def forward(x: torch.Tensor, dev: Any, axes: tuple[str, ...], perm: tuple[tuple[int, int], ...]) -> torch.Tensor:  # type: ignore[override]
@@ -159,32 +304,61 @@ class Ppermute(torch.autograd.Function):
         inverse = tuple((dst, src) for src, dst in ctx.perm)
         return call(Ppermute, g, ctx.dev, ctx.axes, inverse), None, None, None  # [*s] -> [*s]
 
-
-class AllGatherInvariant(torch.autograd.Function):
-    """All-gather ``[*s] -> [n, *s]`` whose result is the same on every member (invariant) forward; this
-    member's row of the cotangent backward (no communication: the cotangent of an invariant value is
-    invariant)."""
+    @staticmethod
+    def jvp(ctx: Any, t: torch.Tensor, *_: None) -> torch.Tensor:
+        return call(Ppermute, t, ctx.dev, ctx.axes, ctx.perm)  # [*s] -> [*s]
 
     @staticmethod
-    def forward(x: torch.Tensor, dev: Any, axes: tuple[str, ...], index: int) -> torch.Tensor:  # type: ignore[override]
+    def vmap(
+        info: Any, in_dims: _Dims, x: torch.Tensor, dev: Any, axes: tuple[str, ...], perm: tuple[tuple[int, int], ...]
+    ) -> Any:
+        return call(Ppermute, _to(x, in_dims[0], 0), dev, axes, perm), 0  # [B, *s] -> [B, *s]
+
+
+class AllGatherInvariant(torch.autograd.Function):
+    """All-gather ``[*s] -> [n, *s]`` whose result is the same on every member (invariant over ``axes``).
+
+    - forward: ``y[i] = x on member i``.
+    - backward: this member's row ``g[index]`` of the cotangent (no communication: the cotangent of an
+      invariant value is invariant).
+    - jvp: the same all-gather of the tangent.
+    - vmap: ``[B, *s] -> [n, B, *s]`` in one all-gather (out dim 1).
+    """
+
+    @staticmethod
+    def forward(x: torch.Tensor, dev: Any, axes: tuple[str, ...], index: Any) -> torch.Tensor:  # type: ignore[override]
         record(dev.rank, "all_gather", axes, _nbytes(x))
         return dev.all_gather(x, axes)  # [*s] -> [n, *s]
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
-        ctx.index = inputs[3]
+        ctx.dev, ctx.axes, ctx.index = inputs[1], inputs[2], inputs[3]
 
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
         return g[ctx.index], None, None, None  # [n, *s] -> [*s]
 
-
-class SplitInvariant(torch.autograd.Function):
-    """Take this member's row of an invariant ``[n, *s]`` value (forward, no communication); all-gather the
-    cotangent rows (backward): the transpose of :class:`AllGatherInvariant`."""
+    @staticmethod
+    def jvp(ctx: Any, t: torch.Tensor, *_: None) -> torch.Tensor:
+        return call(AllGatherInvariant, t, ctx.dev, ctx.axes, ctx.index)  # [*s] -> [n, *s]
 
     @staticmethod
-    def forward(x: torch.Tensor, dev: Any, axes: tuple[str, ...], index: int) -> torch.Tensor:  # type: ignore[override]
+    def vmap(info: Any, in_dims: _Dims, x: torch.Tensor, dev: Any, axes: tuple[str, ...], index: Any) -> Any:
+        return call(AllGatherInvariant, _to(x, in_dims[0], 0), dev, axes, index), 1  # [B, *s] -> [n, B, *s]
+
+
+class SplitInvariant(torch.autograd.Function):
+    """Take this member's row ``[n, *s] -> [*s]`` of a value invariant over ``axes`` (no communication); the
+    transpose of :class:`AllGatherInvariant`.
+
+    - forward: ``y = x[index]``.
+    - backward: all-gather ``[*s] -> [n, *s]`` of the cotangent rows (invariant).
+    - jvp: this member's row of the tangent.
+    - vmap: ``[n, B, *s] -> [B, *s]`` (out dim 0).
+    """
+
+    @staticmethod
+    def forward(x: torch.Tensor, dev: Any, axes: tuple[str, ...], index: Any) -> torch.Tensor:  # type: ignore[override]
         return x[index].clone()  # [n, *s] -> [*s]
 
     @staticmethod
@@ -194,3 +368,11 @@ class SplitInvariant(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
         return call(AllGatherInvariant, g, ctx.dev, ctx.axes, ctx.index), None, None, None  # [*s] -> [n, *s]
+
+    @staticmethod
+    def jvp(ctx: Any, t: torch.Tensor, *_: None) -> torch.Tensor:
+        return call(SplitInvariant, t, ctx.dev, ctx.axes, ctx.index)  # [n, *s] -> [*s]
+
+    @staticmethod
+    def vmap(info: Any, in_dims: _Dims, x: torch.Tensor, dev: Any, axes: tuple[str, ...], index: Any) -> Any:
+        return call(SplitInvariant, _to(x, in_dims[0], 1), dev, axes, index), 0  # [n, B, *s] -> [B, *s]
