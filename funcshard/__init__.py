@@ -23,6 +23,8 @@ from ._array import Array as Array
 from ._array import device_get as device_get
 from ._array import device_put as device_put
 from ._array import reshard as reshard
+from ._errors import ConfigError as ConfigError
+from ._errors import FuncshardError as FuncshardError
 from ._errors import MeshError as MeshError
 from ._errors import ShardingError as ShardingError
 from ._grad import value_and_grad as value_and_grad
@@ -53,6 +55,8 @@ __version__ = "0.1.0"
 __all__ = [
     "Array",
     "CommStats",
+    "ConfigError",
+    "FuncshardError",
     "Mesh",
     "MeshError",
     "P",
