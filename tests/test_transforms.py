@@ -387,6 +387,9 @@ def _body(mesh: fs.Mesh, name: str, check_vma: bool) -> str:
         _close(fs.device_get(f1(x, *rest)), y, "forward")
     with fs.comm_stats() as sb:
         _close(fs.device_get(fb(xs, *rest)), torch.stack([ref(xi) for xi in xs]), "vmap")
+    # a trailing batch dim (vmap moves it into place before each collective)
+    fl = sm(lambda xs, *r: torch.vmap(lambda xi: case.local(xi, *r), -1, -1)(xs), case.in_specs, out_spec)
+    _close(fs.device_get(fl(xs.movedim(0, -1), *rest)), torch.stack([ref(xi) for xi in xs], -1), "vmap dim -1")
     calls1 = {k: c for k, (c, _) in s1.rows().items()}
     assert {k: c for k, (c, _) in sb.rows().items()} == calls1, (sb.table(), s1.table())
     # each batched collective carries B times the payload (a jvp-free, grad-free forward: no extra calls)
@@ -420,15 +423,19 @@ def _body(mesh: fs.Mesh, name: str, check_vma: bool) -> str:
         fn = lambda x: case.local(x, *r)  # noqa: E731
         jf = torch.func.jacfwd(fn)(x)  # [*out_local, *in_local]
         jr = torch.func.jacrev(fn)(x)  # [*out_local, *in_local]
+        # the transpose of the linearization t -> jvp(fn, x, t) runs each jvp rule's collective backwards
+        jt = torch.func.jacrev(lambda t: torch.func.jvp(fn, (x,), (t,))[1])(torch.zeros_like(x))
         mf = fs.psum(jf, out_axes) if out_axes else jf
         mr = fs.psum(jr, in_axes) if in_axes else jr
-        return jf, jr, mf, mr
+        return jf, jr, jt, mf, mr
 
-    jac_specs = (P(*out_spec, *none(out_nd - len(out_spec))), P(*none(out_nd), *spec0), P(), P())
+    rev_spec = P(*none(out_nd), *spec0)
+    jac_specs = (P(*out_spec, *none(out_nd - len(out_spec))), rev_spec, rev_spec, P(), P())
     with _forward_level(mesh):
-        jf, jr, mf, mr = sm(jacobians, case.in_specs, jac_specs)(x, *rest)
+        jf, jr, jt, mf, mr = sm(jacobians, case.in_specs, jac_specs)(x, *rest)
     _close(fs.device_get(jf), want_f, "jacfwd")
     _close(fs.device_get(jr), want_r, "jacrev")
+    _close(fs.device_get(jt), want_r, "jacrev of the jvp in its tangent")
     _close(fs.device_get(mf), want_m, "psum(jacfwd)")
     _close(fs.device_get(mr), want_m, "psum(jacrev)")
 
@@ -476,3 +483,83 @@ def test_transforms_dist(name: str) -> None:
 
     results = run_body("dist", _body, CASES[name].mesh, name, True)
     assert results == ["ok"] * len(results)
+
+
+# ---------------------------------------------------------------- per-sample gradients: vmap of grad
+
+
+def _per_sample_body(mesh: fs.Mesh, check_vma: bool) -> str:
+    """``vmap(grad(loss))`` over the samples of a dp-sharded batch, the weight column-parallel over tp.
+
+    The weight is invariant over dp, so (the transpose of its pvary over dp being a psum) each device's
+    per-sample gradient ``i`` is the sum over dp of the gradients of the samples ``i`` of every dp block:
+    the gradient of the global function ``sum over dp blocks of loss(w, x_block[i])``.
+    """
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(6, 4, generator=g, dtype=torch.float64)
+    x = torch.randn(4, 6, generator=g, dtype=torch.float64)
+    pv = (lambda v, a: v) if check_vma else fs.pvary  # check_vma=False: the pvarys written by hand
+
+    def loss(w: torch.Tensor, xi: torch.Tensor) -> torch.Tensor:
+        h = xi @ pv(w, "dp")  # [6] @ [6, 4/tp] -> [4/tp]
+        m = fs.pmax(h.max(), "tp")  # [] -> []
+        lse = m + fs.psum((h - pv(m, "tp")).exp().sum(), "tp").log()  # [] -> []
+        return lse + 0.5 * fs.psum(h.pow(2).sum(), "tp")
+
+    def ref_loss(w: torch.Tensor, xi: torch.Tensor) -> torch.Tensor:
+        h = xi @ w
+        return h.logsumexp(0) + 0.5 * h.pow(2).sum()
+
+    def per_sample(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return torch.vmap(torch.func.grad(loss), in_dims=(None, 0))(w, x)  # [b/dp, 6, 4/tp]
+
+    f = fs.shard_map(
+        per_sample, mesh=mesh, in_specs=(P(None, "tp"), P("dp")), out_specs=P(None, None, "tp"), check_vma=check_vma
+    )
+    want = torch.vmap(torch.func.grad(ref_loss), in_dims=(None, 0))(w, x)  # [b, 6, 4]
+    _close(fs.device_get(f(w, x)), want.unflatten(0, (2, -1)).sum(0), "per-sample grads")
+    return "ok"
+
+
+@pytest.mark.parametrize("check_vma", [True, False], ids=["vma", "novma"])
+def test_per_sample_grads_sim(check_vma: bool) -> None:
+    from _dist_pool import run_body
+
+    assert run_body("sim", _per_sample_body, {"dp": 2, "tp": 2}, check_vma) == ["ok"]
+
+
+def test_per_sample_grads_dist() -> None:
+    from _dist_pool import run_body
+
+    assert set(run_body("dist", _per_sample_body, {"dp": 2, "tp": 2}, True)) == {"ok"}
+
+
+# ---------------------------------------------------------------- what the sim backend still has to do
+
+
+def _plain_jvp_body(mesh: fs.Mesh) -> str:
+    f = fs.shard_map(
+        lambda x: torch.func.jvp(lambda x: fs.psum(x, "tp"), (x,), (torch.ones_like(x),))[1],
+        mesh=mesh,
+        in_specs=(P("tp"),),
+        out_specs=P(),
+    )
+    for _ in range(20):  # each call races with ~50% odds: 20 calls make the outcome certain
+        _close(fs.device_get(f(torch.zeros(8, dtype=torch.float64))), torch.full((2,), 4.0, dtype=torch.float64), "")
+    return "ok"
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=RuntimeError,
+    reason="sim backend: torch's forward-AD level (and torch.func.jvp's nesting count) is per process, so device "
+    "threads that each enter torch.func.jvp race on it; SimWorld.run must enter one level for all its threads "
+    "(as _forward_level here does) before starting them",
+)
+def test_sim_jvp_without_shared_level() -> None:
+    from _dist_pool import run_body
+
+    try:
+        run_body("sim", _plain_jvp_body, {"tp": 4})
+    finally:  # whatever the race did, leave torch's process-wide forward-AD state as it was
+        assert fwAD._current_level == -1 and _eager.JVP_NESTING == 0, (fwAD._current_level, _eager.JVP_NESTING)
