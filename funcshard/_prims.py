@@ -23,12 +23,15 @@ All use the ``setup_context`` form, so the ``torch.func`` transforms see them.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch._functorch.utils import unwrap_dead_wrappers as _unwrap_dead
 
 from ._stats import record
+
+if TYPE_CHECKING:
+    from torch._functorch.autograd_function import VmapInfo
 
 __all__ = [
     "AllGather",
@@ -62,8 +65,13 @@ def _nbytes(x: torch.Tensor) -> int:
     return x.numel() * x.element_size()
 
 
-def _to(x: torch.Tensor, bd: int, dim: int) -> torch.Tensor:
-    """``x`` with its vmapped batch dim ``bd`` moved to ``dim`` (a view)."""
+def _to(x: torch.Tensor, bd: int | None, dim: int) -> torch.Tensor:
+    """``x`` with its vmapped batch dim ``bd`` moved to ``dim`` (a view).
+
+    torch calls a ``vmap`` rule only when some operand is batched at its level, and ``x`` is the only tensor
+    operand of the rules that call this, so ``bd`` is never None here.
+    """
+    assert bd is not None, "a vmap rule was called with its only tensor operand unbatched"
     return x if bd == dim else x.movedim(bd, dim)
 
 
@@ -111,7 +119,9 @@ class AllReduce(torch.autograd.Function):
         return both[0] / both[1]
 
     @staticmethod
-    def vmap(info: Any, in_dims: _Dims, x: torch.Tensor, dev: Any, axes: tuple[str, ...], op: str, name: str) -> Any:
+    def vmap(
+        info: VmapInfo, in_dims: _Dims, x: torch.Tensor, dev: Any, axes: tuple[str, ...], op: str, name: str
+    ) -> tuple[torch.Tensor, int]:
         y = call(AllReduce, _to(x, in_dims[0], 0), dev, axes, op, name)  # [B, *s] -> [B, *s]
         return y, 0
 
@@ -142,7 +152,9 @@ class Pvary(torch.autograd.Function):
         return call(Pvary, t, ctx.dev, ctx.axes)  # [*s] -> [*s]
 
     @staticmethod
-    def vmap(info: Any, in_dims: _Dims, x: torch.Tensor, dev: Any, axes: tuple[str, ...]) -> Any:
+    def vmap(
+        info: VmapInfo, in_dims: _Dims, x: torch.Tensor, dev: Any, axes: tuple[str, ...]
+    ) -> tuple[torch.Tensor, int | None]:
         return call(Pvary, x, dev, axes), in_dims[0]  # [.., B, ..] -> [.., B, ..]
 
 
@@ -184,7 +196,9 @@ class PvaryBucket(torch.autograd.Function):
         return tuple(out)
 
     @staticmethod
-    def vmap(info: Any, in_dims: _Dims, dev: Any, axes: tuple[str, ...], *xs: torch.Tensor) -> Any:
+    def vmap(
+        info: VmapInfo, in_dims: _Dims, dev: Any, axes: tuple[str, ...], *xs: torch.Tensor
+    ) -> tuple[tuple[torch.Tensor, ...], _Dims]:
         return call(PvaryBucket, dev, axes, *xs), tuple(in_dims[2:])  # k x [*s_i] -> same
 
 
@@ -215,7 +229,9 @@ class AllGather(torch.autograd.Function):
         return call(AllGather, t, ctx.dev, ctx.axes)  # [*s] -> [n, *s]
 
     @staticmethod
-    def vmap(info: Any, in_dims: _Dims, x: torch.Tensor, dev: Any, axes: tuple[str, ...]) -> Any:
+    def vmap(
+        info: VmapInfo, in_dims: _Dims, x: torch.Tensor, dev: Any, axes: tuple[str, ...]
+    ) -> tuple[torch.Tensor, int]:
         return call(AllGather, _to(x, in_dims[0], 0), dev, axes), 1  # [B, *s] -> [n, B, *s]
 
 
@@ -246,7 +262,9 @@ class ReduceScatter(torch.autograd.Function):
         return call(ReduceScatter, t, ctx.dev, ctx.axes)  # [n, *s] -> [*s]
 
     @staticmethod
-    def vmap(info: Any, in_dims: _Dims, x: torch.Tensor, dev: Any, axes: tuple[str, ...]) -> Any:
+    def vmap(
+        info: VmapInfo, in_dims: _Dims, x: torch.Tensor, dev: Any, axes: tuple[str, ...]
+    ) -> tuple[torch.Tensor, int]:
         return call(ReduceScatter, _to(x, in_dims[0], 1), dev, axes), 0  # [n, B, *s] -> [B, *s]
 
 
@@ -277,7 +295,9 @@ class AllToAll(torch.autograd.Function):
         return call(AllToAll, t, ctx.dev, ctx.axes)  # [n, *s] -> [n, *s]
 
     @staticmethod
-    def vmap(info: Any, in_dims: _Dims, x: torch.Tensor, dev: Any, axes: tuple[str, ...]) -> Any:
+    def vmap(
+        info: VmapInfo, in_dims: _Dims, x: torch.Tensor, dev: Any, axes: tuple[str, ...]
+    ) -> tuple[torch.Tensor, int]:
         return call(AllToAll, _to(x, in_dims[0], 1), dev, axes), 1  # [n, B, *s] -> [n, B, *s]
 
 
@@ -310,8 +330,13 @@ class Ppermute(torch.autograd.Function):
 
     @staticmethod
     def vmap(
-        info: Any, in_dims: _Dims, x: torch.Tensor, dev: Any, axes: tuple[str, ...], perm: tuple[tuple[int, int], ...]
-    ) -> Any:
+        info: VmapInfo,
+        in_dims: _Dims,
+        x: torch.Tensor,
+        dev: Any,
+        axes: tuple[str, ...],
+        perm: tuple[tuple[int, int], ...],
+    ) -> tuple[torch.Tensor, int]:
         return call(Ppermute, _to(x, in_dims[0], 0), dev, axes, perm), 0  # [B, *s] -> [B, *s]
 
 
@@ -326,7 +351,7 @@ class AllGatherInvariant(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(x: torch.Tensor, dev: Any, axes: tuple[str, ...], index: Any) -> torch.Tensor:  # type: ignore[override]
+    def forward(x: torch.Tensor, dev: Any, axes: tuple[str, ...], index: int) -> torch.Tensor:  # type: ignore[override]
         record(dev.rank, "all_gather", axes, _nbytes(x))
         return dev.all_gather(x, axes)  # [*s] -> [n, *s]
 
@@ -343,7 +368,9 @@ class AllGatherInvariant(torch.autograd.Function):
         return call(AllGatherInvariant, t, ctx.dev, ctx.axes, ctx.index)  # [*s] -> [n, *s]
 
     @staticmethod
-    def vmap(info: Any, in_dims: _Dims, x: torch.Tensor, dev: Any, axes: tuple[str, ...], index: Any) -> Any:
+    def vmap(
+        info: VmapInfo, in_dims: _Dims, x: torch.Tensor, dev: Any, axes: tuple[str, ...], index: int
+    ) -> tuple[torch.Tensor, int]:
         return call(AllGatherInvariant, _to(x, in_dims[0], 0), dev, axes, index), 1  # [B, *s] -> [n, B, *s]
 
 
@@ -358,7 +385,7 @@ class SplitInvariant(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(x: torch.Tensor, dev: Any, axes: tuple[str, ...], index: Any) -> torch.Tensor:  # type: ignore[override]
+    def forward(x: torch.Tensor, dev: Any, axes: tuple[str, ...], index: int) -> torch.Tensor:  # type: ignore[override]
         return x[index].clone()  # [n, *s] -> [*s]
 
     @staticmethod
@@ -374,5 +401,7 @@ class SplitInvariant(torch.autograd.Function):
         return call(SplitInvariant, t, ctx.dev, ctx.axes, ctx.index)  # [n, *s] -> [*s]
 
     @staticmethod
-    def vmap(info: Any, in_dims: _Dims, x: torch.Tensor, dev: Any, axes: tuple[str, ...], index: Any) -> Any:
+    def vmap(
+        info: VmapInfo, in_dims: _Dims, x: torch.Tensor, dev: Any, axes: tuple[str, ...], index: int
+    ) -> tuple[torch.Tensor, int]:
         return call(SplitInvariant, _to(x, in_dims[0], 1), dev, axes, index), 0  # [n, B, *s] -> [B, *s]

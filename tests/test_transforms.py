@@ -387,6 +387,17 @@ def _body(mesh: fs.Mesh, name: str, check_vma: bool) -> str:
         _close(fs.device_get(f1(x, *rest)), y, "forward")
     with fs.comm_stats() as sb:
         _close(fs.device_get(fb(xs, *rest)), torch.stack([ref(xi) for xi in xs]), "vmap")
+    # nested vmap: each level's rule moves its own batch dim; still one collective per unbatched one
+    xss = torch.stack([xs, xs.flip(0)])  # [2, B, *shape]
+    fn2 = sm(
+        lambda xss, *r: torch.vmap(torch.vmap(lambda xi: case.local(xi, *r)))(xss),
+        (P(None, *batched(spec0)), *case.in_specs[1:]),
+        P(None, *batched(out_spec)),
+    )
+    with fs.comm_stats() as s2:
+        got = fs.device_get(fn2(xss, *rest))
+    _close(got, torch.stack([torch.stack([ref(xi) for xi in row]) for row in xss]), "vmap of vmap")
+    assert s2.rows().keys() == s1.rows().keys() and s2.calls() == s1.calls(), (s2.table(), s1.table())
     # a trailing batch dim (vmap moves it into place before each collective)
     fl = sm(lambda xs, *r: torch.vmap(lambda xi: case.local(xi, *r), -1, -1)(xs), case.in_specs, out_spec)
     _close(fs.device_get(fl(xs.movedim(0, -1), *rest)), torch.stack([ref(xi) for xi in xs], -1), "vmap dim -1")
