@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import shutil
+import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -368,10 +371,123 @@ def test_corrupted_data_file(saved: tuple[Path, dict]) -> None:
     path, like = saved
     f = _data_file(path)
     f.write_bytes(b"\x00" * f.stat().st_size)
+    with pytest.raises(CheckpointError, match=r"leaf '.*': its block at .* in '.*__0_0\.distcp' fails its checksum"):
+        checkpoint.load(path, like)
+
+
+def test_unreadable_data_without_checksums(saved: tuple[Path, dict]) -> None:
+    """A checkpoint written before checksums existed loads unchecked; data DCP cannot read still fails loudly."""
+    path, like = saved
+    manifest = json.loads((path / "funcshard.json").read_text())
+    for entry in manifest["leaves"].values():
+        entry.pop("crc32", None)
+    (path / "funcshard.json").write_text(json.dumps(manifest))
+    assert torch.equal(fs.device_get(checkpoint.load(path, like)["params"]["w"]), _full()["w"])
+    f = _data_file(path)
+    f.write_bytes(b"\x00" * f.stat().st_size)
     with pytest.raises(
         CheckpointError, match=r"reading the tensor data failed \(rank 0: .*\); the checkpoint is damaged"
     ):
         checkpoint.load(path, like)
+
+
+def _flip_value(f: Path, old: float, new: float) -> None:
+    """Overwrite, in place, the 4 bytes of the float32 ``old`` in ``f`` with ``new`` (same size: no error from
+    the file's structure, only different numbers)."""
+    data = f.read_bytes()
+    at = data.find(struct.pack("<f", old))
+    assert at > 0 and data.count(struct.pack("<f", old)) == 1
+    with open(f, "r+b") as fh:
+        fh.seek(at)
+        fh.write(struct.pack("<f", new))
+
+
+def test_bytes_changed_in_place_fail_the_checksum(tmp_path: Path) -> None:
+    """Issue #12.4: a value changed on disk after the save used to load silently (NaN at the next step)."""
+    mesh = _sim({"dp": 2, "tp": 2})
+    w = torch.arange(1000.0, 1064.0).reshape(8, 8)
+    checkpoint.save(tmp_path / "ck", {"params": {"w": fs.device_put(w, mesh, P("dp", "tp"))}, "step": 3})
+    files = sorted((tmp_path / "ck").glob("*.distcp"))
+    _flip_value(files[0], 1037.0, float("nan"))  # row 4, col 5: the block at (4, 4)
+    like = {"params": {"w": fs.device_put(torch.zeros(8, 8), _sim({"tp": 4}), P(None, "tp"))}, "step": 0}
+    with pytest.raises(CheckpointError) as e:
+        checkpoint.load(tmp_path / "ck", like)
+    msg = str(e.value)
+    assert "leaf 'params/w'" in msg and "block at (4, 4)" in msg and f"'{files[0]}'" in msg, msg
+    assert "fails its checksum" in msg, msg
+    # a load that never reads the damaged block is not refused: only the block at (0, 0) overlaps this one
+    corner = fs.device_put(torch.zeros(8, 8), _sim({"dp": 2, "tp": 2}), P("dp", "tp"))
+    assert checkpoint.info(tmp_path / "ck")["leaves"]["params/w"]["crc32"].keys() == {"0,0", "0,4", "4,0", "4,4"}
+    with pytest.raises(CheckpointError, match="fails its checksum"):
+        checkpoint.load(tmp_path / "ck", {"params": {"w": corner}, "step": 0})
+
+
+def test_disk_full_names_the_reason_and_the_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue #12.5: a full disk said "unexpected pos 704 vs 598" (torch.save inside DCP loses the OSError)."""
+    mesh = _sim({"dp": 2, "tp": 2})
+    checkpoint.save(tmp_path / "ck", _tree(mesh, 1.0))
+    real_open = Path.open
+
+    class Full:  # the data file fills the disk after 600 bytes, in the middle of torch.save
+        def __init__(self, f):
+            self.f, self.n = f, 0
+
+        def write(self, b):
+            if self.n + len(b) > 600:
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            self.n += len(b)
+            return self.f.write(b)
+
+        def __getattr__(self, name):
+            return getattr(self.f, name)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.f.close()
+
+    def open_(self, mode="r", *args, **kwargs):
+        f = real_open(self, mode, *args, **kwargs)
+        return Full(f) if self.suffix == ".distcp" and "w" in mode else f
+
+    monkeypatch.setattr(Path, "open", open_)
+    with pytest.raises(CheckpointError) as e:
+        checkpoint.save(tmp_path / "ck", _tree(mesh, 2.0))
+    monkeypatch.undo()
+    msg = str(e.value)
+    assert "No space left on device" in msg and "unexpected pos" not in msg, msg
+    assert f"'{tmp_path / 'ck'}.tmp-" in msg and "__0_0.distcp'" in msg, msg
+    assert sorted(os.listdir(tmp_path)) == ["ck"]
+    _assert_previous(tmp_path / "ck", mesh)
+
+
+def _tmpfs(path: Path, size: str) -> bool:
+    path.mkdir(parents=True, exist_ok=True)
+    if os.geteuid() != 0 or not shutil.which("mount"):
+        return False
+    return (
+        subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True
+        ).returncode
+        == 0
+    )
+
+
+def test_disk_full_on_a_real_small_filesystem(tmp_path: Path) -> None:
+    """The same on a 32 KiB tmpfs (root only): every size of overflow names the disk, never a torch internal."""
+    disk = tmp_path / "disk"
+    if not _tmpfs(disk, "32k"):
+        pytest.skip("mounting a tmpfs needs root")
+    try:
+        mesh = _sim({"dp": 2, "tp": 2})
+        for rows in (96, 192, 400):  # fails in .metadata, mid-tensor, and on the first tensor
+            w = fs.device_put(torch.randn(rows, 64), mesh, P("dp", "tp"))
+            with pytest.raises(CheckpointError, match=r"No space left on device: writing '.*ck\.tmp-\w+/"):
+                checkpoint.save(disk / "ck", {"w": w})
+            assert os.listdir(disk) == []
+    finally:
+        subprocess.run(["umount", str(disk)], check=False)
 
 
 def test_corrupted_manifest(saved: tuple[Path, dict]) -> None:

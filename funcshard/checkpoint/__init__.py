@@ -12,14 +12,16 @@ On disk::
                                 and where each block's bytes are
     <path>/__<rank>_0.distcp    DCP data: the blocks this process wrote (one file per process; fsync'd)
     <path>/funcshard.json       the manifest: format version, step, user metadata, and per leaf path its
-                                kind ("array" | "tensor" | "value"), global shape, dtype, mesh, spec and
-                                block offsets; Python scalars (int, float, bool, str) live here by value
+                                kind ("array" | "tensor" | "value"), global shape, dtype, mesh, spec,
+                                block offsets and a CRC-32 of each block's bytes on disk (checked when the
+                                block is loaded); Python scalars (int, float, bool, str) live here by value
 
 A save writes into ``<path>.tmp-<uuid>``, fsyncs, then swaps it in: the previous checkpoint is renamed to
 ``<path>.old``, the new one to ``<path>``, and ``.old`` is deleted. A crash before the swap leaves the
 previous checkpoint at ``<path>`` untouched; a crash inside the swap leaves it at ``<path>.old``, where
 ``load(path)`` finds it. Under ``"dist"`` every process writes its own blocks and only rank 0 swaps, after a
-barrier; ``path`` must be on a filesystem every process sees.
+barrier; ``path`` must be on a filesystem every process sees. A write that fails (a full disk) raises
+``CheckpointError`` with the OS's reason and the file; bytes changed after the save fail their checksum at load.
 
 Example:
     >>> import tempfile, torch, funcshard as fs

@@ -11,6 +11,7 @@ import torch
 
 from .._array import Array
 from ..pytree import PyTree
+from ._checksums import verify as verify_checksums
 from ._files import _resolve
 from ._manifest import CheckpointError, _check_data, _parse_dtype, _read_manifest
 from ._planners import _cause, _dcp, _quiet
@@ -47,7 +48,8 @@ def load(path: str | os.PathLike[str], like: PyTree, *, strict: bool = True) -> 
         A tree of ``like``'s structure with the saved values.
 
     Raises:
-        CheckpointError: no checkpoint at ``path``; a damaged one (missing or truncated files); a leaf of
+        CheckpointError: no checkpoint at ``path``; a damaged one (missing or truncated files, or a block whose
+            bytes fail the checksum recorded at save time, naming the file and the leaf); a leaf of
             ``like`` missing from it (or, with ``strict``, one of it missing from ``like``); a leaf whose
             kind, shape or dtype differs from ``like``'s. The message names the path and the leaf.
 
@@ -122,8 +124,10 @@ def load(path: str | os.PathLike[str], like: PyTree, *, strict: bool = True) -> 
                 f"{where}: cannot read the DCP metadata '{ckpt / '.metadata'}' ({type(e).__name__}: {e}); "
                 f"the checkpoint is damaged."
             ) from None
-        for name in requests:
+        for name, blocks in requests.items():
             _check_data(ckpt, meta, name, saved[name], where, index_cls)
+            wanted = [(off, tuple(t.shape)) for off, t in blocks.items()]
+            verify_checksums(ckpt, meta, index_cls, name, saved[name], wanted, where)
         try:
             with _quiet():
                 reader = dcp.FileSystemReader(str(ckpt))

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import os
 import shutil
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +17,7 @@ import torch
 from .. import checkpoint as _package  # _swap_in is called through the package, where tests patch it
 from .._array import Array
 from ..pytree import PyTree
+from ._checksums import record as record_checksums
 from ._files import _check_replaceable, _fsync_dir
 from ._manifest import _VALUE_TYPES, FORMAT, MANIFEST, VERSION, CheckpointError, _dtype_name, _manifest_text, _spec_json
 from ._planners import _cause, _dcp, _quiet
@@ -107,14 +111,18 @@ def save(path: str | os.PathLike[str], tree: PyTree, *, step: int | None = None,
     if distributed:
         uid = dist_backend.broadcast_object(uid)  # every process writes into rank 0's temp dir
     tmp = path.with_name(f"{path.name}.tmp-{uid}")
-    dcp, save_planner, _, _ = _dcp()
+    dcp, save_planner, _, index_cls = _dcp()
+    failures: list[tuple[OSError, str]] = []
     try:
         writer = dcp.FileSystemWriter(str(tmp), single_file_per_rank=True, sync_files=True, thread_count=1)
+        _record_failures(writer, failures)
         with _quiet():
             dcp.save(state, storage_writer=writer, planner=save_planner(), no_dist=not distributed)
     except BaseException as e:
         if rank0:
             shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, OSError) or failures:
+            raise _write_error(where, path, e, failures) from e
         if isinstance(e, dcp.CheckpointException):  # a BaseException that names only the failing ranks
             raise CheckpointError(
                 f"{where}: writing the blocks failed ({_cause(e)}); the previous checkpoint is untouched."
@@ -125,10 +133,14 @@ def save(path: str | os.PathLike[str], tree: PyTree, *, step: int | None = None,
     err: BaseException | None = None
     if rank0:
         try:
-            with open(tmp / MANIFEST, "w") as f:
-                f.write(_manifest_text(manifest))
-                f.flush()
-                os.fsync(f.fileno())
+            try:
+                record_checksums(tmp, dcp.FileSystemReader(str(tmp)).read_metadata(), index_cls, entries)
+                with open(tmp / MANIFEST, "w") as f:
+                    f.write(_manifest_text(manifest))
+                    f.flush()
+                    os.fsync(f.fileno())
+            except OSError as e:
+                raise _write_error(where, path, e, [(e, str(tmp / MANIFEST))]) from e
             _fsync_dir(tmp)
             _package._swap_in(tmp, path)
         except BaseException as e:  # noqa: BLE001 - re-raised below, after the other ranks hear of it
@@ -141,3 +153,60 @@ def save(path: str | os.PathLike[str], tree: PyTree, *, step: int | None = None,
     if err is not None:
         raise err
     return str(path)
+
+
+class _Guarded:
+    """A file DCP writes to, noting the ``OSError`` of a failed write: torch.save inside DCP turns it into an
+    "unexpected pos" error that has lost the reason (a full disk)."""
+
+    def __init__(self, stream: Any, failures: list[tuple[OSError, str]], path: str) -> None:
+        self._stream, self._failures, self._path = stream, failures, path
+
+    def write(self, data: Any) -> int:
+        try:
+            return self._stream.write(data)
+        except OSError as e:
+            self._failures.append((e, self._path))
+            raise
+
+    def flush(self) -> None:
+        try:
+            self._stream.flush()
+        except OSError as e:
+            self._failures.append((e, self._path))
+            raise
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+
+def _record_failures(writer: Any, failures: list[tuple[OSError, str]]) -> None:
+    """Make ``writer`` (a DCP ``FileSystemWriter``) note every ``OSError`` with the path it happened on."""
+    create = writer.fs.create_stream
+
+    @contextlib.contextmanager
+    def create_stream(path: Any, mode: str) -> Iterator[Any]:
+        try:
+            with create(path, mode) as stream:
+                yield _Guarded(stream, failures, os.fspath(path))
+        except OSError as e:
+            if not any(e is f for f, _ in failures):
+                failures.append((e, os.fspath(path)))
+            raise
+
+    writer.fs.create_stream = create_stream
+
+
+def _write_error(where: str, path: Path, e: BaseException, failures: list[tuple[OSError, str]]) -> CheckpointError:
+    """``No space left on device`` (or the OS's other reason) and the file, from a failed write."""
+    if failures:
+        err, file = failures[0]
+    elif isinstance(e, OSError):
+        err, file = e, os.fspath(e.filename) if e.filename is not None else str(path)
+    else:
+        return CheckpointError(
+            f"{where}: writing the blocks failed ({_cause(e)}); the previous checkpoint is untouched."
+        )
+    reason = err.strerror or str(err) or type(err).__name__
+    hint = " (free space there, or save elsewhere)" if err.errno == errno.ENOSPC else ""
+    return CheckpointError(f"{where}: {reason}: writing '{file}' failed{hint}; the previous checkpoint is untouched.")
