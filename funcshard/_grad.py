@@ -23,7 +23,7 @@ from typing import Any
 import optree
 import torch
 
-from ._vma import get_vma, set_vma
+from ._vma import tag_leaves, tag_like, tags_of
 
 __all__ = ["value_and_grad"]
 
@@ -43,25 +43,6 @@ def _check_argnums(argnums: Any) -> tuple[int, ...]:
             f"write argnums=0 or argnums=(0, 1)."
         )
     return nums
-
-
-def _tag_like(grads: PyTree, inputs: PyTree) -> None:
-    """Tag each tensor leaf of ``grads`` with the vma of the matching leaf of ``inputs``."""
-    g_leaves = optree.tree_leaves(grads)
-    x_leaves = optree.tree_leaves(inputs)
-    for g, x in zip(g_leaves, x_leaves, strict=False):
-        if isinstance(g, torch.Tensor) and isinstance(x, torch.Tensor):
-            set_vma(g, get_vma(x))
-
-
-def _tag_leaves(tree: PyTree, tags: list[frozenset[str] | None]) -> None:
-    for t, vma in zip(optree.tree_leaves(tree), tags, strict=False):
-        if isinstance(t, torch.Tensor) and vma is not None:
-            set_vma(t, vma)
-
-
-def _tags_of(tree: PyTree) -> list[frozenset[str] | None]:
-    return [get_vma(t) if isinstance(t, torch.Tensor) else None for t in optree.tree_leaves(tree)]
 
 
 def value_and_grad(
@@ -119,13 +100,13 @@ def value_and_grad(
                         f"value_and_grad({getattr(f, '__name__', 'f')}): has_aux=True needs f to return a "
                         f"(value, aux) pair, found {type(out).__name__}."
                     )
-                seen["value"] = _tags_of(out[0])
-                seen["aux"] = _tags_of(out[1])
+                seen["value"] = tags_of(out[0])
+                seen["aux"] = tags_of(out[1])
                 # torch.func only passes tensors through aux (JAX passes anything): carry the rest aside
                 leaves, treedef = optree.tree_flatten(out[1])
                 box["aux"] = (treedef, leaves)
                 return out[0], tuple(x for x in leaves if isinstance(x, torch.Tensor))
-            seen["value"] = _tags_of(out)
+            seen["value"] = tags_of(out)
             return out
 
         grad_fn = torch.func.grad_and_value(inner, argnums=nums[0] if single else nums, has_aux=has_aux)
@@ -135,16 +116,16 @@ def value_and_grad(
             treedef, leaves = box["aux"]
             it = iter(aux_tensors)
             aux = optree.tree_unflatten(treedef, [next(it) if isinstance(x, torch.Tensor) else x for x in leaves])
-            _tag_leaves(value, seen.get("value", []))
-            _tag_leaves(aux, seen.get("aux", []))
+            tag_leaves(value, seen.get("value", []))
+            tag_leaves(aux, seen.get("aux", []))
         else:
             value = out
-            _tag_leaves(value, seen.get("value", []))
+            tag_leaves(value, seen.get("value", []))
         if single:
-            _tag_like(grads, args[nums[0]])
+            tag_like(grads, args[nums[0]])
         else:
             for g, i in zip(grads, nums, strict=True):
-                _tag_like(g, args[i])
+                tag_like(g, args[i])
         return ((value, aux) if has_aux else value), grads
 
     return wrapped

@@ -5,7 +5,8 @@ Each works on the leading-group-dim form of the backends (see ``_backend``): all
 ``[n, *s] -> [n, *s]``. ``lax`` builds the public collectives (dims, tiling, pytrees, varying-axes tags) on
 top of these.
 
-Every Function has the four rules torch needs to compose with every transform:
+Every Function has the four rules torch needs to compose with every transform, and the varying-axes rule
+funcshard needs (``vma``, with ``operand_varies``: see ``_vma.bind``), so a new collective cannot forget one:
 
 - ``forward``: the communication itself (counted by ``fs.comm_stats``).
 - ``backward`` (``torch.autograd``, ``torch.func.grad`` / ``vjp`` / ``jacrev``): the transpose, as JAX's
@@ -87,6 +88,14 @@ class AllReduce(torch.autograd.Function):
     - vmap: elementwise, so the batch moves to the front and one all-reduce reduces the whole batch.
     """
 
+    #: vma: the operand is first made varying over ``axes`` (a ``Pvary`` where it is not), as JAX requires
+    operand_varies = True
+
+    @staticmethod
+    def vma(have: frozenset[str], axes: frozenset[str]) -> frozenset[str]:
+        """vma rule: the result is the same on every member: invariant over ``axes``."""
+        return have - axes
+
     @staticmethod
     def forward(x: torch.Tensor, dev: Any, axes: tuple[str, ...], op: str, name: str) -> torch.Tensor:  # type: ignore[override]
         record(dev.rank, name, axes, _nbytes(x))
@@ -135,6 +144,14 @@ class Pvary(torch.autograd.Function):
     - vmap: ``pvary`` of the batched value, its batch dim where it was.
     """
 
+    #: vma: the operand is taken as it is (no ``Pvary`` first)
+    operand_varies = False
+
+    @staticmethod
+    def vma(have: frozenset[str], axes: frozenset[str]) -> frozenset[str]:
+        """vma rule: the result varies over ``axes``."""
+        return have | axes
+
     @staticmethod
     def forward(x: torch.Tensor, dev: Any, axes: tuple[str, ...]) -> torch.Tensor:  # type: ignore[override]
         return x.view_as(x)
@@ -166,6 +183,14 @@ class PvaryBucket(torch.autograd.Function):
     - jvp: ``PvaryBucket`` of the tangents present (outputs whose input has none get none).
     - vmap: ``PvaryBucket`` of the operands as they come (batched or not), each batch dim where it was.
     """
+
+    #: vma: the operand is taken as it is (no ``Pvary`` first)
+    operand_varies = False
+
+    @staticmethod
+    def vma(have: frozenset[str], axes: frozenset[str]) -> frozenset[str]:
+        """vma rule: each result varies over ``axes``."""
+        return have | axes
 
     @staticmethod
     def forward(dev: Any, axes: tuple[str, ...], *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
@@ -211,6 +236,14 @@ class AllGather(torch.autograd.Function):
     - vmap: ``[B, *s] -> [n, B, *s]`` in one all-gather (out dim 1).
     """
 
+    #: vma: the operand is first made varying over ``axes`` (a ``Pvary`` where it is not), as JAX requires
+    operand_varies = True
+
+    @staticmethod
+    def vma(have: frozenset[str], axes: frozenset[str]) -> frozenset[str]:
+        """vma rule: the result varies over ``axes``, as in JAX (each member goes on with its own copy)."""
+        return have | axes
+
     @staticmethod
     def forward(x: torch.Tensor, dev: Any, axes: tuple[str, ...]) -> torch.Tensor:  # type: ignore[override]
         record(dev.rank, "all_gather", axes, _nbytes(x))
@@ -243,6 +276,14 @@ class ReduceScatter(torch.autograd.Function):
     - jvp: reduce-scatter of the tangent.
     - vmap: ``[n, B, *s] -> [B, *s]`` in one reduce-scatter (out dim 0).
     """
+
+    #: vma: the operand is first made varying over ``axes`` (a ``Pvary`` where it is not), as JAX requires
+    operand_varies = True
+
+    @staticmethod
+    def vma(have: frozenset[str], axes: frozenset[str]) -> frozenset[str]:
+        """vma rule: each member keeps its own block: varies over ``axes``."""
+        return have | axes
 
     @staticmethod
     def forward(x: torch.Tensor, dev: Any, axes: tuple[str, ...]) -> torch.Tensor:  # type: ignore[override]
@@ -277,6 +318,14 @@ class AllToAll(torch.autograd.Function):
     - vmap: ``[n, B, *s] -> [n, B, *s]`` in one all-to-all (out dim 1).
     """
 
+    #: vma: the operand is first made varying over ``axes`` (a ``Pvary`` where it is not), as JAX requires
+    operand_varies = True
+
+    @staticmethod
+    def vma(have: frozenset[str], axes: frozenset[str]) -> frozenset[str]:
+        """vma rule: each member receives its own blocks: varies over ``axes``."""
+        return have | axes
+
     @staticmethod
     def forward(x: torch.Tensor, dev: Any, axes: tuple[str, ...]) -> torch.Tensor:  # type: ignore[override]
         record(dev.rank, "all_to_all", axes, _nbytes(x))
@@ -309,6 +358,14 @@ class Ppermute(torch.autograd.Function):
     - jvp: the same send of the tangent.
     - vmap: ``[B, *s] -> [B, *s]`` in one send (out dim 0).
     """
+
+    #: vma: the operand is first made varying over ``axes`` (a ``Pvary`` where it is not), as JAX requires
+    operand_varies = True
+
+    @staticmethod
+    def vma(have: frozenset[str], axes: frozenset[str]) -> frozenset[str]:
+        """vma rule: each member receives its own value: varies over ``axes``."""
+        return have | axes
 
     @staticmethod
     def forward(x: torch.Tensor, dev: Any, axes: tuple[str, ...], perm: tuple[tuple[int, int], ...]) -> torch.Tensor:  # type: ignore[override]
@@ -350,6 +407,14 @@ class AllGatherInvariant(torch.autograd.Function):
     - vmap: ``[B, *s] -> [n, B, *s]`` in one all-gather (out dim 1).
     """
 
+    #: vma: the operand is first made varying over ``axes`` (a ``Pvary`` where it is not), as JAX requires
+    operand_varies = True
+
+    @staticmethod
+    def vma(have: frozenset[str], axes: frozenset[str]) -> frozenset[str]:
+        """vma rule: the result is the same on every member: invariant over ``axes``."""
+        return have - axes
+
     @staticmethod
     def forward(x: torch.Tensor, dev: Any, axes: tuple[str, ...], index: int) -> torch.Tensor:  # type: ignore[override]
         record(dev.rank, "all_gather", axes, _nbytes(x))
@@ -383,6 +448,14 @@ class SplitInvariant(torch.autograd.Function):
     - jvp: this member's row of the tangent.
     - vmap: ``[n, B, *s] -> [B, *s]`` (out dim 0).
     """
+
+    #: vma: the operand is taken as it is (no ``Pvary`` first)
+    operand_varies = False
+
+    @staticmethod
+    def vma(have: frozenset[str], axes: frozenset[str]) -> frozenset[str]:
+        """vma rule: each member takes its own row: varies over ``axes``."""
+        return have | axes
 
     @staticmethod
     def forward(x: torch.Tensor, dev: Any, axes: tuple[str, ...], index: int) -> torch.Tensor:  # type: ignore[override]

@@ -24,7 +24,20 @@ from torch.overrides import TorchFunctionMode
 from ._errors import ShardingError
 from ._prims import Pvary, call
 
-__all__ = ["EMPTY", "VmaMode", "get_vma", "pvary_to", "set_vma"]
+__all__ = [
+    "EMPTY",
+    "VmaMode",
+    "bind_operand",
+    "bind_result",
+    "find_vma",
+    "get_vma",
+    "known_vma",
+    "pvary_to",
+    "set_vma",
+    "tag_leaves",
+    "tag_like",
+    "tags_of",
+]
 
 EMPTY: frozenset[str] = frozenset()
 _ATTR = "_fs_vma"
@@ -89,6 +102,35 @@ def pvary_to(x: torch.Tensor, want: frozenset[str], dev: Any) -> torch.Tensor:
     with torch._C.DisableTorchFunction():
         y = call(Pvary, x, dev, axes)
     return set_vma(y, have | missing)
+
+
+def known_vma(t: torch.Tensor, tracked: bool) -> frozenset[str] | None:
+    """The axes ``t`` varies over; None where nothing is known. With tracking (``check_vma=True``) every value
+    has its axes (untagged means invariant: a constant); without it only the arguments of shard_map and the
+    results of collectives carry tags."""
+    return get_vma(t) if tracked else find_vma(t)
+
+
+def bind_operand(
+    prim: Any, x: torch.Tensor, axes: tuple[str, ...], dev: Any, tracked: bool
+) -> tuple[torch.Tensor, frozenset[str] | None]:
+    """The operand of collective ``prim`` over ``axes``, and the axes it then varies over (None: unknown).
+
+    Where ``prim.operand_varies``, an operand invariant over some of ``axes`` stands for equal copies on
+    their members and is made varying first (``Pvary``: its cotangent is summed over them), as JAX does.
+    An operand whose axes are unknown (``check_vma=False``, an op's result) is taken as it is.
+    """
+    have = known_vma(x, tracked)
+    if have is not None and prim.operand_varies:
+        want = have | frozenset(axes)
+        x, have = pvary_to(x, want, dev), want
+    return x, have
+
+
+def bind_result(prim: Any, y: torch.Tensor, have: frozenset[str] | None, axes: tuple[str, ...]) -> torch.Tensor:
+    """``y``, the result of ``prim`` over ``axes`` of an operand varying over ``have``, tagged by ``prim``'s
+    vma rule (left untagged where ``have`` is unknown)."""
+    return y if have is None else set_vma(y, prim.vma(have, frozenset(axes)))
 
 
 _PASS = {
@@ -225,6 +267,27 @@ class VmaMode(TorchFunctionMode):
                     # torch.func.grad / vjp hand back the tensor this wraps: tag it too
                     _tag_through(g, get_vma(x))
         return out
+
+
+# -- tags across a transform boundary ------------------------------------------------------------------------
+def tags_of(tree: Any) -> list[frozenset[str] | None]:
+    """The axes of each leaf of ``tree`` (None for a non-tensor leaf), to put back on fresh tensors later."""
+    return [get_vma(t) if isinstance(t, torch.Tensor) else None for t in optree.tree_leaves(tree)]
+
+
+def tag_leaves(tree: Any, tags: list[frozenset[str] | None]) -> None:
+    """Put ``tags`` (from :func:`tags_of`) back on the tensor leaves of ``tree``."""
+    for t, vma in zip(optree.tree_leaves(tree), tags, strict=False):
+        if isinstance(t, torch.Tensor) and vma is not None:
+            _tag_through(t, vma)
+
+
+def tag_like(grads: Any, inputs: Any) -> None:
+    """Tag each tensor leaf of ``grads`` with the axes of the matching leaf of ``inputs`` (a cotangent varies
+    over what its primal varies over)."""
+    for g, x in zip(optree.tree_leaves(grads), optree.tree_leaves(inputs), strict=False):
+        if isinstance(g, torch.Tensor) and isinstance(x, torch.Tensor):
+            _tag_through(g, get_vma(x))
 
 
 # -- user autograd Functions -------------------------------------------------------------------------------

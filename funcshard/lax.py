@@ -33,7 +33,7 @@ import torch
 from . import _prims
 from ._context import DeviceContext, axes_of, current
 from ._errors import ShardingError
-from ._vma import EMPTY, find_vma, get_vma, pvary_to, set_vma
+from ._vma import EMPTY, bind_operand, bind_result, known_vma, set_vma
 
 __all__ = [
     "all_gather",
@@ -68,27 +68,6 @@ def _tmap(fn: Any, tree: PyTree, name: str, *, numbers: bool = False) -> PyTree:
     return optree.tree_map(leaf, tree)
 
 
-def _vma_in(ctx: DeviceContext, x: torch.Tensor) -> frozenset[str] | None:
-    """The axes ``x`` varies over, or None where nothing is known: under ``check_vma=False`` only the
-    arguments of shard_map and the results of collectives carry tags (no op is tracked)."""
-    return get_vma(x) if ctx.check_vma else find_vma(x)
-
-
-def _prep(ctx: DeviceContext, x: torch.Tensor, axes: tuple[str, ...]) -> torch.Tensor:
-    """Make ``x`` varying over ``axes`` before a collective that reads every member: a value invariant over
-    them stands for equal copies, and its cotangent must be summed over them (``pvary``). Under
-    ``check_vma=False`` this is done where the tag says so (an argument or a collective's result); other
-    values are taken to vary over ``axes`` (write ``fs.pvary`` for those that do not)."""
-    have = _vma_in(ctx, x)
-    if have is None:
-        return x
-    return pvary_to(x, have | frozenset(axes), ctx.device)
-
-
-def _tag(ctx: DeviceContext, y: torch.Tensor, axes: frozenset[str] | None) -> torch.Tensor:
-    return y if axes is None else set_vma(y, axes)
-
-
 def _n(ctx: DeviceContext, axes: tuple[str, ...]) -> int:
     return math.prod(ctx.mesh.shape[a] for a in axes)
 
@@ -102,12 +81,11 @@ def _reduce(x: PyTree, axis: _Axis, op: str, name: str) -> PyTree:
         if not isinstance(t, torch.Tensor):  # a number is the same on every device: n copies of it
             return t * n if name == "psum" else t
         with torch._C.DisableTorchFunction():
-            t = _prep(ctx, t, axes)
+            t, have = bind_operand(_prims.AllReduce, t, axes, ctx.device, ctx.check_vma)
             y = _prims.call(_prims.AllReduce, t, ctx.device, axes, op, name)  # [*s] -> [*s], invariant over axes
             if name == "pmean":
                 y = y / n
-        have = _vma_in(ctx, t)
-        return _tag(ctx, y, None if have is None else have - frozenset(axes))
+        return bind_result(_prims.AllReduce, y, have, axes)
 
     return _tmap(one, x, name, numbers=True)
 
@@ -170,7 +148,7 @@ def pvary(x: PyTree, axis: _Axis) -> PyTree:
     groups: dict[Any, list[int]] = {}
     for i, t in enumerate(leaves):
         if isinstance(t, torch.Tensor):
-            have = _vma_in(ctx, t)
+            have = known_vma(t, ctx.check_vma)
             todo = tuple(a for a in axes if have is None or a not in have)
             if todo:
                 groups.setdefault((todo, t.dtype, t.device, have), []).append(i)
@@ -189,7 +167,7 @@ def pvary(x: PyTree, axis: _Axis) -> PyTree:
             else:
                 ys = _prims.call(_prims.PvaryBucket, ctx.device, todo, *(leaves[i] for i in idx))  # n x [*s_i] -> same
         for i, y in zip(idx, ys, strict=True):
-            out[i] = _tag(ctx, y, None if have is None else have | frozenset(axes))
+            out[i] = bind_result(_prims.Pvary, y, have, axes)
     return optree.tree_unflatten(treedef, out)
 
 
@@ -204,21 +182,20 @@ def _gather(x: PyTree, axis: _Axis, dim: int, tiled: bool, name: str) -> PyTree:
     ctx = current(name)
     axes = axes_of(axis, ctx.mesh, name)
     invariant = name == "all_gather_invariant"
+    prim = _prims.AllGatherInvariant if invariant else _prims.AllGather
 
     def one(t: torch.Tensor) -> torch.Tensor:
         d = _dim(dim, max(t.dim() + (0 if tiled else 1), 1), name, "dim", t.shape)
         with torch._C.DisableTorchFunction():
-            t = _prep(ctx, t, axes)
+            t, have = bind_operand(prim, t, axes, ctx.device, ctx.check_vma)
             if invariant:
-                idx = axis_index_int(axes)
-                y = _prims.call(_prims.AllGatherInvariant, t, ctx.device, axes, idx)  # [*s] -> [n, *s]
+                y = _prims.call(prim, t, ctx.device, axes, axis_index_int(axes))  # [*s] -> [n, *s]
             else:
-                y = _prims.call(_prims.AllGather, t, ctx.device, axes)  # [*s] -> [n, *s]
+                y = _prims.call(prim, t, ctx.device, axes)  # [*s] -> [n, *s]
             y = y.movedim(0, d)
             if tiled:
                 y = y.flatten(d, d + 1)  # [.., n, s_d, ..] -> [.., n*s_d, ..]
-        have = _vma_in(ctx, t)
-        return _tag(ctx, y, None if have is None else have - frozenset(axes) if invariant else have)
+        return bind_result(prim, y, have, axes)
 
     return _tmap(one, x, name)
 
@@ -271,15 +248,16 @@ def split_invariant(x: PyTree, axis: _Axis, *, dim: int = 0) -> PyTree:
                 f"split_invariant: dim {d} of shape {tuple(t.shape)} has size {t.shape[d]}, not divisible by the "
                 f"size {n} of {axes}; pad it to a multiple of {n}."
             )
-        have = _vma_in(ctx, t) if ctx.check_vma else EMPTY
+        # under check_vma=False the value is taken to be invariant (its tag may say otherwise: an argument)
+        have = known_vma(t, True) if ctx.check_vma else EMPTY
         with torch._C.DisableTorchFunction():
-            if have is not None and frozenset(axes) <= have:
+            if frozenset(axes) <= have:  # already one block per member: slice it, no transpose needed
                 size = t.shape[d] // n
                 y = t.narrow(d, idx * size, size)  # [.., s_d, ..] -> [.., s_d/n, ..]
             else:
                 xs = t.unflatten(d, (n, -1)).movedim(d, 0)  # [.., s_d, ..] -> [n, .., s_d/n, ..]
                 y = _prims.call(_prims.SplitInvariant, xs, ctx.device, axes, idx)  # [n, *s] -> [*s]
-        return _tag(ctx, y, have | frozenset(axes))
+        return bind_result(_prims.SplitInvariant, y, have, axes)
 
     return _tmap(one, x, "split_invariant")
 
@@ -310,10 +288,10 @@ def psum_scatter(x: PyTree, axis: _Axis, *, dim: int = 0, tiled: bool = False) -
                 f"use tiled=True to split a longer dim into {n} blocks."
             )
         with torch._C.DisableTorchFunction():
-            t = _prep(ctx, t, axes)
+            t, have = bind_operand(_prims.ReduceScatter, t, axes, ctx.device, ctx.check_vma)
             xs = t.unflatten(d, (n, -1)).movedim(d, 0) if tiled else t.movedim(d, 0)  # -> [n, ...]
             y = _prims.call(_prims.ReduceScatter, xs, ctx.device, axes)  # [n, *s] -> [*s]
-        return _tag(ctx, y, _vma_in(ctx, t))
+        return bind_result(_prims.ReduceScatter, y, have, axes)
 
     return _tmap(one, x, "psum_scatter")
 
@@ -343,13 +321,13 @@ def all_to_all(x: PyTree, axis: _Axis, split_dim: int, concat_dim: int, *, tiled
             )
         cd = _dim(concat_dim, t.dim(), "all_to_all", "concat_dim", t.shape)
         with torch._C.DisableTorchFunction():
-            t = _prep(ctx, t, axes)
+            t, have = bind_operand(_prims.AllToAll, t, axes, ctx.device, ctx.check_vma)
             xs = t.unflatten(sd, (n, -1)).movedim(sd, 0) if tiled else t.movedim(sd, 0)  # -> [n, ...]
             ys = _prims.call(_prims.AllToAll, xs, ctx.device, axes)  # [n, *s] -> [n, *s]
             y = ys.movedim(0, cd)
             if tiled:
                 y = y.flatten(cd, cd + 1)  # [.., n, c, ..] -> [.., n*c, ..]
-        return _tag(ctx, y, _vma_in(ctx, t))
+        return bind_result(_prims.AllToAll, y, have, axes)
 
     return _tmap(one, x, "all_to_all")
 
@@ -381,9 +359,9 @@ def ppermute(x: PyTree, axis: _Axis, perm: Sequence[tuple[int, int]]) -> PyTree:
 
     def one(t: torch.Tensor) -> torch.Tensor:
         with torch._C.DisableTorchFunction():
-            t = _prep(ctx, t, axes)
+            t, have = bind_operand(_prims.Ppermute, t, axes, ctx.device, ctx.check_vma)
             y = _prims.call(_prims.Ppermute, t, ctx.device, axes, pairs)  # [*s] -> [*s]
-        return _tag(ctx, y, _vma_in(ctx, t))
+        return bind_result(_prims.Ppermute, y, have, axes)
 
     return _tmap(one, x, "ppermute")
 
