@@ -1,26 +1,53 @@
-"""What ``shard_map`` does at its edges: check the arguments against ``in_specs`` and cut them into each
-device's blocks (once per call signature), and check and assemble the devices' outputs into ``fs.Array``s."""
+"""What ``shard_map`` does at its edges: check the arguments against ``in_specs`` (once per call signature)
+and hand each device its blocks, with the resharding steps for an Array laid out otherwise (run on the
+devices, below the transform); then check the devices' outputs and assemble them into ``fs.Array``s."""
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import optree
 import torch
 
 from . import pytree
-from ._array import Array, local_shards, reshard
+from ._arraytype import Array, Coords, is_array, local_shards
 from ._errors import ShardingError
 from ._mesh import Mesh
+from ._reshard import Step, reshard_plan
 from ._spec import P, check_spec, format_mesh, is_spec
 from ._vma import get_vma
 
-__all__ = ["InputCache", "assemble_outputs", "device_args", "is_array"]
+__all__ = ["InputCache", "Inputs", "OutPlan", "assemble_outputs", "device_args"]
+
+#: per output leaf: its path, its spec and its global shape (None for a non-tensor leaf)
+OutPlan = list[tuple[str, P, tuple[int, ...] | None]]
 
 
-def is_array(x: Any) -> bool:
-    return isinstance(x, Array)
+@dataclass
+class Inputs:
+    """The arguments of one call, cut for the devices.
+
+    Attributes:
+        treedefs: per argument, its tree structure.
+        specs: per argument and leaf, the in_spec: the layout the function sees.
+        layouts: per argument and leaf, the layout of the blocks handed over (an Array's own spec, which
+            differs from the in_spec where the devices reshard it first).
+        steps: per argument and leaf, the resharding steps from ``layouts`` to ``specs`` (mostly empty).
+        blocks: per argument and leaf, a dict device coords -> block for a tensor, else the value itself.
+    """
+
+    treedefs: list[Any]
+    specs: list[list[P]]
+    layouts: list[list[P]]
+    steps: list[list[list[Step]]]
+    blocks: list[list[Any]]
+
+    @property
+    def resharded(self) -> bool:
+        """Whether any leaf is resharded on the devices before the function runs."""
+        return any(st for arg in self.steps for st in arg)
 
 
 def _leaf_sig(leaf: Any) -> tuple[Any, ...]:
@@ -79,10 +106,8 @@ class InputCache:
         self.specs: dict[Any, list[list[P]]] = {}
         self.outputs: dict[Any, list[tuple[str, P, tuple[int, ...] | None]]] = {}
 
-    def prepare(
-        self, name: str, mesh: Mesh, in_specs: Any, args: tuple[Any, ...]
-    ) -> tuple[list[Any], list[list[P]], list[Any]]:
-        """Per argument: treedef, leaf specs, and per leaf a dict coords -> local block (or the value)."""
+    def prepare(self, name: str, mesh: Mesh, in_specs: Any, args: tuple[Any, ...]) -> Inputs:
+        """Validate ``args`` against ``in_specs`` (cached per call signature) and cut them for the devices."""
         flat = [optree.tree_flatten(a, is_leaf=is_array) for a in args]
         key = tuple((td, tuple(_leaf_sig(x) for x in leaves)) for leaves, td in flat)
         specs_all = self.specs.get(key)
@@ -91,33 +116,48 @@ class InputCache:
             if len(self.specs) > 64:
                 self.specs.clear()
             self.specs[key] = specs_all
-        locals_all = []
+        layouts, steps, blocks = [], [], []
         for (leaves, _), specs in zip(flat, specs_all, strict=True):
-            local: list[Any] = []
+            lay: list[P] = []
+            st: list[list[Step]] = []
+            blk: list[Any] = []
             for leaf, s in zip(leaves, specs, strict=True):
                 if isinstance(leaf, Array):
-                    local.append(dict((leaf if leaf.spec == s else reshard(leaf, s)).shards))
-                elif isinstance(leaf, torch.Tensor):
-                    local.append(local_shards(leaf, mesh, s))
+                    lay.append(leaf.spec)
+                    st.append([] if leaf.spec == s else reshard_plan(leaf.spec, s, leaf.ndim))
+                    blk.append(leaf.shards)
                 else:
-                    local.append(leaf)
-            locals_all.append(local)
-        return [td for _, td in flat], specs_all, locals_all
+                    lay.append(s)
+                    st.append([])
+                    blk.append(local_shards(leaf, mesh, s) if isinstance(leaf, torch.Tensor) else leaf)
+            layouts.append(lay)
+            steps.append(st)
+            blocks.append(blk)
+        return Inputs([td for _, td in flat], specs_all, layouts, steps, blocks)
+
+    def out_plan(self, name: str, mesh: Mesh, out_specs: Any, out_def: Any, leaves: list[Any]) -> OutPlan:
+        """Path, spec and global shape of each output leaf (validated once per output signature)."""
+        key = (out_def, tuple(_leaf_sig(v) for v in leaves))
+        plan = self.outputs.get(key)
+        if plan is None:
+            plan = _out_plan(name, mesh, out_specs, out_def, leaves)
+            if len(self.outputs) > 64:
+                self.outputs.clear()
+            self.outputs[key] = plan
+        return plan
 
 
-def device_args(coords: tuple[int, ...], locals_all: list[Any]) -> list[list[Any]]:
-    """One device's local leaves, per argument: its block of each sharded leaf, other leaves as they are."""
-    return [[leaf[coords] if isinstance(leaf, dict) else leaf for leaf in local] for local in locals_all]
+def device_args(coords: Coords, blocks: list[list[Any]]) -> list[list[Any]]:
+    """One device's local leaves, per argument: its block of each tensor leaf, other leaves as they are."""
+    return [[leaf[coords] if isinstance(leaf, dict) else leaf for leaf in arg] for arg in blocks]
 
 
-def _out_plan(
-    name: str, mesh: Mesh, out_specs: Any, out_def: Any, leaves: list[Any]
-) -> list[tuple[str, P, tuple[int, ...] | None]]:
-    """Path, spec and global shape of each output leaf, validated (once per output signature)."""
+def _out_plan(name: str, mesh: Mesh, out_specs: Any, out_def: Any, leaves: list[Any]) -> OutPlan:
+    """Path, spec and global shape of each output leaf, validated."""
     template = optree.tree_unflatten(out_def, leaves)
     paths = ["out" + (f"/{p}" if p else "") for p, _ in pytree.leaves_with_path(template, is_leaf=is_array)]
     specs = pytree.broadcast_prefix(out_specs, template, prefix_is_leaf=is_spec, where=f"{name}: out_specs: ")
-    plan: list[tuple[str, P, tuple[int, ...] | None]] = []
+    plan: OutPlan = []
     for path, spec, v0 in zip(paths, specs, leaves, strict=True):
         if not isinstance(v0, torch.Tensor):
             plan.append((path, spec, None))
@@ -132,15 +172,8 @@ def _out_plan(
     return plan
 
 
-def assemble_outputs(
-    name: str,
-    mesh: Mesh,
-    out_specs: Any,
-    check_vma: bool,
-    all_coords: list[tuple[int, ...]],
-    results: list[Any],
-    cache: InputCache,
-) -> Any:
+def check_structures(name: str, all_coords: list[Coords], results: list[Any]) -> Any:
+    """The output tree structure every device returned (they must agree)."""
     out_def = results[0][1]
     for c, (_, d) in zip(all_coords, results, strict=True):
         if d != out_def:
@@ -148,15 +181,16 @@ def assemble_outputs(
                 f"{name}: devices returned different output structures: {out_def} on device {all_coords[0]} and "
                 f"{d} on device {c}; every device must return the same tree."
             )
-    key = (out_def, tuple(_leaf_sig(v) for v in results[0][0]))
-    plan = cache.outputs.get(key)
-    if plan is None:
-        plan = _out_plan(name, mesh, out_specs, out_def, results[0][0])
-        if len(cache.outputs) > 64:
-            cache.outputs.clear()
-        cache.outputs[key] = plan
+    return out_def
+
+
+def assemble_outputs(
+    name: str, mesh: Mesh, plan: OutPlan, check_vma: bool, all_coords: list[Coords], results: list[Any]
+) -> Any:
+    """The devices' outputs (``(leaves, treedef)`` per device, in ``all_coords`` order) checked against
+    ``plan`` and assembled into ``fs.Array``s."""
+    out_def = results[0][1]
     out = []
-    specs = [spec for _, spec, _ in plan]
     for k, (path, spec, gshape) in enumerate(plan):
         vals = [r[0][k] for r in results]
         v0 = vals[0]
@@ -207,7 +241,7 @@ def assemble_outputs(
         if not check_vma and len(vals) > 1:
             _check_replicated(name, path, spec, mesh, all_coords, vals)
         out.append(Array(mesh, spec, gshape, v0.dtype, dict(zip(all_coords, vals, strict=True))))
-    return optree.tree_unflatten(out_def, out), specs
+    return optree.tree_unflatten(out_def, out)
 
 
 def _equal_values(a: Any, b: Any) -> bool:

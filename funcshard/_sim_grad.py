@@ -3,7 +3,8 @@ during the backward pass, so the collectives of the backward meet their peers.""
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -14,7 +15,12 @@ from ._mesh import Mesh
 from ._spec import P, block_index
 from ._vma import get_vma, set_vma
 
+if TYPE_CHECKING:
+    from ._executor import DeviceBody
+
 __all__ = ["SimState", "run_differentiable"]
+
+Result = tuple[list[Any], Any]
 
 
 class _SimGrad(torch.autograd.Function):
@@ -48,25 +54,33 @@ class SimState:
     """
 
     def __init__(
-        self, run: Any, world: SimWorld, per_dev: list[list[list[Any]]], coords: list[tuple[int, ...]]
+        self,
+        body: DeviceBody,
+        world: SimWorld,
+        per_dev: list[list[list[Any]]],
+        coords: list[tuple[int, ...]],
+        layouts: list[list[P]],
     ) -> None:
-        self.run, self.world = run, world
-        self.per_dev, self.coords = per_dev, coords
+        self.body, self.world = body, world
+        self.per_dev, self.coords, self.layouts = per_dev, coords, layouts
+        self.mesh: Mesh = body.mesh
         self.grad_inputs: list[list[torch.Tensor]] = []
         self.in_keys: list[list[Any]] = []
-        self.results: list[tuple[list[Any], Any]] = []
+        self.results: list[Result] = []
         self.out_pos: list[list[int]] = []
-        self.out_keys: list[list[Any]] | None = None
+        self.out_keys: list[list[Any]] = []
+        self.plan: Callable[[list[Result]], list[tuple[str, P, Any]]] | None = None
 
     def differentiable_inputs(self) -> list[torch.Tensor]:
+        """Every device's input blocks that require grad, flat; each remembered by (arg, leaf, block)."""
         flat: list[torch.Tensor] = []
         for c, leaves in zip(self.coords, self.per_dev, strict=True):
             keys = []
-            for i, (arg, specs) in enumerate(zip(leaves, self.run.specs, strict=True)):
+            for i, (arg, specs) in enumerate(zip(leaves, self.layouts, strict=True)):
                 for k, (t, spec) in enumerate(zip(arg, specs, strict=True)):
                     if isinstance(t, torch.Tensor) and t.requires_grad:
                         flat.append(t)
-                        keys.append((i, k, _block_key(spec, t.dim(), self.run.mesh, c)))
+                        keys.append((i, k, _block_key(spec, t.dim(), self.mesh, c)))
             self.in_keys.append(keys)
         return flat
 
@@ -85,7 +99,7 @@ class SimState:
                 d_args.append(new)
             detached.append(d_args)
             self.grad_inputs.append(dev_in)
-        self.results = self.world.run(lambda dev: self.run.body(dev, detached[dev.rank]), grad=True)
+        self.results = self.world.run(lambda dev: self.body(dev, detached[dev.rank]), grad=True)
         flat: list[torch.Tensor] = []
         for out_leaves, _ in self.results:
             pos = []
@@ -94,13 +108,13 @@ class SimState:
                     pos.append(k)
                     flat.append(o.detach())
             self.out_pos.append(pos)
+        if self.plan is not None:  # which devices hold the same block of each output (replicas)
+            specs = [spec for _, spec, _ in self.plan(self.results)]
+            self.out_keys = [
+                [(k, _block_key(specs[k], out_leaves[k].dim(), self.mesh, c)) for k in pos]
+                for c, (out_leaves, _), pos in zip(self.coords, self.results, self.out_pos, strict=True)
+            ]
         return flat
-
-    def set_out_specs(self, specs: list[Any]) -> None:
-        self.out_keys = [
-            [(k, _block_key(specs[k], out_leaves[k].dim(), self.run.mesh, c)) for k in pos]
-            for c, (out_leaves, _), pos in zip(self.coords, self.results, self.out_pos, strict=True)
-        ]
 
     def backward(self, grads: tuple[torch.Tensor | None, ...]) -> list[torch.Tensor | None]:
         per_dev: list[list[torch.Tensor | None]] = []
@@ -108,7 +122,7 @@ class SimState:
         for pos in self.out_pos:
             per_dev.append(list(grads[i : i + len(pos)]))
             i += len(pos)
-        if self.out_keys is not None:  # sum the cotangents of replicas of one block
+        if self.out_keys:  # sum the cotangents of replicas of one block
             total: dict[Any, torch.Tensor] = {}
             for keys, gs in zip(self.out_keys, per_dev, strict=True):
                 for key, g in zip(keys, gs, strict=True):
@@ -127,7 +141,7 @@ class SimState:
             ins = self.grad_inputs[dev.rank]
             if not outs or not ins:
                 return [None] * len(ins)
-            with enter(DeviceContext(self.run.mesh, dev, self.run.check_vma)):
+            with enter(DeviceContext(self.mesh, dev, self.body.check_vma)):
                 return list(torch.autograd.grad(outs, ins, gs, allow_unused=True, retain_graph=True))
 
         res = self.world.run(back, grad=False)
@@ -136,7 +150,7 @@ class SimState:
         for keys, dev_res in zip(self.in_keys, res, strict=True):
             for key, g in zip(keys, dev_res, strict=True):
                 if key in first:
-                    if not self.run.check_vma and not _same(first[key], g):
+                    if not self.body.check_vma and not _same(first[key], g):
                         raise ShardingError(
                             f"shard_map: the gradient of input args[{key[0]}] (leaf {key[1]}, block {key[2]}) differs "
                             f"between the devices that hold that block. Its spec says it is replicated over the "
@@ -156,9 +170,13 @@ def _same(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
     return torch.equal(a, b)
 
 
-def run_differentiable(state: SimState, diff: list[torch.Tensor]) -> list[tuple[list[Any], Any]]:
+def run_differentiable(
+    state: SimState, diff: list[torch.Tensor], plan: Callable[[list[Result]], list[tuple[str, P, Any]]]
+) -> list[Result]:
     """Run the devices through :class:`_SimGrad`; the per-device ``(output leaves, treedef)`` whose tensors
-    are connected to ``diff`` for autograd (vma tags carried over for the output check)."""
+    are connected to ``diff`` for autograd (vma tags carried over for the output check). ``plan`` gives the
+    outputs' specs from the devices' results, so the backward knows which devices hold one block."""
+    state.plan = plan
     flat = _SimGrad.apply(state, *diff)
     results = []
     k = 0

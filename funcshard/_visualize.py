@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 
-from ._array import Array
+from ._arraytype import Array
 from ._errors import ShardingError
 from ._spec import block_index, format_mesh
 

@@ -21,9 +21,12 @@ FLOORS = {
     "_prims": 3,
     "_vma": 3,
     "lax": 3,
+    "_arraytype": 4,
+    "_reshard": 4,
     "_shard_map": 4,
     "_shard_map_io": 4,
     "_sim_grad": 4,
+    "_executor": 4,
     "_array": 4,
     "_visualize": 4,
     "random": 5,
@@ -37,6 +40,7 @@ FLOORS = {
     "_demo": 8,
     "_data": 8,
     "_cli": 8,
+    "_preflight": 8,
     "__main__": 9,
     "__init__": 9,
 }
@@ -60,8 +64,18 @@ def _module_name(path: Path) -> str:
     return ".".join(parts)
 
 
-def _imports(path: Path, mod: str) -> list[str]:
+def _drop_type_checking(tree: ast.AST) -> ast.AST:
+    """``tree`` without the bodies of ``if TYPE_CHECKING:`` blocks (imports for annotations only)."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and getattr(node.test, "id", getattr(node.test, "attr", None)) == "TYPE_CHECKING":
+            node.body = [ast.Pass()]
+    return tree
+
+
+def _imports(path: Path, mod: str, *, runtime: bool = False) -> list[str]:
     tree = ast.parse(path.read_text())
+    if runtime:
+        tree = _drop_type_checking(tree)
     pkg = mod.split(".")[:-1] if not path.name == "__init__.py" else mod.split(".")
     if path.name == "__init__.py" and mod == "__init__":
         pkg = []
@@ -104,3 +118,68 @@ def test_only_backend_imports_torch_distributed() -> None:
         if re.search(r"^\s*(import|from)\s+torch\.distributed", text, re.M):
             offenders.append(mod)
     assert not offenders, f"torch.distributed used outside the backend: {offenders}"
+
+
+def _graph() -> dict[str, set[str]]:
+    """Module -> the package modules it imports when it runs (function-level imports too; imports for
+    annotations only, under ``if TYPE_CHECKING:``, are no dependency)."""
+    mods = {_module_name(p): p for p in sorted(ROOT.rglob("*.py"))}
+    graph: dict[str, set[str]] = {}
+    for mod, path in mods.items():
+        deps = set()
+        for target in _imports(path, mod, runtime=True):
+            # "from . import lax" names a module; "from ._spec import P" names one too (its prefix)
+            while target and target not in mods:
+                target = target.rpartition(".")[0]
+            if target and target != mod:
+                deps.add(target)
+        graph[mod] = deps
+    return graph
+
+
+def test_no_import_circle() -> None:
+    graph = _graph()
+    # a package imports its own modules (its __init__ re-exports them): that edge is no circle
+    for mod, deps in graph.items():
+        graph[mod] = {d for d in deps if not (d.startswith(mod + ".") or mod.startswith(d + "."))}
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    circles: list[list[str]] = []
+
+    def visit(v: str) -> None:  # Tarjan's strongly connected components
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                circles.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    assert not circles, "import circles: " + "; ".join(" <-> ".join(c) for c in circles)
+
+
+def test_vma_tags_are_read_and_written_only_in_vma() -> None:
+    offenders = []
+    for path in sorted(ROOT.rglob("*.py")):
+        if path.name == "_vma.py":
+            continue
+        if re.search(r"_fs_vma|__dict__\[", path.read_text()):
+            offenders.append(_module_name(path))
+    assert not offenders, f"modules touching vma tags directly (use funcshard._vma): {offenders}"

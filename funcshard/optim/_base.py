@@ -15,7 +15,7 @@ import optree
 import torch
 
 from .. import pytree
-from .._array import Array
+from .._arraytype import Array
 from .._errors import ShardingError
 from .._spec import P
 

@@ -8,7 +8,7 @@ import optree
 import torch
 
 from .. import lax, pytree
-from .._array import Array
+from .._arraytype import Array
 from .._context import maybe_current
 from .._errors import ShardingError
 from .._spec import P, is_spec

@@ -1,0 +1,142 @@
+"""How one ``shard_map`` call runs on the devices: the per-device body, and one executor per backend.
+
+Every executor has the same small protocol: ``run(body, inputs, out_plan)`` runs ``body`` on each device
+this process holds and returns, per device in ``coords`` order, ``(output leaves, treedef)``.
+
+- :class:`SimExecutor`: every device of the mesh in this process, one thread each. When an argument
+  requires grad, the call is recorded as one autograd node whose backward replays every device's graph in
+  its own thread (``_sim_grad``), so the backward's collectives meet their peers.
+- :class:`DistExecutor`: this process's one device; autograd spans the processes through the collectives'
+  own backward passes.
+
+Example:
+    >>> import torch, funcshard as fs
+    >>> from funcshard import P
+    >>> mesh = fs.make_mesh({"dp": 2}, backend="sim")
+    >>> executor_for(mesh).coords
+    [(0,), (1,)]
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from contextlib import nullcontext
+from typing import Any, Protocol
+
+import optree
+import torch
+
+from ._arraytype import Coords, is_array
+from ._backend.sim import SimWorld
+from ._context import DeviceContext, enter
+from ._mesh import Mesh
+from ._reshard import apply_reshard
+from ._shard_map_io import Inputs, OutPlan, device_args
+from ._sim_grad import SimState, run_differentiable
+from ._vma import VmaMode, set_vma
+
+__all__ = ["DeviceBody", "DistExecutor", "Executor", "SimExecutor", "executor_for"]
+
+#: one device's result: its output leaves and their tree structure
+Result = tuple[list[Any], Any]
+#: the output plan of a call, from the devices' results (validated once per output signature)
+PlanFn = Callable[[list[Result]], OutPlan]
+
+_lazy_clone = getattr(torch, "_lazy_clone", None)
+_clone_lock = threading.Lock()  # a lazy clone turns its source's storage copy-on-write: one at a time
+
+
+def _own(t: Any) -> Any:
+    """A tensor the running device may write in place without touching anyone else's: a copy-on-write clone
+    where torch has it (free until the first write; differentiable), else a copy."""
+    if not isinstance(t, torch.Tensor):
+        return t
+    if _lazy_clone is None or torch._C._are_functorch_transforms_active():
+        return t.clone()
+    with _clone_lock:
+        return _lazy_clone(t)
+
+
+def _tag_args(leaves: list[list[Any]], specs: list[list[Any]], tagged: list[torch.Tensor]) -> None:
+    """Tag each tensor argument with the axes its spec names (both vma modes: the optimisers and the
+    collectives under ``check_vma=False`` read them)."""
+    for arg_leaves, arg_specs in zip(leaves, specs, strict=True):
+        for t, s in zip(arg_leaves, arg_specs, strict=True):
+            if isinstance(t, torch.Tensor):
+                set_vma(t, frozenset(s.axes))
+                tagged.append(t)
+
+
+class DeviceBody:
+    """What one device runs for one call: own its blocks, reshard those laid out otherwise, tag them, and
+    call ``f`` under the device's context (and the vma mode with ``check_vma``)."""
+
+    def __init__(self, f: Callable[..., Any], mesh: Mesh, check_vma: bool, inputs: Inputs) -> None:
+        self.f, self.mesh, self.check_vma, self.inputs = f, mesh, check_vma, inputs
+        self.tagged: list[torch.Tensor] = []  # every tensor tagged during the call (cleared after it)
+
+    def __call__(self, dev: Any, leaves: list[list[Any]]) -> Result:
+        # each device owns what it may write: a copy-on-write clone of every input block (no copy is made
+        # unless the function writes to it in place), so no write reaches another device or the caller
+        leaves = [[_own(t) for t in arg] for arg in leaves]
+        inputs = self.inputs
+        if inputs.resharded:  # below the transform: move blocks to their in_spec, untracked
+            _tag_args(leaves, inputs.layouts, self.tagged)
+            with enter(DeviceContext(self.mesh, dev, False)):
+                for arg, steps in zip(leaves, inputs.steps, strict=True):
+                    for k, st in enumerate(steps):
+                        if st:
+                            arg[k] = apply_reshard(arg[k], st)
+        _tag_args(leaves, inputs.specs, self.tagged)
+        args = [optree.tree_unflatten(td, lv) for td, lv in zip(inputs.treedefs, leaves, strict=True)]
+        with enter(DeviceContext(self.mesh, dev, self.check_vma)), VmaMode(dev) if self.check_vma else nullcontext():
+            out = self.f(*args)
+        out_leaves, out_def = optree.tree_flatten(out, is_leaf=is_array)
+        return out_leaves, out_def
+
+
+class Executor(Protocol):
+    """Runs a :class:`DeviceBody` on the devices this process holds."""
+
+    coords: list[Coords]
+
+    def run(self, body: DeviceBody, plan: PlanFn) -> list[Result]:
+        """Per device in ``coords`` order, ``(output leaves, treedef)``."""
+        ...
+
+
+class SimExecutor:
+    """Every device of a ``"sim"`` mesh, one thread each (see the module docstring)."""
+
+    def __init__(self, mesh: Mesh) -> None:
+        self.mesh = mesh
+        self.coords: list[Coords] = [tuple(c.values()) for c in mesh.device_coords()]
+
+    def run(self, body: DeviceBody, plan: PlanFn) -> list[Result]:
+        world = SimWorld(self.mesh)
+        per_dev = [device_args(c, body.inputs.blocks) for c in self.coords]
+        if torch.is_grad_enabled():
+            state = SimState(body, world, per_dev, self.coords, body.inputs.layouts)
+            diff = state.differentiable_inputs()
+            if diff:
+                return run_differentiable(state, diff, plan)
+        return world.run(lambda dev: body(dev, per_dev[dev.rank]))
+
+
+class DistExecutor:
+    """This process's device of a ``"dist"`` mesh."""
+
+    def __init__(self, mesh: Mesh) -> None:
+        from ._backend.dist import device_for
+
+        self.device = device_for(mesh)
+        self.coords: list[Coords] = [tuple(self.device.coords.values())]
+
+    def run(self, body: DeviceBody, plan: PlanFn) -> list[Result]:
+        return [body(self.device, device_args(self.coords[0], body.inputs.blocks))]
+
+
+def executor_for(mesh: Mesh) -> Executor:
+    """The executor of ``mesh``'s backend."""
+    return SimExecutor(mesh) if mesh.backend == "sim" else DistExecutor(mesh)
