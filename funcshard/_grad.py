@@ -23,6 +23,7 @@ from typing import Any
 import optree
 import torch
 
+from ._errors import ConfigError
 from ._vma import tag_leaves, tag_like, tags_of
 
 __all__ = ["value_and_grad"]
@@ -38,7 +39,7 @@ def _check_argnums(argnums: Any) -> tuple[int, ...]:
         or not all(isinstance(i, int) and not isinstance(i, bool) for i in nums)
         or len(set(nums)) != len(nums)
     ):
-        raise ValueError(
+        raise ConfigError(
             f"value_and_grad: argnums must be an int or a non-empty tuple of distinct ints, found {argnums!r}; "
             f"write argnums=0 or argnums=(0, 1)."
         )
@@ -75,7 +76,7 @@ def value_and_grad(
         (12.0, torch.Size([2, 1]), torch.Size([3, 2]))
     """
     if not callable(f):
-        raise ValueError(f"value_and_grad: expected a function as first argument, found {type(f).__name__}.")
+        raise ConfigError(f"value_and_grad: expected a function as first argument, found {type(f).__name__}.")
     nums = _check_argnums(argnums)
     single = isinstance(argnums, int)
     has_aux = bool(has_aux)
@@ -84,7 +85,7 @@ def value_and_grad(
     def wrapped(*args: Any, **kwargs: Any) -> tuple[Any, PyTree]:
         for i in nums:
             if not -len(args) <= i < len(args):
-                raise ValueError(
+                raise ConfigError(
                     f"value_and_grad({getattr(f, '__name__', 'f')}): argnums={argnums!r} names positional argument "
                     f"{i}, but the function was called with {len(args)} positional arguments."
                 )
@@ -96,7 +97,7 @@ def value_and_grad(
             # torch.func returns fresh tensors without our tags: remember the vma they had in here
             if has_aux:
                 if not isinstance(out, tuple) or len(out) != 2:
-                    raise ValueError(
+                    raise ConfigError(
                         f"value_and_grad({getattr(f, '__name__', 'f')}): has_aux=True needs f to return a "
                         f"(value, aux) pair, found {type(out).__name__}."
                     )

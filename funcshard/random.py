@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from ._context import maybe_current
-from ._errors import ShardingError
+from ._errors import ConfigError, ShardingError
 from ._spec import P, check_spec, shard_slices
 from ._vma import get_vma, set_vma
 
@@ -76,12 +76,12 @@ def threefry2x32(key: torch.Tensor, c0: torch.Tensor, c1: torch.Tensor) -> tuple
 def _check_key(k: Any, fn: str) -> torch.Tensor:
     if not isinstance(k, torch.Tensor) or k.dtype != torch.int64 or tuple(k.shape) != (2,):
         found = f"{k.dtype} tensor of shape {tuple(k.shape)}" if isinstance(k, torch.Tensor) else type(k).__name__
-        raise ShardingError(
+        raise ConfigError(
             f"{fn}: key must be an int64 tensor of shape [2] (two uint32 words), found {found}; make one with "
             f"fs.random.key(seed), and pick one of split(key, n)'s rows with keys[i]."
         )
     if bool(((k < 0) | (k > _M)).any()):
-        raise ShardingError(
+        raise ConfigError(
             f"{fn}: key words must lie in [0, 2**32), found {k.tolist()}; make keys with fs.random.key(seed)."
         )
     return k
@@ -104,7 +104,7 @@ def key(seed: int) -> torch.Tensor:
     """
     seed = operator.index(seed)
     if not -(2**63) <= seed < 2**64:
-        raise ShardingError(f"key: seed must fit in 64 bits, found {seed}; use seed % 2**64.")
+        raise ConfigError(f"key: seed must fit in 64 bits, found {seed}; use seed % 2**64.")
     seed &= 2**64 - 1
     return torch.tensor([seed >> 32, seed & _M], dtype=torch.int64)
 
@@ -120,7 +120,7 @@ def split(key: torch.Tensor, n: int = 2) -> torch.Tensor:
     k = _check_key(key, "split")
     n = operator.index(n)
     if n < 0:
-        raise ShardingError(f"split: n must be >= 0, found {n}.")
+        raise ConfigError(f"split: n must be >= 0, found {n}.")
     return _derive(k, torch.arange(n, dtype=torch.int64, device=k.device))
 
 
@@ -134,7 +134,7 @@ def fold_in(key: torch.Tensor, i: int) -> torch.Tensor:
     k = _check_key(key, "fold_in")
     i = operator.index(i)
     if not 0 <= i < 2**63:
-        raise ShardingError(f"fold_in: i must lie in [0, 2**63), found {i}; fold in i % 2**63 instead.")
+        raise ConfigError(f"fold_in: i must lie in [0, 2**63), found {i}; fold in i % 2**63 instead.")
     return _derive(k, torch.tensor([i], dtype=torch.int64, device=k.device))[0]
 
 
@@ -145,7 +145,7 @@ def _check_shape(shape: Any, fn: str) -> tuple[int, ...]:
     except TypeError:
         dims = None
     if dims is None or any(s < 0 for s in dims):
-        raise ShardingError(f"{fn}: shape must be a tuple of ints >= 0, found {shape!r}; write e.g. (1024, 512).")
+        raise ConfigError(f"{fn}: shape must be a tuple of ints >= 0, found {shape!r}; write e.g. (1024, 512).")
     return dims
 
 
@@ -167,7 +167,7 @@ def _words(k: Any, shape: Any, spec: P | None, fn: str) -> tuple[torch.Tensor, t
         block = shard_slices(shape, spec, ctx.mesh.shape, ctx.device.coords)
         axes = frozenset(spec.axes)
     if math.prod(shape) >= 2**63:
-        raise ShardingError(f"{fn}: shape {shape} has more elements than 2**63 counters can number.")
+        raise ConfigError(f"{fn}: shape {shape} has more elements than 2**63 counters can number.")
     # global row-major index of each element of the block: sum over dims of index * stride
     idx = torch.zeros((), dtype=torch.int64, device=k.device)
     stride = 1
@@ -186,7 +186,7 @@ def _finish(out: torch.Tensor, axes: frozenset[str]) -> torch.Tensor:
 
 def _float_dtype(dtype: torch.dtype, fn: str) -> torch.dtype:
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-        raise ShardingError(f"{fn}: dtype must be a floating torch dtype, found {dtype!r}; e.g. torch.float32.")
+        raise ConfigError(f"{fn}: dtype must be a floating torch dtype, found {dtype!r}; e.g. torch.float32.")
     return dtype
 
 
@@ -231,7 +231,7 @@ def uniform(
     """
     dtype = _float_dtype(dtype, "uniform")
     if not float(low) < float(high):
-        raise ShardingError(f"uniform: need low < high, found low={low}, high={high}.")
+        raise ConfigError(f"uniform: need low < high, found low={low}, high={high}.")
     x0, x1, axes = _words(key, shape, spec, "uniform")
     u = _unit(x0, x1, dtype)
     if (low, high) != (0.0, 1.0):
@@ -298,7 +298,7 @@ def bernoulli(key: torch.Tensor, p: float, shape: _Shape, *, spec: P | None = No
     """
     p = float(p)
     if not 0.0 <= p <= 1.0:
-        raise ShardingError(f"bernoulli: p must lie in [0, 1], found {p}.")
+        raise ConfigError(f"bernoulli: p must lie in [0, 1], found {p}.")
     x0, _, axes = _words(key, shape, spec, "bernoulli")
     return _finish(x0 < math.ceil(p * 2.0**32), axes)  # integer compare, exactly x0 * 2**-32 < p
 
@@ -325,14 +325,14 @@ def randint(
     """
     low, high = operator.index(low), operator.index(high)
     if not low < high:
-        raise ShardingError(f"randint: need low < high, found low={low}, high={high}.")
+        raise ConfigError(f"randint: need low < high, found low={low}, high={high}.")
     if high - low > 2**31:
-        raise ShardingError(f"randint: high - low must be <= 2**31, found {high - low}; draw in pieces.")
+        raise ConfigError(f"randint: high - low must be <= 2**31, found {high - low}; draw in pieces.")
     if not isinstance(dtype, torch.dtype) or dtype.is_floating_point or dtype.is_complex or dtype == torch.bool:
-        raise ShardingError(f"randint: dtype must be an integer torch dtype, found {dtype!r}.")
+        raise ConfigError(f"randint: dtype must be an integer torch dtype, found {dtype!r}.")
     info = torch.iinfo(dtype)
     if low < info.min or high - 1 > info.max:
-        raise ShardingError(f"randint: [{low}, {high}) does not fit {dtype} ([{info.min}, {info.max}]).")
+        raise ConfigError(f"randint: [{low}, {high}) does not fit {dtype} ([{info.min}, {info.max}]).")
     x0, _, axes = _words(key, shape, spec, "randint")
     v = ((x0 * (high - low)) >> 32) + low  # [0, 2**32) * span < 2**63: no overflow
     return _finish(v.to(dtype), axes)

@@ -7,6 +7,7 @@ from typing import Any
 import optree
 import torch
 
+from .._errors import ConfigError
 from .._spec import P
 from ._base import (
     AdamWState,
@@ -62,7 +63,7 @@ def adamw(
     _check_nonneg(fn, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay)
     for k, v in (("b1", b1), ("b2", b2)):
         if not v < 1:
-            raise ValueError(f"{fn}: {k} must be in [0, 1), found {v!r}.")
+            raise ConfigError(f"{fn}: {k} must be in [0, 1), found {v!r}.")
 
     def init(params: PyTree) -> AdamWState:
         mu = optree.tree_map(lambda x: _zeros_like(x, fn), params, is_leaf=_is_array)
@@ -77,7 +78,7 @@ def adamw(
         v_leaves = _check_like(where, "state.nu", state.nu, grads, "grads")
         p_leaves = _check_like(where, "params", params, grads, "grads") if params is not None else None
         if p_leaves is None and weight_decay != 0:
-            raise ValueError(f"{where}: weight_decay={weight_decay} needs the params; pass them as third argument.")
+            raise ConfigError(f"{where}: weight_decay={weight_decay} needs the params; pass them as third argument.")
         lr_t = _lr_at(where, lr, state.count)
         bc1, bc2 = 1 - b1**step, 1 - b2**step
         step_size, bc2_sqrt = lr_t / bc1, bc2**0.5

@@ -16,7 +16,7 @@ import torch
 
 from .. import pytree
 from .._arraytype import Array
-from .._errors import ShardingError
+from .._errors import ConfigError, ShardingError
 from .._spec import P
 
 PyTree = Any
@@ -62,7 +62,7 @@ class Optimizer:
             >>> p, state = opt.update({"w": torch.ones(3)}, opt.init(p), p)
         """
         if params is None:
-            raise ValueError(f"{self.name}.update: params are required (new params = params + updates).")
+            raise ConfigError(f"{self.name}.update: params are required (new params = params + updates).")
         if self.apply is not None:
             return self.apply(grads, state, params)
         updates, state = self.transform(grads, state, params)
@@ -197,7 +197,7 @@ def _check_count(fn: str, count: Any) -> int:
 def _check_nonneg(fn: str, **values: float) -> None:
     for k, v in values.items():
         if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) or v < 0:
-            raise ValueError(f"{fn}: {k} must be a finite number >= 0, found {v!r}.")
+            raise ConfigError(f"{fn}: {k} must be a finite number >= 0, found {v!r}.")
 
 
 def apply_updates(params: PyTree, updates: PyTree) -> PyTree:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .._errors import ShardingError
+from .._errors import ConfigError, ShardingError
 from ._base import Optimizer, PyTree
 
 
@@ -22,10 +22,10 @@ def chain(*transforms: Optimizer) -> Optimizer:
     """
     fn = "chain"
     if not transforms:
-        raise ValueError(f"{fn}: give at least one transform, e.g. chain(clip_by_global_norm(1.0), adamw(3e-4)).")
+        raise ConfigError(f"{fn}: give at least one transform, e.g. chain(clip_by_global_norm(1.0), adamw(3e-4)).")
     for i, t in enumerate(transforms):
         if not isinstance(t, Optimizer):
-            raise ValueError(f"{fn}: argument {i} is a {type(t).__name__}, not an Optimizer (e.g. optim.sgd(0.1)).")
+            raise ConfigError(f"{fn}: argument {i} is a {type(t).__name__}, not an Optimizer (e.g. optim.sgd(0.1)).")
     names = ", ".join(t.name for t in transforms)
 
     def check(state: Any) -> None:

@@ -10,7 +10,7 @@ import torch
 from .. import lax, pytree
 from .._arraytype import Array
 from .._context import maybe_current
-from .._errors import ShardingError
+from .._errors import ConfigError, ShardingError
 from .._spec import P, is_spec
 from .._vma import find_vma, get_vma
 from ._base import (
@@ -121,7 +121,7 @@ def clip_by_global_norm(max_norm: float, *, specs: PyTree = None) -> Optimizer:
     fn = "clip_by_global_norm"
     _check_nonneg(fn, max_norm=max_norm)
     if max_norm <= 0:
-        raise ValueError(f"{fn}: max_norm must be > 0, found {max_norm!r}.")
+        raise ConfigError(f"{fn}: max_norm must be > 0, found {max_norm!r}.")
     max_norm = float(max_norm)
 
     def init(params: PyTree) -> ClipByGlobalNormState:

@@ -7,7 +7,7 @@ from typing import Any
 import optree
 import torch
 
-from .._errors import ShardingError
+from .._errors import ConfigError, ShardingError
 from .._spec import P
 from ._base import (
     Optimizer,
@@ -54,7 +54,7 @@ def sgd(lr: float | Schedule, momentum: float = 0.0, nesterov: bool = False, wei
     _check_lr(fn, lr)
     _check_nonneg(fn, momentum=momentum, weight_decay=weight_decay)
     if nesterov and momentum <= 0:
-        raise ValueError(f"{fn}: nesterov=True needs momentum > 0, found momentum={momentum!r}.")
+        raise ConfigError(f"{fn}: nesterov=True needs momentum > 0, found momentum={momentum!r}.")
 
     def init(params: PyTree) -> SgdState:
         bufs = optree.tree_map(lambda x: _zeros_like(x, fn), params, is_leaf=_is_array) if momentum else None
@@ -66,7 +66,7 @@ def sgd(lr: float | Schedule, momentum: float = 0.0, nesterov: bool = False, wei
         _, g_leaves, _ = _leaves(where, "grads", grads)
         p_leaves = _check_like(where, "params", params, grads, "grads") if params is not None else None
         if p_leaves is None and weight_decay != 0:
-            raise ValueError(f"{where}: weight_decay={weight_decay} needs the params; pass them as third argument.")
+            raise ConfigError(f"{where}: weight_decay={weight_decay} needs the params; pass them as third argument.")
         lr_t = _lr_at(where, lr, state.count)
         ds = [g.add(p_leaves[k], alpha=weight_decay) if weight_decay else g for k, g in enumerate(g_leaves)]
         treedef = optree.tree_structure(grads)

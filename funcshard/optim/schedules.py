@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from .._errors import ConfigError
 from ._base import _check_nonneg
 
 Schedule = Callable[[Any], float | torch.Tensor]
@@ -24,7 +25,7 @@ def _lr_at(fn: str, lr: float | Schedule, count: torch.Tensor) -> float:
         return float(lr)
     value = float(lr(count))
     if not math.isfinite(value) or value < 0:
-        raise ValueError(f"{fn}: the lr schedule gave {value} at step {int(count)}; it must be finite and >= 0.")
+        raise ConfigError(f"{fn}: the lr schedule gave {value} at step {int(count)}; it must be finite and >= 0.")
     return value
 
 
@@ -91,7 +92,7 @@ def warmup_cosine(
     _check_nonneg(fn, peak_lr=peak_lr, warmup_steps=warmup_steps, total_steps=total_steps)
     _check_nonneg(fn, final_lr=final_lr, init_lr=init_lr)
     if total_steps <= warmup_steps:
-        raise ValueError(
+        raise ConfigError(
             f"{fn}: total_steps ({total_steps}) must exceed warmup_steps ({warmup_steps}); for a warmup alone use "
             f"linear_warmup."
         )
