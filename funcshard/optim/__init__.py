@@ -39,7 +39,7 @@ from ._chain import chain as chain
 from ._norm import clip_by_global_norm as clip_by_global_norm
 from ._norm import global_norm as global_norm
 from ._sgd import sgd as sgd
-from .schedules import Schedule as Schedule
+from .schedules import LrSchedule as LrSchedule
 from .schedules import constant as constant
 from .schedules import linear_warmup as linear_warmup
 from .schedules import warmup_cosine as warmup_cosine
@@ -47,8 +47,8 @@ from .schedules import warmup_cosine as warmup_cosine
 __all__ = [
     "AdamWState",
     "ClipByGlobalNormState",
+    "LrSchedule",
     "Optimizer",
-    "Schedule",
     "SgdState",
     "adamw",
     "apply_updates",

@@ -13,20 +13,20 @@ from ._base import (
     AdamWState,
     Optimizer,
     PyTree,
-    _check_count,
-    _check_like,
-    _check_nonneg,
-    _check_state,
-    _is_array,
-    _leaves,
-    _scalar_like,
-    _zeros_like,
+    check_count,
+    check_like,
+    check_nonneg,
+    check_state,
+    is_array,
+    named_leaves,
+    scalar_like,
+    zeros_like,
 )
-from .schedules import Schedule, _check_lr, _lr_at
+from .schedules import LrSchedule, check_lr, lr_at
 
 
 def adamw(
-    lr: float | Schedule,
+    lr: float | LrSchedule,
     b1: float = 0.9,
     b2: float = 0.95,
     eps: float = 1e-8,
@@ -59,27 +59,27 @@ def adamw(
         tensor([0.9890, 0.9890])
     """
     fn = "adamw"
-    _check_lr(fn, lr)
-    _check_nonneg(fn, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay)
+    check_lr(fn, lr)
+    check_nonneg(fn, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay)
     for k, v in (("b1", b1), ("b2", b2)):
         if not v < 1:
             raise ConfigError(f"{fn}: {k} must be in [0, 1), found {v!r}.")
 
     def init(params: PyTree) -> AdamWState:
-        mu = optree.tree_map(lambda x: _zeros_like(x, fn), params, is_leaf=_is_array)
-        nu = optree.tree_map(lambda x: _zeros_like(x, fn), params, is_leaf=_is_array)
-        return AdamWState(_scalar_like(params, 0, torch.int64), mu, nu)
+        mu = optree.tree_map(lambda x: zeros_like(x, fn), params, is_leaf=is_array)
+        nu = optree.tree_map(lambda x: zeros_like(x, fn), params, is_leaf=is_array)
+        return AdamWState(scalar_like(params, 0, torch.int64), mu, nu)
 
     def common(grads: PyTree, state: Any, params: PyTree, where: str) -> tuple[Any, ...]:
-        _check_state(where, state, AdamWState)
-        step = _check_count(where, state.count) + 1
-        _, g_leaves, _ = _leaves(where, "grads", grads)
-        m_leaves = _check_like(where, "state.mu", state.mu, grads, "grads")
-        v_leaves = _check_like(where, "state.nu", state.nu, grads, "grads")
-        p_leaves = _check_like(where, "params", params, grads, "grads") if params is not None else None
+        check_state(where, state, AdamWState)
+        step = check_count(where, state.count) + 1
+        _, g_leaves, _ = named_leaves(where, "grads", grads)
+        m_leaves = check_like(where, "state.mu", state.mu, grads, "grads")
+        v_leaves = check_like(where, "state.nu", state.nu, grads, "grads")
+        p_leaves = check_like(where, "params", params, grads, "grads") if params is not None else None
         if p_leaves is None and weight_decay != 0:
             raise ConfigError(f"{where}: weight_decay={weight_decay} needs the params; pass them as third argument.")
-        lr_t = _lr_at(where, lr, state.count)
+        lr_t = lr_at(where, lr, state.count)
         bc1, bc2 = 1 - b1**step, 1 - b2**step
         step_size, bc2_sqrt = lr_t / bc1, bc2**0.5
         ms, vs, dens = [], [], []

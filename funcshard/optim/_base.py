@@ -116,11 +116,11 @@ class ClipByGlobalNormState(NamedTuple):
 # ---------------------------------------------------------------------------------------------------- helpers
 
 
-def _is_array(x: Any) -> bool:
+def is_array(x: Any) -> bool:
     return isinstance(x, Array)
 
 
-def _zeros_like(x: Any, name: str) -> Any:
+def zeros_like(x: Any, name: str) -> Any:
     if isinstance(x, Array):
         return Array(x.mesh, x.spec, x.shape, x.dtype, {c: torch.zeros_like(s) for c, s in x.shards.items()})
     if isinstance(x, torch.Tensor):
@@ -128,9 +128,9 @@ def _zeros_like(x: Any, name: str) -> Any:
     raise ShardingError(f"{name}.init: params leaves must be torch.Tensors or fs.Arrays, found {type(x).__name__}.")
 
 
-def _scalar_like(params: PyTree, value: float, dtype: torch.dtype) -> Any:
+def scalar_like(params: PyTree, value: float, dtype: torch.dtype) -> Any:
     """A 0-dim ``value``: an ``fs.Array`` with spec ``P()`` when the params are Arrays, else a tensor."""
-    leaves = optree.tree_leaves(params, is_leaf=_is_array)
+    leaves = optree.tree_leaves(params, is_leaf=is_array)
     for x in leaves:
         if isinstance(x, Array):
             shards = {c: torch.tensor(value, dtype=dtype, device=s.device) for c, s in x.shards.items()}
@@ -139,29 +139,29 @@ def _scalar_like(params: PyTree, value: float, dtype: torch.dtype) -> Any:
     return torch.tensor(value, dtype=dtype, device=device)
 
 
-def _leaves(fn: str, what: str, tree: PyTree) -> tuple[list[str], list[torch.Tensor], Any]:
+def named_leaves(fn: str, what: str, tree: PyTree) -> tuple[list[str], list[torch.Tensor], Any]:
     """Paths, tensor leaves and treespec of ``tree``; clear errors for Arrays and non-tensors."""
-    paths, leaves, treedef = optree.tree_flatten_with_path(tree, is_leaf=_is_array)
+    paths, leaves, treedef = optree.tree_flatten_with_path(tree, is_leaf=is_array)
     names = [pytree.tree_path(p) or "<root>" for p in paths]
     for n, x in zip(names, leaves, strict=True):
         if isinstance(x, Array):
-            _array_error(fn, f"{what} leaf '{n}'")
+            array_error(fn, f"{what} leaf '{n}'")
         if not isinstance(x, torch.Tensor):
             raise ShardingError(f"{fn}: {what} leaf '{n}' must be a torch.Tensor, found {type(x).__name__}.")
     return names, leaves, treedef
 
 
-def _array_error(fn: str, what: str) -> None:
+def array_error(fn: str, what: str) -> None:
     raise ShardingError(
         f"{fn}: {what} is an fs.Array (a global value); optimisers work on local shards. Call it inside "
         f"fs.shard_map, giving the state the in_spec opt.state_specs(param_specs)."
     )
 
 
-def _check_like(fn: str, what: str, tree: PyTree, like: PyTree, like_what: str) -> list[torch.Tensor]:
+def check_like(fn: str, what: str, tree: PyTree, like: PyTree, like_what: str) -> list[torch.Tensor]:
     """The leaves of ``tree``, checked to have the structure and shapes of ``like``."""
-    names, leaves, treedef = _leaves(fn, what, tree)
-    l_names, l_leaves, l_def = _leaves(fn, like_what, like)
+    names, leaves, treedef = named_leaves(fn, what, tree)
+    l_names, l_leaves, l_def = named_leaves(fn, like_what, like)
     if treedef != l_def:
         missing = [n for n in l_names if n not in names]
         extra = [n for n in names if n not in l_names]
@@ -179,22 +179,22 @@ def _check_like(fn: str, what: str, tree: PyTree, like: PyTree, like_what: str) 
     return leaves
 
 
-def _check_state(fn: str, state: Any, cls: type) -> None:
+def check_state(fn: str, state: Any, cls: type) -> None:
     if not isinstance(state, cls):
         raise ShardingError(
             f"{fn}: state must be the {cls.__name__} that init(params) returns, found {type(state).__name__}."
         )
 
 
-def _check_count(fn: str, count: Any) -> int:
+def check_count(fn: str, count: Any) -> int:
     if isinstance(count, Array):
-        _array_error(fn, "state.count")
+        array_error(fn, "state.count")
     if not isinstance(count, torch.Tensor) or count.dim() != 0:
         raise ShardingError(f"{fn}: state.count must be a 0-dim tensor (spec P()), found {count!r}.")
     return int(count)
 
 
-def _check_nonneg(fn: str, **values: float) -> None:
+def check_nonneg(fn: str, **values: float) -> None:
     for k, v in values.items():
         if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) or v < 0:
             raise ConfigError(f"{fn}: {k} must be a finite number >= 0, found {v!r}.")
@@ -207,6 +207,6 @@ def apply_updates(params: PyTree, updates: PyTree) -> PyTree:
         >>> apply_updates({"w": torch.ones(2)}, {"w": torch.full((2,), -0.5)})
         {'w': tensor([0.5000, 0.5000])}
     """
-    leaves = _check_like("apply_updates", "updates", updates, params, "params")
-    _, p_leaves, treedef = _leaves("apply_updates", "params", params)
+    leaves = check_like("apply_updates", "updates", updates, params, "params")
+    _, p_leaves, treedef = named_leaves("apply_updates", "params", params)
     return optree.tree_unflatten(treedef, [(p + u).to(p.dtype) for p, u in zip(p_leaves, leaves, strict=True)])

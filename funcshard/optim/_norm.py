@@ -17,12 +17,12 @@ from ._base import (
     ClipByGlobalNormState,
     Optimizer,
     PyTree,
-    _check_like,
-    _check_nonneg,
-    _check_state,
-    _is_array,
-    _leaves,
-    _scalar_like,
+    check_like,
+    check_nonneg,
+    check_state,
+    is_array,
+    named_leaves,
+    scalar_like,
 )
 
 
@@ -54,7 +54,7 @@ def global_norm(tree: PyTree, *, specs: PyTree = None, params: PyTree = None) ->
         >>> global_norm({"a": torch.tensor([3.0]), "b": torch.tensor([4.0])})
         tensor(5.)
     """
-    names, leaves, _ = _leaves("global_norm", "tree", tree)
+    names, leaves, _ = named_leaves("global_norm", "tree", tree)
     if not leaves:
         return torch.zeros(())
     ctx = maybe_current()
@@ -75,7 +75,7 @@ def global_norm(tree: PyTree, *, specs: PyTree = None, params: PyTree = None) ->
                     )
                 raw.append(frozenset(s.axes))
         else:
-            p_leaves = _check_like("global_norm", "params", params, tree, "tree") if params is not None else None
+            p_leaves = check_like("global_norm", "params", params, tree, "tree") if params is not None else None
             raw = []
             for k, g in enumerate(leaves):
                 tag = find_vma(p_leaves[k]) if p_leaves is not None else None
@@ -119,18 +119,18 @@ def clip_by_global_norm(max_norm: float, *, specs: PyTree = None) -> Optimizer:
         (tensor(5.), tensor([0.6000, 0.8000]))
     """
     fn = "clip_by_global_norm"
-    _check_nonneg(fn, max_norm=max_norm)
+    check_nonneg(fn, max_norm=max_norm)
     if max_norm <= 0:
         raise ConfigError(f"{fn}: max_norm must be > 0, found {max_norm!r}.")
     max_norm = float(max_norm)
 
     def init(params: PyTree) -> ClipByGlobalNormState:
-        leaves = [x for x in optree.tree_leaves(params, is_leaf=_is_array) if isinstance(x, (torch.Tensor, Array))]
+        leaves = [x for x in optree.tree_leaves(params, is_leaf=is_array) if isinstance(x, (torch.Tensor, Array))]
         dtype = torch.float64 if any(x.dtype == torch.float64 for x in leaves) else torch.float32
-        return ClipByGlobalNormState(_scalar_like(params, 0.0, dtype))
+        return ClipByGlobalNormState(scalar_like(params, 0.0, dtype))
 
     def transform(grads: PyTree, state: Any, params: PyTree = None) -> tuple[PyTree, ClipByGlobalNormState]:
-        _check_state(fn, state, ClipByGlobalNormState)
+        check_state(fn, state, ClipByGlobalNormState)
         norm = global_norm(grads, specs=specs, params=params)
         scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)  # [] as torch: max_norm / (norm + 1e-6) <= 1
         return optree.tree_map(lambda g: g * scale, grads), ClipByGlobalNormState(norm)

@@ -9,18 +9,18 @@ from typing import Any
 import torch
 
 from .._errors import ConfigError
-from ._base import _check_nonneg
+from ._base import check_nonneg
 
-Schedule = Callable[[Any], float | torch.Tensor]
+LrSchedule = Callable[[Any], float | torch.Tensor]
 """A learning rate as a function of the step count (an int or a 0-dim tensor: updates done so far)."""
 
 
-def _check_lr(fn: str, lr: Any) -> None:
+def check_lr(fn: str, lr: Any) -> None:
     if not callable(lr):
-        _check_nonneg(fn, lr=lr)
+        check_nonneg(fn, lr=lr)
 
 
-def _lr_at(fn: str, lr: float | Schedule, count: torch.Tensor) -> float:
+def lr_at(fn: str, lr: float | LrSchedule, count: torch.Tensor) -> float:
     if not callable(lr):
         return float(lr)
     value = float(lr(count))
@@ -33,19 +33,19 @@ def _step_of(step: Any) -> int:
     return int(step)
 
 
-def constant(lr: float) -> Schedule:
+def constant(lr: float) -> LrSchedule:
     """The schedule that is ``lr`` at every step.
 
     Example:
         >>> constant(0.1)(torch.tensor(7))
         0.1
     """
-    _check_nonneg("constant", lr=lr)
+    check_nonneg("constant", lr=lr)
     value = float(lr)
     return lambda step: value
 
 
-def linear_warmup(peak_lr: float, warmup_steps: int, *, init_lr: float = 0.0) -> Schedule:
+def linear_warmup(peak_lr: float, warmup_steps: int, *, init_lr: float = 0.0) -> LrSchedule:
     """Linear from ``init_lr`` at step 0 to ``peak_lr`` at ``warmup_steps``, then constant.
 
     Example:
@@ -53,7 +53,7 @@ def linear_warmup(peak_lr: float, warmup_steps: int, *, init_lr: float = 0.0) ->
         >>> [s(i) for i in (0, 2, 4, 9)]
         [0.0, 0.5, 1.0, 1.0]
     """
-    _check_nonneg("linear_warmup", peak_lr=peak_lr, warmup_steps=warmup_steps, init_lr=init_lr)
+    check_nonneg("linear_warmup", peak_lr=peak_lr, warmup_steps=warmup_steps, init_lr=init_lr)
 
     def schedule(step: Any) -> float:
         s = _step_of(step)
@@ -66,7 +66,7 @@ def linear_warmup(peak_lr: float, warmup_steps: int, *, init_lr: float = 0.0) ->
 
 def warmup_cosine(
     peak_lr: float, warmup_steps: int, total_steps: int, final_lr: float = 0.0, *, init_lr: float = 0.0
-) -> Schedule:
+) -> LrSchedule:
     """Linear warmup from ``init_lr`` to ``peak_lr`` over ``warmup_steps``, then cosine decay to ``final_lr``
     at ``total_steps`` (and ``final_lr`` after), as optax's ``warmup_cosine_decay_schedule``.
 
@@ -89,8 +89,8 @@ def warmup_cosine(
         [0.0, 0.5, 1.0, 0.5, 0.0, 0.0]
     """
     fn = "warmup_cosine"
-    _check_nonneg(fn, peak_lr=peak_lr, warmup_steps=warmup_steps, total_steps=total_steps)
-    _check_nonneg(fn, final_lr=final_lr, init_lr=init_lr)
+    check_nonneg(fn, peak_lr=peak_lr, warmup_steps=warmup_steps, total_steps=total_steps)
+    check_nonneg(fn, final_lr=final_lr, init_lr=init_lr)
     if total_steps <= warmup_steps:
         raise ConfigError(
             f"{fn}: total_steps ({total_steps}) must exceed warmup_steps ({warmup_steps}); for a warmup alone use "

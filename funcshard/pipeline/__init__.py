@@ -15,7 +15,7 @@ from .runtime import run as run
 from .schedules import Action as Action
 from .schedules import Schedule as Schedule
 from .schedules import ScheduleError as ScheduleError
-from .schedules import SimResult as SimResult
+from .schedules import Timeline as Timeline
 from .schedules import gpipe as gpipe
 from .schedules import interleaved_1f1b as interleaved_1f1b
 from .schedules import one_f_one_b as one_f_one_b
@@ -27,7 +27,7 @@ __all__ = [
     "Action",
     "Schedule",
     "ScheduleError",
-    "SimResult",
+    "Timeline",
     "gpipe",
     "interleaved_1f1b",
     "one_f_one_b",

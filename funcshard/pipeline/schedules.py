@@ -29,7 +29,7 @@ __all__ = [
     "Action",
     "Schedule",
     "ScheduleError",
-    "SimResult",
+    "Timeline",
     "gpipe",
     "interleaved_1f1b",
     "one_f_one_b",
@@ -77,7 +77,7 @@ class Action:
 
 
 @dataclass(frozen=True)
-class SimResult:
+class Timeline:
     """What ``Schedule.simulate`` found.
 
     Attributes:
@@ -265,7 +265,7 @@ class Schedule:
         self._run(self._costs(None))
         return self
 
-    def simulate(self, costs: dict[str, float] | None = None) -> SimResult:
+    def simulate(self, costs: dict[str, float] | None = None) -> Timeline:
         """Time the schedule: each stage runs its list in order, each action as soon as its inputs arrive.
 
         Args:
@@ -276,7 +276,7 @@ class Schedule:
                 defaults and are used as they are.
 
         Returns:
-            A ``SimResult`` with the timeline, makespan, bubble fraction and peak in-flight per stage.
+            A ``Timeline`` with the timeline, makespan, bubble fraction and peak in-flight per stage.
 
         Example:
             >>> from funcshard.pipeline import gpipe
@@ -298,7 +298,7 @@ class Schedule:
                 now += (a.kind == "F") - (a.kind == last)
                 peak = max(peak, now)
             peaks.append(peak)
-        return SimResult(timeline, makespan, bubble, peaks, [x / self.n_virtual for x in peaks], c)
+        return Timeline(timeline, makespan, bubble, peaks, [x / self.n_virtual for x in peaks], c)
 
     def text(self, costs: dict[str, float] | None = None) -> str:
         """A compact ASCII timeline, one row per stage, aligned by simulated time (see ``visualize.text``)."""

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from .schedules import Schedule, SimResult
+    from .schedules import Schedule, Timeline
 
 __all__ = ["plot", "text"]
 
@@ -30,13 +30,13 @@ def _label(schedule: Schedule, a: Any, with_kind: bool = True) -> str:
     return base + (f"c{a.chunk}" if schedule.n_virtual > 1 else "")
 
 
-def _cost_note(sim: SimResult, split: bool) -> str:
+def _cost_note(sim: Timeline, split: bool) -> str:
     c = sim.costs
     note = " ".join(f"{k}={c[k]:g}" for k in ("F", "B", "W") if split or k != "W")
     return note + (f" comm={c['comm']:g}" if c["comm"] else "")
 
 
-def _header(schedule: Schedule, sim: SimResult) -> str:
+def _header(schedule: Schedule, sim: Timeline) -> str:
     v = f", {schedule.n_virtual} chunks/stage" if schedule.n_virtual > 1 else ""
     return (
         f"{schedule.name}: {schedule.n_stages} stages, {schedule.n_microbatches} microbatches{v}, "
@@ -44,7 +44,7 @@ def _header(schedule: Schedule, sim: SimResult) -> str:
     )
 
 
-def _step(sim: SimResult) -> float:
+def _step(sim: Timeline) -> float:
     """The time of one text cell: the gcd of all durations and start times, or a coarser step if too fine."""
     times = {Fraction(x).limit_denominator(1000) for row in sim.timeline for b, e, _ in row for x in (b, e - b)}
     num = den = 0
