@@ -208,132 +208,155 @@ def run(
         >>> #                            out_specs=(P(), P("pp")))(params, xs, ts)
     """
     _check(schedule, stage_params, microbatches, targets, axis)
-    ctx = current("pipeline.run")
-    vma = ctx.check_vma
-    p, v, m = schedule.n_stages, schedule.n_virtual, schedule.n_microbatches
-    last = p * v - 1
-    split = schedule.split_backward
-    me = lax.axis_index_int(axis)
-    timeline = ticks(schedule)
+    stage = _Stage(schedule, stage_fn, stage_params, microbatches, targets, loss_fn, axis)
+    for tick in ticks(schedule):
+        stage.tick(tick)
+    return stage.result()
 
-    # the axes every activation / activation gradient varies over (vma tags of what ppermute delivers)
-    act_axes = get_vma(microbatches) | frozenset([axis]) if vma else frozenset()
-    tgt_axes = get_vma(targets) if (vma and targets is not None) else frozenset()
-    shape, dtype = microbatches.shape[1:], microbatches.dtype
-    loss_dtype = dtype if dtype.is_floating_point else torch.get_default_dtype()
 
-    def tagged(t: torch.Tensor, axes: frozenset[str]) -> torch.Tensor:
-        return set_vma(t, axes) if vma else t
+class _Stage:
+    """One device's stage of a pipeline step: its parameter chunks (detached leaves requiring grad) and their
+    accumulated gradients, what it has received, the graphs it keeps for the backward, and its loss sum.
+    ``tick`` runs the action the timeline gives it, then takes part in that tick's shifts."""
 
-    def zeros() -> torch.Tensor:
-        return tagged(torch.zeros(shape, dtype=dtype, device=microbatches.device), act_axes)
+    def __init__(
+        self,
+        schedule: Schedule,
+        stage_fn: Callable[[PyTree, torch.Tensor], torch.Tensor],
+        stage_params: PyTree,
+        microbatches: torch.Tensor,
+        targets: torch.Tensor | None,
+        loss_fn: Callable[..., torch.Tensor],
+        axis: str,
+    ) -> None:
+        ctx = current("pipeline.run")
+        self.vma, self.device = ctx.check_vma, ctx.device
+        self.schedule, self.stage_fn, self.loss_fn, self.axis = schedule, stage_fn, loss_fn, axis
+        self.microbatches, self.targets = microbatches, targets
+        self.p, self.m = schedule.n_stages, schedule.n_microbatches
+        self.last = self.p * schedule.n_virtual - 1
+        self.split = schedule.split_backward
+        self.me = lax.axis_index_int(axis)
+        # the axes every activation / activation gradient varies over (vma tags of what ppermute delivers)
+        self.act_axes = get_vma(microbatches) | frozenset([axis]) if self.vma else frozenset()
+        self.tgt_axes = get_vma(targets) if (self.vma and targets is not None) else frozenset()
+        dtype = microbatches.dtype
+        self.loss_sum = torch.zeros(
+            (), dtype=dtype if dtype.is_floating_point else torch.get_default_dtype(), device=microbatches.device
+        )
+        self.leaves, self.treedef = optree.tree_flatten(stage_params)
+        v = schedule.n_virtual
+        self.chunk_leaves = [[leaf.detach()[c].requires_grad_(True) for leaf in self.leaves] for c in range(v)]
+        self.chunk_params = [optree.tree_unflatten(self.treedef, ls) for ls in self.chunk_leaves]
+        self.grad_acc: list[list[torch.Tensor | None]] = [[None] * len(self.leaves) for _ in range(v)]
+        self.received: dict[str, dict[tuple[int, int], torch.Tensor]] = {"F": {}, "B": {}}  # (mb, vs) -> value
+        self.saved: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}  # (mb, vs) -> (x, y or loss)
+        self.pending_w: dict[tuple[int, int], torch.Tensor] = {}  # (mb, vs) -> grad of y, kept from B for W
 
-    # per chunk: detached leaf parameters that require grad, and their accumulated gradients
-    leaves, treedef = optree.tree_flatten(stage_params)
-    chunk_leaves = [[leaf.detach()[c].requires_grad_(True) for leaf in leaves] for c in range(v)]
-    chunk_params = [optree.tree_unflatten(treedef, ls) for ls in chunk_leaves]
-    grad_acc: list[list[torch.Tensor | None]] = [[None] * len(leaves) for _ in range(v)]
+    def tagged(self, t: torch.Tensor, axes: frozenset[str]) -> torch.Tensor:
+        return set_vma(t, axes) if self.vma else t
 
-    acts_in: dict[tuple[int, int], torch.Tensor] = {}  # (mb, vs) -> received activation
-    grads_in: dict[tuple[int, int], torch.Tensor] = {}  # (mb, vs) -> received gradient of the output
-    saved: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}  # (mb, vs) -> (x leaf, y or loss)
-    pending_w: dict[tuple[int, int], torch.Tensor] = {}  # (mb, vs) -> grad of y, kept from B for W
-    loss_sum = torch.zeros((), dtype=loss_dtype, device=microbatches.device)
+    def zeros(self) -> torch.Tensor:
+        mb = self.microbatches
+        return self.tagged(torch.zeros(mb.shape[1:], dtype=mb.dtype, device=mb.device), self.act_axes)
 
-    def accumulate(c: int, gs: tuple[torch.Tensor | None, ...]) -> None:
-        for i, g in enumerate(gs):
-            if g is not None:
-                acc = grad_acc[c][i]
-                grad_acc[c][i] = g if acc is None else acc + g
-
-    def forward(a: Action, vs: int) -> torch.Tensor | None:
-        nonlocal loss_sum
-        src = microbatches[a.microbatch] if vs == 0 else acts_in.pop((a.microbatch, vs))
-        x = src.detach().requires_grad_(vs > 0)
-        with torch.enable_grad():
-            y = stage_fn(chunk_params[a.chunk], x)
-            if not isinstance(y, torch.Tensor) or y.shape != x.shape or y.dtype != x.dtype:
-                found = (tuple(y.shape), y.dtype) if isinstance(y, torch.Tensor) else type(y).__name__
-                raise ShardingError(
-                    f"pipeline.run: stage_fn on virtual stage {vs} returned {found} for an input of "
-                    f"{(tuple(x.shape), x.dtype)}; every stage must keep the activation's shape and dtype "
-                    f"(that of one microbatch). Move shape-changing layers outside the pipeline."
-                )
-            if vma:
-                extra = get_vma(y) - act_axes
-                if extra:
-                    raise ShardingError(
-                        f"pipeline.run: stage_fn's output on virtual stage {vs} varies over {sorted(extra)}, "
-                        f"which the microbatches do not (they vary over {sorted(act_axes - {axis})}); reduce "
-                        f"it inside stage_fn (fs.psum / fs.pmean) or pass microbatches varying over them."
-                    )
-                y = pvary_to(y, act_axes, ctx.device)  # invariant parts: their cotangent is psum'd
-            if vs == last:
-                tgt = () if targets is None else (targets[a.microbatch],)
-                loss = loss_fn(y, *tgt) / m
-                loss_sum = loss_sum + loss.detach().to(loss_dtype)
-                saved[(a.microbatch, vs)] = (x, loss)
-                return None
-        saved[(a.microbatch, vs)] = (x, y)
-        return y.detach()
-
-    def backward(a: Action, vs: int) -> torch.Tensor | None:
-        key = (a.microbatch, vs)
-        x, out = saved[key]
-        g_out = None if vs == last else grads_in.pop(key)
-        params = chunk_leaves[a.chunk]
-        wrt = ([x] if vs > 0 else []) + ([] if split else params)
-        if wrt:
-            gs = torch.autograd.grad(out, wrt, grad_outputs=g_out, retain_graph=split, allow_unused=True)
-        else:
-            gs = ()
-        if split:
-            pending_w[key] = g_out if g_out is not None else torch.ones_like(out)
-        else:
-            del saved[key]
-            accumulate(a.chunk, gs[1:] if vs > 0 else gs)
-        if vs == 0:
-            return None
-        gx = gs[0]
-        return zeros() if gx is None else gx.detach()
-
-    def weight(a: Action, vs: int) -> None:
-        key = (a.microbatch, vs)
-        _, out = saved.pop(key)
-        g_out = pending_w.pop(key)
-        gs = torch.autograd.grad(out, chunk_leaves[a.chunk], grad_outputs=g_out, allow_unused=True)
-        accumulate(a.chunk, gs)
-
-    for tick in timeline:
-        a = tick.actions[me]
+    def tick(self, tick: Tick) -> None:
+        """Run this stage's action of ``tick`` (if any), then the tick's forward and backward shifts."""
+        a = tick.actions[self.me]
         sent: torch.Tensor | None = None
         if a is not None:
-            vs = a.chunk * p + me
+            vs = a.chunk * self.p + self.me
             if a.kind == "F":
-                sent = forward(a, vs)
+                sent = self.forward(a, vs)
             elif a.kind == "B":
-                sent = backward(a, vs)
+                sent = self.backward(a, vs)
             else:
-                weight(a, vs)
-        for kind, pairs, store, step in (("F", tick.fwd, acts_in, 1), ("B", tick.bwd, grads_in, -1)):
+                self.weight(a, vs)
+        for kind, pairs, step in (("F", tick.fwd, 1), ("B", tick.bwd, -1)):
             if not pairs:  # nobody sends this way at this tick: every device skips the shift
                 continue
-            buf = sent if (a is not None and a.kind == kind and sent is not None) else zeros()
-            got = lax.ppermute(tagged(buf, act_axes), axis, pairs)  # [*mb_shape] -> [*mb_shape]
-            src = (me - step) % p
+            buf = sent if (a is not None and a.kind == kind and sent is not None) else self.zeros()
+            got = lax.ppermute(self.tagged(buf, self.act_axes), self.axis, pairs)  # [*mb_shape] -> [*mb_shape]
+            src = (self.me - step) % self.p
             sa = tick.actions[src]
-            if (src, me) in pairs and sa is not None:
-                store[(sa.microbatch, sa.chunk * p + src + step)] = tagged(got, act_axes)
+            if (src, self.me) in pairs and sa is not None:
+                self.received[kind][(sa.microbatch, sa.chunk * self.p + src + step)] = self.tagged(got, self.act_axes)
 
-    # loss: the last stage's sum over microbatches, others 0; the psum makes it invariant over axis
-    loss_axes = act_axes | tgt_axes | (get_vma(loss_sum) if vma else frozenset())
-    loss = lax.psum(tagged(loss_sum, loss_axes), axis)  # [] -> [], invariant over axis
+    def forward(self, a: Action, vs: int) -> torch.Tensor | None:
+        """``F``: run the chunk on the received (or first) activation; keep the graph; the output to send."""
+        src = self.microbatches[a.microbatch] if vs == 0 else self.received["F"].pop((a.microbatch, vs))
+        x = src.detach().requires_grad_(vs > 0)
+        with torch.enable_grad():
+            y = self.checked(self.stage_fn(self.chunk_params[a.chunk], x), x, vs)
+            if vs == self.last:
+                tgt = () if self.targets is None else (self.targets[a.microbatch],)
+                loss = self.loss_fn(y, *tgt) / self.m
+                self.loss_sum = self.loss_sum + loss.detach().to(self.loss_sum.dtype)
+                self.saved[(a.microbatch, vs)] = (x, loss)
+                return None
+        self.saved[(a.microbatch, vs)] = (x, y)
+        return y.detach()
 
-    out_leaves = []
-    for i, leaf in enumerate(leaves):
-        per_chunk = []
-        for c in range(v):
-            g = grad_acc[c][i]
-            per_chunk.append(torch.zeros_like(chunk_leaves[c][i]) if g is None else g)
-        out_leaves.append(torch.stack(per_chunk).to(leaf.dtype))  # v x [*s] -> [v, *s]
-    return loss, optree.tree_unflatten(treedef, out_leaves)
+    def checked(self, y: Any, x: torch.Tensor, vs: int) -> torch.Tensor:
+        """``stage_fn``'s output, checked to keep the activation's shape, dtype and varying axes."""
+        if not isinstance(y, torch.Tensor) or y.shape != x.shape or y.dtype != x.dtype:
+            found = (tuple(y.shape), y.dtype) if isinstance(y, torch.Tensor) else type(y).__name__
+            raise ShardingError(
+                f"pipeline.run: stage_fn on virtual stage {vs} returned {found} for an input of "
+                f"{(tuple(x.shape), x.dtype)}; every stage must keep the activation's shape and dtype "
+                f"(that of one microbatch). Move shape-changing layers outside the pipeline."
+            )
+        if not self.vma:
+            return y
+        extra = get_vma(y) - self.act_axes
+        if extra:
+            raise ShardingError(
+                f"pipeline.run: stage_fn's output on virtual stage {vs} varies over {sorted(extra)}, "
+                f"which the microbatches do not (they vary over {sorted(self.act_axes - {self.axis})}); reduce "
+                f"it inside stage_fn (fs.psum / fs.pmean) or pass microbatches varying over them."
+            )
+        return pvary_to(y, self.act_axes, self.device)  # invariant parts: their cotangent is psum'd
+
+    def backward(self, a: Action, vs: int) -> torch.Tensor | None:
+        """``B``: the input gradient (to send) and, without ``W`` actions, the parameter gradients."""
+        key = (a.microbatch, vs)
+        x, out = self.saved[key]
+        g_out = None if vs == self.last else self.received["B"].pop(key)
+        params = self.chunk_leaves[a.chunk]
+        wrt = ([x] if vs > 0 else []) + ([] if self.split else params)
+        gs = torch.autograd.grad(out, wrt, g_out, retain_graph=self.split, allow_unused=True) if wrt else ()
+        if self.split:
+            self.pending_w[key] = g_out if g_out is not None else torch.ones_like(out)
+        else:
+            del self.saved[key]
+            self.accumulate(a.chunk, gs[1:] if vs > 0 else gs)
+        if vs == 0:
+            return None
+        return self.zeros() if gs[0] is None else gs[0].detach()
+
+    def weight(self, a: Action, vs: int) -> None:
+        """``W``: the parameter gradients from the graph ``B`` kept."""
+        key = (a.microbatch, vs)
+        _, out = self.saved.pop(key)
+        gs = torch.autograd.grad(out, self.chunk_leaves[a.chunk], self.pending_w.pop(key), allow_unused=True)
+        self.accumulate(a.chunk, gs)
+
+    def accumulate(self, c: int, gs: tuple[torch.Tensor | None, ...]) -> None:
+        for i, g in enumerate(gs):
+            if g is not None:
+                acc = self.grad_acc[c][i]
+                self.grad_acc[c][i] = g if acc is None else acc + g
+
+    def result(self) -> tuple[torch.Tensor, PyTree]:
+        """The mean loss (invariant over the axis) and the gradients of this stage's parameters."""
+        # loss: the last stage's sum over microbatches, others 0; the psum makes it invariant over axis
+        loss_axes = self.act_axes | self.tgt_axes | (get_vma(self.loss_sum) if self.vma else frozenset())
+        loss = lax.psum(self.tagged(self.loss_sum, loss_axes), self.axis)  # [] -> [], invariant over axis
+        out_leaves = []
+        for i, leaf in enumerate(self.leaves):
+            per_chunk = [
+                torch.zeros_like(self.chunk_leaves[c][i]) if g is None else g
+                for c, g in enumerate(acc[i] for acc in self.grad_acc)
+            ]
+            out_leaves.append(torch.stack(per_chunk).to(leaf.dtype))  # v x [*s] -> [v, *s]
+        return loss, optree.tree_unflatten(self.treedef, out_leaves)
