@@ -66,7 +66,7 @@ def value_and_grad(
         A function of the same arguments as ``f`` returning ``(value, grads)``.
 
     Raises:
-        ValueError: ``f`` is not callable, or ``argnums`` is not an int / tuple of distinct ints in range.
+        ConfigError: ``f`` is not callable, or ``argnums`` is not an int / tuple of distinct ints in range.
 
     Example:
         >>> f = lambda w, x: ((x @ w) ** 2).sum()
@@ -78,55 +78,65 @@ def value_and_grad(
     if not callable(f):
         raise ConfigError(f"value_and_grad: expected a function as first argument, found {type(f).__name__}.")
     nums = _check_argnums(argnums)
-    single = isinstance(argnums, int)
     has_aux = bool(has_aux)
 
     @functools.wraps(f)
     def wrapped(*args: Any, **kwargs: Any) -> tuple[Any, PyTree]:
-        for i in nums:
-            if not -len(args) <= i < len(args):
-                raise ConfigError(
-                    f"value_and_grad({getattr(f, '__name__', 'f')}): argnums={argnums!r} names positional argument "
-                    f"{i}, but the function was called with {len(args)} positional arguments."
-                )
-        seen: dict[str, list[frozenset[str] | None]] = {}
-        box: dict[str, Any] = {}
-
-        def inner(*a: Any, **kw: Any) -> Any:
-            out = f(*a, **kw)
-            # torch.func returns fresh tensors without our tags: remember the vma they had in here
-            if has_aux:
-                if not isinstance(out, tuple) or len(out) != 2:
-                    raise ConfigError(
-                        f"value_and_grad({getattr(f, '__name__', 'f')}): has_aux=True needs f to return a "
-                        f"(value, aux) pair, found {type(out).__name__}."
-                    )
-                seen["value"] = tags_of(out[0])
-                seen["aux"] = tags_of(out[1])
-                # torch.func only passes tensors through aux (JAX passes anything): carry the rest aside
-                leaves, treedef = optree.tree_flatten(out[1])
-                box["aux"] = (treedef, leaves)
-                return out[0], tuple(x for x in leaves if isinstance(x, torch.Tensor))
-            seen["value"] = tags_of(out)
-            return out
-
-        grad_fn = torch.func.grad_and_value(inner, argnums=nums[0] if single else nums, has_aux=has_aux)
-        grads, out = grad_fn(*args, **kwargs)
-        if has_aux:
-            value, aux_tensors = out
-            treedef, leaves = box["aux"]
-            it = iter(aux_tensors)
-            aux = optree.tree_unflatten(treedef, [next(it) if isinstance(x, torch.Tensor) else x for x in leaves])
-            tag_leaves(value, seen.get("value", []))
-            tag_leaves(aux, seen.get("aux", []))
-        else:
-            value = out
-            tag_leaves(value, seen.get("value", []))
-        if single:
-            tag_like(grads, args[nums[0]])
-        else:
-            for g, i in zip(grads, nums, strict=True):
-                tag_like(g, args[i])
-        return ((value, aux) if has_aux else value), grads
+        return _GradCall(f, argnums, nums, has_aux)(args, kwargs)
 
     return wrapped
+
+
+class _GradCall:
+    """One call of a :func:`value_and_grad` function: ``torch.func.grad_and_value`` of ``f``, with the vma
+    tags the value, ``aux`` and gradients had inside put back on the fresh tensors torch.func returns."""
+
+    def __init__(self, f: Callable[..., Any], argnums: Any, nums: tuple[int, ...], has_aux: bool) -> None:
+        self.f, self.argnums, self.nums, self.has_aux = f, argnums, nums, has_aux
+        self.name = f"value_and_grad({getattr(f, '__name__', 'f')})"
+        self.tags: dict[str, list[frozenset[str] | None]] = {}
+        self.aux: tuple[Any, list[Any]] | None = None
+
+    def inner(self, *a: Any, **kw: Any) -> Any:
+        out = self.f(*a, **kw)
+        # torch.func returns fresh tensors without our tags: remember the vma they had in here
+        if not self.has_aux:
+            self.tags["value"] = tags_of(out)
+            return out
+        if not isinstance(out, tuple) or len(out) != 2:
+            raise ConfigError(
+                f"{self.name}: has_aux=True needs f to return a (value, aux) pair, found {type(out).__name__}."
+            )
+        self.tags["value"], self.tags["aux"] = tags_of(out[0]), tags_of(out[1])
+        # torch.func only passes tensors through aux (JAX passes anything): carry the rest aside
+        leaves, treedef = optree.tree_flatten(out[1])
+        self.aux = (treedef, leaves)
+        return out[0], tuple(x for x in leaves if isinstance(x, torch.Tensor))
+
+    def __call__(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, PyTree]:
+        for i in self.nums:
+            if not -len(args) <= i < len(args):
+                raise ConfigError(
+                    f"{self.name}: argnums={self.argnums!r} names positional argument {i}, but the function was "
+                    f"called with {len(args)} positional arguments."
+                )
+        single = isinstance(self.argnums, int)
+        grad_fn = torch.func.grad_and_value(
+            self.inner, argnums=self.nums[0] if single else self.nums, has_aux=self.has_aux
+        )
+        grads, out = grad_fn(*args, **kwargs)
+        value = out[0] if self.has_aux else out
+        tag_leaves(value, self.tags.get("value", []))
+        if single:
+            tag_like(grads, args[self.nums[0]])
+        else:
+            for g, i in zip(grads, self.nums, strict=True):
+                tag_like(g, args[i])
+        if not self.has_aux:
+            return value, grads
+        assert self.aux is not None  # set by inner, which grad_and_value has called
+        treedef, leaves = self.aux
+        it = iter(out[1])
+        aux = optree.tree_unflatten(treedef, [next(it) if isinstance(x, torch.Tensor) else x for x in leaves])
+        tag_leaves(aux, self.tags.get("aux", []))
+        return (value, aux), grads

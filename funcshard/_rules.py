@@ -222,22 +222,27 @@ def spec_rules(
     if unmatched:
         raise ShardingError(_unmatched_message(unmatched, compiled))
 
-    out: list[P] = []
-    for (path, leaf), spec in zip(pairs, specs, strict=True):
-        if mesh is not None:
-            if drop_missing_axes:
-                spec = restrict_spec(spec, mesh)
-            shape = _shape_of(leaf)
-            if shape is None:
-                if spec != P():
-                    raise ShardingError(
-                        f"{_at('spec_rules', path)}: spec {spec!r} on mesh {format_mesh(mesh)} is for a leaf of "
-                        f"type {type(leaf).__name__}, which has no shape; match it with P() instead."
-                    )
-            else:
-                check_spec(spec, shape, mesh, path=path, fn="spec_rules")
-        out.append(spec)
-    return unflatten(treespec, out)
+    if mesh is not None:
+        specs = [
+            _fit(spec, path, leaf, mesh, drop_missing_axes) for (path, leaf), spec in zip(pairs, specs, strict=True)
+        ]
+    return unflatten(treespec, specs)
+
+
+def _fit(spec: P, path: str, leaf: Any, mesh: Any, drop_missing_axes: bool) -> P:
+    """``spec`` checked against ``mesh`` for ``leaf`` (its axes the mesh lacks dropped, if asked)."""
+    if drop_missing_axes:
+        spec = restrict_spec(spec, mesh)
+    shape = _shape_of(leaf)
+    if shape is None:
+        if spec != P():
+            raise ShardingError(
+                f"{_at('spec_rules', path)}: spec {spec!r} on mesh {format_mesh(mesh)} is for a leaf of "
+                f"type {type(leaf).__name__}, which has no shape; match it with P() instead."
+            )
+    else:
+        check_spec(spec, shape, mesh, path=path, fn="spec_rules")
+    return spec
 
 
 def _unmatched_message(unmatched: list[tuple[str, Any]], compiled: list[tuple[re.Pattern[str], Any]]) -> str:

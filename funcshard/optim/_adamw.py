@@ -49,7 +49,7 @@ def adamw(
         An :class:`Optimizer` whose state is an :class:`AdamWState`.
 
     Raises:
-        ValueError: a hyperparameter out of range.
+        ConfigError: a hyperparameter out of range.
 
     Example:
         >>> opt = adamw(1e-2, weight_decay=0.1)
@@ -65,54 +65,63 @@ def adamw(
         if not v < 1:
             raise ConfigError(f"{fn}: {k} must be in [0, 1), found {v!r}.")
 
-    def init(params: PyTree) -> AdamWState:
-        mu = optree.tree_map(lambda x: zeros_like(x, fn), params, is_leaf=is_array)
-        nu = optree.tree_map(lambda x: zeros_like(x, fn), params, is_leaf=is_array)
+    h = _AdamW(lr, b1, b2, eps, weight_decay)
+    return Optimizer(h.init, h.transform, h.state_specs, name=fn, apply=h.apply)
+
+
+class _AdamW:
+    """The hyperparameters of one :func:`adamw` and its pure functions."""
+
+    def __init__(self, lr: float | LrSchedule, b1: float, b2: float, eps: float, weight_decay: float) -> None:
+        self.lr, self.b1, self.b2, self.eps, self.wd = lr, b1, b2, eps, weight_decay
+
+    def init(self, params: PyTree) -> AdamWState:
+        mu = optree.tree_map(lambda x: zeros_like(x, "adamw"), params, is_leaf=is_array)
+        nu = optree.tree_map(lambda x: zeros_like(x, "adamw"), params, is_leaf=is_array)
         return AdamWState(scalar_like(params, 0, torch.int64), mu, nu)
 
-    def common(grads: PyTree, state: Any, params: PyTree, where: str) -> tuple[Any, ...]:
+    def moments(self, grads: PyTree, state: Any, params: PyTree, where: str) -> tuple[Any, ...]:
+        """The new moments, the denominators and the step size (shared by transform and apply)."""
+        b1, b2 = self.b1, self.b2
         check_state(where, state, AdamWState)
         step = check_count(where, state.count) + 1
         _, g_leaves, _ = named_leaves(where, "grads", grads)
         m_leaves = check_like(where, "state.mu", state.mu, grads, "grads")
         v_leaves = check_like(where, "state.nu", state.nu, grads, "grads")
         p_leaves = check_like(where, "params", params, grads, "grads") if params is not None else None
-        if p_leaves is None and weight_decay != 0:
-            raise ConfigError(f"{where}: weight_decay={weight_decay} needs the params; pass them as third argument.")
-        lr_t = lr_at(where, lr, state.count)
-        bc1, bc2 = 1 - b1**step, 1 - b2**step
-        step_size, bc2_sqrt = lr_t / bc1, bc2**0.5
+        if p_leaves is None and self.wd != 0:
+            raise ConfigError(f"{where}: weight_decay={self.wd} needs the params; pass them as third argument.")
+        lr_t = lr_at(where, self.lr, state.count)
+        step_size, bc2_sqrt = lr_t / (1 - b1**step), (1 - b2**step) ** 0.5
         ms, vs, dens = [], [], []
         for g, m, v in zip(g_leaves, m_leaves, v_leaves, strict=True):
             m = torch.lerp(m, g, 1 - b1)  # first moment
             v = v.mul(b2).addcmul(g, g, value=1 - b2)  # second moment
             ms.append(m)
             vs.append(v)
-            dens.append(v.sqrt() / bc2_sqrt + eps)
+            dens.append(v.sqrt() / bc2_sqrt + self.eps)
         treedef = optree.tree_structure(grads)
         new_state = AdamWState(state.count + 1, optree.tree_unflatten(treedef, ms), optree.tree_unflatten(treedef, vs))
         return treedef, p_leaves, lr_t, step_size, ms, dens, new_state
 
-    def transform(grads: PyTree, state: Any, params: PyTree = None) -> tuple[PyTree, AdamWState]:
-        treedef, p_leaves, lr_t, step_size, ms, dens, new_state = common(grads, state, params, fn)
+    def transform(self, grads: PyTree, state: Any, params: PyTree = None) -> tuple[PyTree, AdamWState]:
+        treedef, p_leaves, lr_t, step_size, ms, dens, new_state = self.moments(grads, state, params, "adamw")
         ups = []
         for k, (m, d) in enumerate(zip(ms, dens, strict=True)):
-            if weight_decay != 0:
-                ups.append(torch.addcdiv(p_leaves[k] * -(lr_t * weight_decay), m, d, value=-step_size))
+            if self.wd != 0:
+                ups.append(torch.addcdiv(p_leaves[k] * -(lr_t * self.wd), m, d, value=-step_size))
             else:
                 ups.append(torch.div(m, d).mul(-step_size))
         return optree.tree_unflatten(treedef, ups), new_state
 
-    def apply(grads: PyTree, state: Any, params: PyTree) -> tuple[PyTree, AdamWState]:
-        treedef, p_leaves, lr_t, step_size, ms, dens, new_state = common(grads, state, params, f"{fn}.update")
+    def apply(self, grads: PyTree, state: Any, params: PyTree) -> tuple[PyTree, AdamWState]:
+        treedef, p_leaves, lr_t, step_size, ms, dens, new_state = self.moments(grads, state, params, "adamw.update")
         new = []
         for p, m, d in zip(p_leaves, ms, dens, strict=True):
-            if weight_decay != 0:
-                p = p * (1 - lr_t * weight_decay)  # decoupled weight decay
+            if self.wd != 0:
+                p = p * (1 - lr_t * self.wd)  # decoupled weight decay
             new.append(torch.addcdiv(p, m, d, value=-step_size))
         return optree.tree_unflatten(treedef, new), new_state
 
-    def state_specs(param_specs: PyTree) -> AdamWState:
+    def state_specs(self, param_specs: PyTree) -> AdamWState:
         return AdamWState(P(), param_specs, param_specs)
-
-    return Optimizer(init, transform, state_specs, name=fn, apply=apply)
