@@ -1,7 +1,15 @@
 """Parallel building blocks as pure functions over local shards, for use inside ``shard_map``.
 
+Every op names the mesh axis it works over with ``axis=``; ``axis=None`` means the value is not split there:
+plain local math (``F.linear``, ``F.embedding``, ``F.cross_entropy``, :func:`attention`, the identity), so a
+model calls the same ops on every mesh and takes each axis from its parallel plan.
+
 Example:
+    >>> import torch, torch.nn.functional as F
     >>> from funcshard.ops import column_parallel_linear, row_parallel_linear, fsdp_gather
+    >>> x, w = torch.randn(2, 8), torch.randn(4, 8)
+    >>> torch.equal(column_parallel_linear(x, w, axis=None), F.linear(x, w))
+    True
 """
 
 from .attention import attention as attention

@@ -48,7 +48,7 @@ def _fsdp_dim(spec: P, ndim: int, axis: str, path: str) -> int | None:
 
 
 def fsdp_gather(
-    params: Any, specs: Any, *, axis: str = "fsdp", replicate_axis: str | tuple[str, ...] | None = None
+    params: Any, specs: Any, *, axis: str | None = "fsdp", replicate_axis: str | tuple[str, ...] | None = None
 ) -> Any:
     """All-gather every parameter sharded over ``axis`` along its sharded dim (forward); the backward is
     the reduce-scatter, so gradients keep the parameters' layout.
@@ -56,10 +56,12 @@ def fsdp_gather(
     Args:
         params: a tree of local parameter shards (inside ``shard_map``).
         specs: the parameters' spec tree (or prefix), as given to ``shard_map``.
-        axis: the FSDP mesh axis.
+        axis: the FSDP mesh axis; ``None``: the parameters are not sharded, nothing is gathered (``specs``
+            is not read) and, without ``replicate_axis``, ``params`` is returned as it is.
         replicate_axis: HSDP's replica axis (or axes): the shards are made varying over it before the
             gather, so the backward all-reduces the small reduce-scattered shards (all of them in one
-            bucketed collective), not the full gradients.
+            bucketed collective), not the full gradients. With ``axis=None`` this is DDP: the replicated
+            parameters are made varying over it, so their gradients are summed over the replicas.
 
     Returns:
         The tree with ``axis`` gathered out of every leaf (other axes, e.g. ``tp``, stay sharded).
@@ -69,7 +71,14 @@ def fsdp_gather(
 
     Example:
         >>> # full = fsdp_gather(params, specs, axis="fsdp")  # wq: [d/fsdp, d] -> [d, d]
+        >>> params = {"w": torch.randn(4, 3)}
+        >>> fsdp_gather(params, {"w": P("fsdp", None)}, axis=None) is params  # no axis: the identity
+        True
     """
+    if not replicate_axis:
+        replicate_axis = None
+    if axis is None:  # not sharded: at most the replicas' gradient sum (identity forward, psum backward)
+        return params if replicate_axis is None else lax.pvary(params, replicate_axis)
     flat_specs = pytree.broadcast_prefix(specs, params, prefix_is_leaf=is_spec, where="fsdp_gather: ")
     if replicate_axis is not None:
         # identity forward; backward: one bucketed psum over the replicas of all the shards' gradients
@@ -88,13 +97,16 @@ def fsdp_gather(
     return optree.tree_unflatten(treedef, out)
 
 
-def fsdp_unsharded_specs(specs: Any, *, axis: str = "fsdp") -> Any:
-    """The spec tree with ``axis`` removed: the layout :func:`fsdp_gather` returns.
+def fsdp_unsharded_specs(specs: Any, *, axis: str | None = "fsdp") -> Any:
+    """The spec tree with ``axis`` removed: the layout :func:`fsdp_gather` returns (``specs`` itself when
+    ``axis`` is None).
 
     Example:
         >>> fsdp_unsharded_specs({"w": P(("tp", "fsdp"), None)})
         {'w': P('tp', None)}
     """
+    if axis is None:
+        return specs
 
     def drop(s: P) -> P:
         entries = []

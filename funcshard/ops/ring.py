@@ -115,14 +115,14 @@ def zigzag_positions(seq_len: int, n: int, index: int) -> torch.Tensor:
     return zigzag_indices(seq_len, n)[index * block : (index + 1) * block]
 
 
-def zigzag_split(x: torch.Tensor, axis: str, dim: int) -> torch.Tensor:
+def zigzag_split(x: torch.Tensor, axis: str | None, dim: int) -> torch.Tensor:
     """This device's zigzag chunks (``i`` and ``2n-1-i`` of ``2n``, concatenated) of a value replicated over
     ``axis``: a local slice (forward, no communication); all-gather of the cotangent chunks back into place
     (backward).
 
     Args:
         x: the full sequence along ``dim``, invariant over ``axis``.
-        axis: the context-parallel mesh axis.
+        axis: the context-parallel mesh axis; ``None``: the sequence is not split, ``x`` itself.
         dim: the sequence dim.
 
     Returns:
@@ -133,7 +133,12 @@ def zigzag_split(x: torch.Tensor, axis: str, dim: int) -> torch.Tensor:
 
     Example:
         >>> # q = zigzag_split(q_full, "cp", dim=2)  # [b, h, s, d] -> [b, h, s/n, d]
+        >>> x = torch.randn(1, 2, 8, 4)
+        >>> zigzag_split(x, None, dim=2) is x
+        True
     """
+    if axis is None:
+        return x
     n = lax.axis_size(axis)
     d = dim % x.dim()
     _check_zigzag(x.shape[d], n, "zigzag_split", f" (dim {d} of shape {tuple(x.shape)})")
@@ -142,13 +147,13 @@ def zigzag_split(x: torch.Tensor, axis: str, dim: int) -> torch.Tensor:
     return lax.split_invariant(x, axis, dim=d)  # [.., s, ..] -> [.., s/n, ..]; backward all-gathers
 
 
-def zigzag_merge(x: torch.Tensor, axis: str, dim: int) -> torch.Tensor:
+def zigzag_merge(x: torch.Tensor, axis: str | None, dim: int) -> torch.Tensor:
     """The inverse of :func:`zigzag_split`: all-gather the zigzag chunks and put them in order (forward, the
     result invariant over ``axis``); this device's chunks of the cotangent (backward, no communication).
 
     Args:
         x: this device's zigzag chunks along ``dim``, ``s / n`` long.
-        axis: the context-parallel mesh axis.
+        axis: the context-parallel mesh axis; ``None``: the sequence is not split, ``x`` itself.
         dim: the sequence dim.
 
     Returns:
@@ -156,7 +161,12 @@ def zigzag_merge(x: torch.Tensor, axis: str, dim: int) -> torch.Tensor:
 
     Example:
         >>> # out_full = zigzag_merge(out, "cp", dim=2)  # [b, h, s/n, d] -> [b, h, s, d]
+        >>> x = torch.randn(1, 2, 8, 4)
+        >>> zigzag_merge(x, None, dim=2) is x
+        True
     """
+    if axis is None:
+        return x
     n = lax.axis_size(axis)
     d = dim % x.dim()
     seq = x.shape[d] * n
@@ -181,7 +191,10 @@ def _merge(
     return out, new
 
 
-def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, layout: str, fn: str) -> None:
+def _check(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, layout: str, fn: str, split: bool = True
+) -> None:
+    """ShardingError naming the shapes and the fix; ``split=False``: the sequence is not split (no parity rule)."""
     if layout not in LAYOUTS:
         raise ShardingError(f"{fn}: unknown layout {layout!r}; use one of {LAYOUTS}.")
     if q.dim() != 4 or k.dim() != 4 or k.shape != v.shape or k.shape[0] != q.shape[0] or k.shape[3] != q.shape[3]:
@@ -198,7 +211,7 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, layo
             f"{fn}(causal=True): q holds {q.shape[2]} positions per device but k/v {k.shape[2]}; shard q, k and v "
             f"the same way along the sequence."
         )
-    if causal and layout == "zigzag" and q.shape[2] % 2:
+    if split and causal and layout == "zigzag" and q.shape[2] % 2:
         raise ShardingError(
             f"{fn}(layout='zigzag'): each device must hold two equal chunks, but it holds {q.shape[2]} positions "
             f"(odd); make the sequence a multiple of 2 x the axis size, or use layout='contiguous'."
@@ -210,7 +223,7 @@ def ring_attention(
     k: torch.Tensor,
     v: torch.Tensor,
     *,
-    axis: str = "cp",
+    axis: str | None = "cp",
     causal: bool = True,
     layout: str = "zigzag",
     scale: float | None = None,
@@ -231,7 +244,8 @@ def ring_attention(
         q: ``[b, h, s/n, d]`` this device's queries.
         k: ``[b, hkv, s/n, d]`` this device's keys (``h`` a multiple of ``hkv``: grouped-query attention).
         v: ``[b, hkv, s/n, d]`` this device's values.
-        axis: the context-parallel mesh axis.
+        axis: the context-parallel mesh axis; ``None``: the sequence is not split, plain :func:`attention`
+            (on one device both layouts are the sequence in order).
         causal: mask each query's future positions (global positions, per ``layout``).
         layout: ``"zigzag"`` (device ``i`` holds chunks ``i`` and ``2n-1-i`` of ``2n``) or ``"contiguous"``
             (chunk ``i`` of ``n``).
@@ -246,8 +260,13 @@ def ring_attention(
     Example:
         >>> # inside shard_map over {"cp": 4}, q/k/v with spec P(None, None, "cp") in zigzag order:
         >>> # out = ring_attention(q, k, v, axis="cp")  # [b, h, s/4, d] -> [b, h, s/4, d]
+        >>> q = k = v = torch.randn(1, 2, 8, 4)
+        >>> torch.equal(ring_attention(q, k, v, axis=None), attention(q, k, v, causal=True))  # no axis: local
+        True
     """
-    _check(q, k, v, causal, layout, "ring_attention")
+    _check(q, k, v, causal, layout, "ring_attention", split=axis is not None)
+    if axis is None:
+        return attention(q, k, v, causal=causal, scale=scale)  # [b, h, s, d] x [b, hkv, s, d] -> [b, h, s, d]
     n = lax.axis_size(axis)
     i = lax.axis_index_int(axis)
     shift = [(src, (src + 1) % n) for src in range(n)]  # device src sends to src + 1

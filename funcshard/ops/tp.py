@@ -8,6 +8,10 @@ Megatron's pairs: the input of a column-parallel linear is the identity-forward 
 region (``pvary``); the output of a row-parallel linear is the all-reduce-forward / identity-backward one
 (``psum``). With sequence parallelism the pair becomes all-gather / reduce-scatter over the sequence dim.
 
+Every op takes ``axis=None`` to mean "not sharded": plain local math (``F.linear``, ``F.embedding``,
+``F.cross_entropy``, the identity), with no collective. A model then calls the same op for every mesh and
+takes the axis from its parallel plan (:class:`funcshard.models.ParallelPlan`), ``None`` where a role is off.
+
 Example:
     >>> import torch, funcshard as fs
     >>> from funcshard import P
@@ -48,7 +52,7 @@ def column_parallel_linear(
     w: Weights,
     b: torch.Tensor | Sequence[torch.Tensor | None] | None = None,
     *,
-    axis: str = "tp",
+    axis: str | None = "tp",
     gather_dim: int | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, ...]:
     """``F.linear`` with the output features sharded over ``axis``.
@@ -62,7 +66,7 @@ def column_parallel_linear(
         x: ``[..., in]`` (or ``[..., s/n, ..., in]`` with ``gather_dim``).
         w: local ``[out/n, in]`` block(s) of a ``P(axis, None)`` weight.
         b: local ``[out/n]`` block(s) of a ``P(axis)`` bias, or None.
-        axis: the tensor-parallel mesh axis.
+        axis: the tensor-parallel mesh axis; ``None``: not sharded, plain ``F.linear`` (``gather_dim`` ignored).
         gather_dim: the sequence dim of ``x`` under sequence parallelism.
 
     Returns:
@@ -70,10 +74,14 @@ def column_parallel_linear(
 
     Example:
         >>> # q, k, v = column_parallel_linear(h, [wq, wk, wv])  # [b, s, d] -> 3 x [b, s, heads/tp * hd]
+        >>> import torch, torch.nn.functional as F
+        >>> x, w = torch.randn(2, 8), torch.randn(4, 8)
+        >>> torch.equal(column_parallel_linear(x, w, axis=None), F.linear(x, w))  # no axis: local math
+        True
     """
-    if gather_dim is not None:
+    if axis is not None and gather_dim is not None:
         x = lax.all_gather(x, axis, dim=gather_dim, tiled=True)  # [.., s/n, .., in] -> [.., s, .., in]
-    else:
+    elif axis is not None:
         x = lax.pvary(x, axis)  # identity forward, psum backward (a no-op if x already varies over axis)
     if isinstance(w, torch.Tensor):
         return F.linear(x, w, b)  # [..., in] @ [in, out/n] -> [..., out/n]
@@ -86,7 +94,7 @@ def row_parallel_linear(
     w: torch.Tensor,
     b: torch.Tensor | None = None,
     *,
-    axis: str = "tp",
+    axis: str | None = "tp",
     scatter_dim: int | None = None,
 ) -> torch.Tensor:
     """``F.linear`` with the input features sharded over ``axis``; the partial sums are reduced.
@@ -98,7 +106,7 @@ def row_parallel_linear(
         x: ``[..., in/n]``, varying over ``axis``.
         w: local ``[out, in/n]`` block of a ``P(None, axis)`` weight.
         b: ``[out]`` bias, replicated, or None.
-        axis: the tensor-parallel mesh axis.
+        axis: the tensor-parallel mesh axis; ``None``: not sharded, plain ``F.linear`` (``scatter_dim`` ignored).
         scatter_dim: the sequence dim to scatter the result over, for sequence parallelism.
 
     Returns:
@@ -106,7 +114,13 @@ def row_parallel_linear(
 
     Example:
         >>> # y = row_parallel_linear(h, w2, scatter_dim=1)  # [b, s, f/tp] -> [b, s/tp, d]
+        >>> import torch, torch.nn.functional as F
+        >>> x, w, b = torch.randn(2, 8), torch.randn(4, 8), torch.randn(4)
+        >>> torch.equal(row_parallel_linear(x, w, b, axis=None), F.linear(x, w, b))  # no axis: no reduction
+        True
     """
+    if axis is None:
+        return F.linear(x, w, b)  # [..., in] @ [in, out] -> [..., out]
     y = F.linear(x, w)  # [..., in/n] @ [in/n, out] -> [..., out] (partial sums)
     if scatter_dim is None:
         y = lax.psum(y, axis)  # [..., out] -> [..., out]
@@ -131,7 +145,7 @@ def _check_ids(ids: torch.Tensor, vocab: int, what: str, fn: str, ignore: int | 
 
 
 def vocab_parallel_embedding(
-    ids: torch.Tensor, table: torch.Tensor, *, axis: str = "tp", scatter_dim: int | None = None
+    ids: torch.Tensor, table: torch.Tensor, *, axis: str | None = "tp", scatter_dim: int | None = None
 ) -> torch.Tensor:
     """``F.embedding`` with the vocabulary sharded over ``axis``: each device looks up the ids in its rows
     (zeros elsewhere), then all-reduce (or reduce-scatter along ``scatter_dim`` for sequence parallelism).
@@ -139,7 +153,8 @@ def vocab_parallel_embedding(
     Args:
         ids: ``[...]`` token ids, replicated over ``axis``.
         table: local ``[vocab/n, dim]`` rows of a ``P(axis, None)`` table.
-        axis: the mesh axis the vocabulary is split over.
+        axis: the mesh axis the vocabulary is split over; ``None``: not sharded, plain ``F.embedding``
+            (``scatter_dim`` ignored).
         scatter_dim: scatter the result along this dim (sequence parallelism).
 
     Returns:
@@ -150,7 +165,13 @@ def vocab_parallel_embedding(
 
     Example:
         >>> # h = vocab_parallel_embedding(tokens, emb)  # [b, s] -> [b, s, d]
+        >>> import torch, torch.nn.functional as F
+        >>> ids, table = torch.tensor([[1, 3]]), torch.randn(4, 8)
+        >>> torch.equal(vocab_parallel_embedding(ids, table, axis=None), F.embedding(ids, table))
+        True
     """
+    if axis is None:
+        return F.embedding(ids, table)  # [...] -> [..., dim]
     n = lax.axis_size(axis)
     rows = table.shape[0]
     _check_ids(ids, rows * n, "ids", "vocab_parallel_embedding")
@@ -167,7 +188,7 @@ def vocab_parallel_cross_entropy(
     logits: torch.Tensor,
     labels: torch.Tensor,
     *,
-    axis: str = "tp",
+    axis: str | None = "tp",
     ignore_index: int = -100,
     reduction: str = "mean",
 ) -> torch.Tensor:
@@ -179,7 +200,8 @@ def vocab_parallel_cross_entropy(
     Args:
         logits: ``[..., vocab/n]`` local logits.
         labels: ``[...]`` target ids, replicated over ``axis``; ``ignore_index`` entries are skipped.
-        axis: the mesh axis the vocabulary is split over.
+        axis: the mesh axis the vocabulary is split over; ``None``: not sharded, plain ``F.cross_entropy``
+            (in float32; ``"mean"`` of no valid label is 0, as with an axis).
         ignore_index: label value that contributes no loss (as ``F.cross_entropy``).
         reduction: ``"mean"`` (over the non-ignored labels of this device), ``"sum"`` or ``"none"``.
 
@@ -191,11 +213,18 @@ def vocab_parallel_cross_entropy(
 
     Example:
         >>> # loss = vocab_parallel_cross_entropy(logits, targets)  # [b, s, V/tp], [b, s] -> []
+        >>> import torch, torch.nn.functional as F
+        >>> logits, labels = torch.randn(2, 3, 5), torch.tensor([[0, 4, -100], [2, 2, 1]])
+        >>> ref = F.cross_entropy(logits.flatten(0, 1), labels.flatten())
+        >>> torch.allclose(vocab_parallel_cross_entropy(logits, labels, axis=None), ref)
+        True
     """
     if reduction not in ("mean", "sum", "none"):
         raise ShardingError(
             f"vocab_parallel_cross_entropy: reduction must be 'mean', 'sum' or 'none', not {reduction!r}."
         )
+    if axis is None:
+        return _local_cross_entropy(logits, labels, ignore_index, reduction)
     n = lax.axis_size(axis)
     v_local = logits.shape[-1]
     _check_ids(labels, v_local * n, "labels", "vocab_parallel_cross_entropy", ignore=ignore_index)
@@ -217,22 +246,47 @@ def vocab_parallel_cross_entropy(
     return loss.sum() / valid.sum().clamp(min=1).to(loss.dtype)
 
 
-def sequence_gather(x: torch.Tensor, axis: str, dim: int) -> torch.Tensor:
+def _local_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int, reduction: str) -> torch.Tensor:
+    """``F.cross_entropy`` over the last dim of ``logits``, in float32, with the sharded op's reductions."""
+    flat = logits.reshape(-1, logits.shape[-1]).float()  # [..., V] -> [N, V]
+    if reduction == "none":
+        loss = F.cross_entropy(flat, labels.reshape(-1), ignore_index=ignore_index, reduction="none")  # [N]
+        return loss.view(labels.shape)
+    total = F.cross_entropy(flat, labels.reshape(-1), ignore_index=ignore_index, reduction="sum")  # [N, V] -> []
+    if reduction == "sum":
+        return total
+    return total / (labels != ignore_index).sum().clamp(min=1).to(total.dtype)
+
+
+def sequence_gather(x: torch.Tensor, axis: str | None, dim: int) -> torch.Tensor:
     """All-gather the sequence shards of ``x`` along ``dim`` (forward); reduce-scatter (backward).
 
-    The result varies over ``axis`` (each device goes on to compute its own part from it).
+    The result varies over ``axis`` (each device goes on to compute its own part from it). With
+    ``axis=None`` the sequence is not split: ``x`` itself.
 
     Example:
         >>> # full = sequence_gather(x, "tp", dim=1)  # [b, s/tp, d] -> [b, s, d]
+        >>> import torch
+        >>> x = torch.randn(2, 4, 8)
+        >>> sequence_gather(x, None, dim=1) is x
+        True
     """
+    if axis is None:
+        return x
     return lax.all_gather(x, axis, dim=dim, tiled=True)  # [.., s/n, ..] -> [.., s, ..]
 
 
-def sequence_scatter(x: torch.Tensor, axis: str, dim: int) -> torch.Tensor:
+def sequence_scatter(x: torch.Tensor, axis: str | None, dim: int) -> torch.Tensor:
     """Keep this device's block of ``dim`` of a replicated ``x`` (forward, no communication); all-gather
-    the gradient blocks (backward).
+    the gradient blocks (backward). With ``axis=None`` the sequence is not split: ``x`` itself.
 
     Example:
         >>> # x_sp = sequence_scatter(h, "tp", dim=1)  # [b, s, d] -> [b, s/tp, d]
+        >>> import torch
+        >>> x = torch.randn(2, 4, 8)
+        >>> sequence_scatter(x, None, dim=1) is x
+        True
     """
+    if axis is None:
+        return x
     return lax.split_invariant(x, axis, dim=dim)  # [.., s, ..] -> [.., s/n, ..]

@@ -43,7 +43,7 @@ def ulysses_attention(
     k: torch.Tensor,
     v: torch.Tensor,
     *,
-    axis: str = "cp",
+    axis: str | None = "cp",
     causal: bool = True,
     scale: float | None = None,
 ) -> torch.Tensor:
@@ -58,7 +58,7 @@ def ulysses_attention(
         q: ``[b, h, s/n, d]`` this device's queries (chunk ``i`` of ``n``).
         k: ``[b, hkv, s/n, d]`` this device's keys (``h`` a multiple of ``hkv``).
         v: ``[b, hkv, s/n, d]`` this device's values.
-        axis: the context-parallel mesh axis.
+        axis: the context-parallel mesh axis; ``None``: the sequence is not split, plain :func:`attention`.
         causal: mask each query's future positions.
         scale: score scale, default ``1/sqrt(d)``.
 
@@ -71,8 +71,10 @@ def ulysses_attention(
     Example:
         >>> # inside shard_map over {"cp": 4}, q/k/v with spec P(None, None, "cp"):
         >>> # out = ulysses_attention(q, k, v, axis="cp")  # [b, h, s/4, d] -> [b, h, s/4, d]
+        >>> q = k = v = torch.randn(1, 2, 8, 4)
+        >>> torch.equal(ulysses_attention(q, k, v, axis=None), attention(q, k, v, causal=True))  # no axis: local
+        True
     """
-    n = lax.axis_size(axis)
     if q.dim() != 4 or k.dim() != 4 or k.shape != v.shape or k.shape[0] != q.shape[0] or k.shape[3] != q.shape[3]:
         raise ShardingError(
             f"ulysses_attention: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} do not fit: need local "
@@ -83,6 +85,9 @@ def ulysses_attention(
         raise ShardingError(
             f"ulysses_attention: q has {h} heads and k/v {hkv}; q heads must be a multiple of k/v heads (GQA)."
         )
+    if axis is None:
+        return attention(q, k, v, causal=causal, scale=scale)  # [b, h, s, d] x [b, hkv, s, d] -> [b, h, s, d]
+    n = lax.axis_size(axis)
     if h % n:
         raise ShardingError(
             f"ulysses_attention: q has {h} heads, not divisible by the size {n} of axis {axis!r}; Ulysses splits "
