@@ -2,6 +2,10 @@
 TP, TP+SP, FSDP, FSDP+TP and HSDP. The tests, the communication benchmark and the notebooks use it to
 compare each parallel style with the unsharded block and with the communication theory.
 
+A mode is a name for a parallel plan on a fixed 4-device mesh (:func:`plan_for`): the block itself is
+:func:`funcshard.models.transformer.transformer_block`, the Llama's decoder layer, with a GELU MLP and no
+RoPE. There is no second copy of it here.
+
 Example:
     >>> import torch, funcshard as fs
     >>> cfg = BlockConfig(dim=16, heads=4, ffn=32)
@@ -16,20 +20,37 @@ Example:
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from .. import lax
 from .._errors import ShardingError
 from .._spec import P
-from ..ops import attention, column_parallel_linear, fsdp_gather, row_parallel_linear
+from .plan import ParallelPlan, plan_from_mesh
+from .transformer import transformer_block, use_params
 
-__all__ = ["MODES", "BlockConfig", "batch_spec", "comm_theory", "forward", "init", "loss", "mesh_shape", "param_specs"]
+__all__ = [
+    "MODES",
+    "BlockConfig",
+    "batch_spec",
+    "comm_theory",
+    "forward",
+    "init",
+    "loss",
+    "mesh_shape",
+    "param_specs",
+    "plan_for",
+]
 
 MODES = ("tp", "tp_sp", "fsdp", "fsdp_tp", "hsdp")
 _NAMES = ("attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w1", "w2")
+_EPS = 1e-6  # RMSNorm's epsilon
+# the parameters' layouts in role names: column-parallel, row-parallel, norms
+_LOGICAL = {"col": P("tp", "fsdp"), "row": P("fsdp", "tp"), "norm": P("fsdp")}
+_KIND = {"attn_norm": "norm", "wq": "col", "wk": "col", "wv": "col", "wo": "row", "mlp_norm": "norm"}
+_KIND |= {"w1": "col", "w2": "row"}
 
 
 @dataclass(frozen=True)
@@ -110,6 +131,30 @@ def _check(mode: str | None) -> str | None:
     return mode
 
 
+@functools.lru_cache(maxsize=len(MODES) + 1)
+def plan_for(mode: str | None) -> ParallelPlan:
+    """The parallel plan a mode names, on the mesh of :func:`mesh_shape` (``ParallelPlan()`` for None).
+
+    Args:
+        mode: one of :data:`MODES`, or None (unsharded).
+
+    Returns:
+        The validated plan: ``tp`` on axis ``"tp"`` (with ``sp`` for ``"tp_sp"``), ``fsdp`` on ``"fsdp"``,
+        ``dp`` on ``"dp"`` (HSDP's replicas).
+
+    Raises:
+        ShardingError: an unknown mode.
+
+    Example:
+        >>> plan = plan_for("hsdp")
+        >>> plan.dp, plan.fsdp, plan.tp
+        ('dp', 'fsdp', None)
+    """
+    if _check(mode) is None:
+        return ParallelPlan()
+    return plan_from_mesh(mesh_shape(mode), sequence_parallel=mode == "tp_sp")
+
+
 def param_specs(mode: str | None) -> dict[str, P]:
     """The parameters' layout for ``mode``: column-parallel q/k/v/w1, row-parallel o/w2 under TP; the
     other weight dim (and the norms) over ``fsdp`` under FSDP.
@@ -128,20 +173,13 @@ def param_specs(mode: str | None) -> dict[str, P]:
         >>> specs["wq"], specs["wo"]  # column-parallel, row-parallel
         (P('tp', 'fsdp'), P('fsdp', 'tp'))
     """
-    _check(mode)
-    tp = "tp" if mode in ("tp", "tp_sp", "fsdp_tp") else None
-    fsdp = "fsdp" if mode in ("fsdp", "fsdp_tp", "hsdp") else None
-    col, row, norm = P(tp, fsdp), P(fsdp, tp), P(fsdp)
-    return {
-        "attn_norm": norm,
-        "wq": col,
-        "wk": col,
-        "wv": col,
-        "wo": row,
-        "mlp_norm": norm,
-        "w1": col,
-        "w2": row,
-    }
+    return dict(_param_specs(mode))
+
+
+@functools.lru_cache(maxsize=len(MODES) + 1)
+def _param_specs(mode: str | None) -> dict[str, P]:
+    kinds = plan_for(mode).to_mesh(_LOGICAL)  # role names -> the mode's axes
+    return {name: kinds[kind] for name, kind in _KIND.items()}
 
 
 def batch_spec(mode: str | None) -> P:
@@ -160,19 +198,12 @@ def batch_spec(mode: str | None) -> P:
         >>> batch_spec("tp_sp"), batch_spec("hsdp")
         (P(None, 'tp'), P(('dp', 'fsdp')))
     """
-    _check(mode)
-    return {
-        None: P(),
-        "tp": P(),
-        "tp_sp": P(None, "tp"),
-        "fsdp": P("fsdp"),
-        "fsdp_tp": P("fsdp"),
-        "hsdp": P(("dp", "fsdp")),
-    }[mode]
-
-
-def _rms(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * w
+    plan = plan_for(mode)
+    batch = plan.batch_axes
+    entries = [batch if len(batch) > 1 else batch[0] if batch else None, plan.sp_axis]  # [batch, seq]
+    while entries and entries[-1] is None:  # written as short as it reads: P() when replicated
+        entries.pop()
+    return P(*entries)
 
 
 def forward(p: dict[str, torch.Tensor], x: torch.Tensor, cfg: BlockConfig, mode: str | None) -> torch.Tensor:
@@ -193,35 +224,9 @@ def forward(p: dict[str, torch.Tensor], x: torch.Tensor, cfg: BlockConfig, mode:
         >>> forward(init(cfg), torch.randn(2, 8, 16), cfg, None).shape
         torch.Size([2, 8, 16])
     """
-    _check(mode)
-    if mode in ("fsdp", "fsdp_tp", "hsdp"):
-        p = fsdp_gather(p, param_specs(mode), axis="fsdp", replicate_axis="dp" if mode == "hsdp" else None)
-    tp = mode in ("tp", "tp_sp", "fsdp_tp")
-    sp = 1 if mode == "tp_sp" else None
-    hd = cfg.dim // cfg.heads
-    if sp:  # replicated norm weights meet sequence shards: their gradients are summed over tp
-        p = {**p, "attn_norm": lax.pvary(p["attn_norm"], "tp"), "mlp_norm": lax.pvary(p["mlp_norm"], "tp")}
-
-    h = _rms(x, p["attn_norm"])  # [b, s(/tp), d]
-    if tp:
-        q, k, v = column_parallel_linear(h, [p["wq"], p["wk"], p["wv"]], gather_dim=sp)  # -> 3 x [b, s, d/tp]
-    else:
-        q, k, v = (F.linear(h, p[n]) for n in ("wq", "wk", "wv"))  # [b, s, d] @ [d, d] -> [b, s, d]
-    b, s = q.shape[:2]
-    q, k, v = (t.unflatten(-1, (-1, hd)).transpose(1, 2) for t in (q, k, v))  # -> [b, heads(/tp), s, hd]
-    o = attention(q, k, v, causal=True).transpose(1, 2).reshape(b, s, -1)  # -> [b, s, d(/tp)]
-    if tp:
-        x = x + row_parallel_linear(o, p["wo"], scatter_dim=sp)  # [b, s, d/tp] @ [d/tp, d] -> [b, s(/tp), d]
-    else:
-        x = x + F.linear(o, p["wo"])  # [b, s, d] @ [d, d] -> [b, s, d]
-
-    h = _rms(x, p["mlp_norm"])
-    if tp:
-        u = column_parallel_linear(h, p["w1"], gather_dim=sp)  # [b, s(/tp), d] -> [b, s, f/tp]
-        x = x + row_parallel_linear(F.gelu(u), p["w2"], scatter_dim=sp)  # [b, s, f/tp] -> [b, s(/tp), d]
-    else:
-        x = x + F.linear(F.gelu(F.linear(h, p["w1"])), p["w2"])  # [b, s, d] -> [b, s, f] -> [b, s, d]
-    return x
+    plan = plan_for(mode)
+    p = use_params(p, _param_specs(mode), plan)  # FSDP: [.., d/fsdp, ..] -> [.., d, ..]; HSDP: varying over dp
+    return transformer_block(x, p, plan, head_dim=cfg.dim // cfg.heads, norm_eps=_EPS, mlp="gelu")  # [b, s(/tp), d]
 
 
 def loss(p: dict[str, torch.Tensor], x: torch.Tensor, cfg: BlockConfig, mode: str | None) -> torch.Tensor:
@@ -246,10 +251,10 @@ def loss(p: dict[str, torch.Tensor], x: torch.Tensor, cfg: BlockConfig, mode: st
         >>> torch.allclose(fs.device_get(f(p, x)), loss(p, x, cfg, None), atol=1e-6)
         True
     """
-    y = forward(p, x, cfg, mode)
-    local = y.pow(2).mean()
-    spread = {"tp_sp": ("tp",), "fsdp": ("fsdp",), "fsdp_tp": ("fsdp",), "hsdp": ("dp", "fsdp")}.get(mode or "")
-    return lax.pmean(local, spread) if spread else local
+    plan = plan_for(mode)
+    local = forward(p, x, cfg, mode).pow(2).mean()  # [b, s(/tp), d] -> []
+    spread = plan.data_axes + ((plan.sp_axis,) if plan.sp_axis else ())  # the axes x is split over
+    return lax.pmean(local, spread) if spread else local  # [] -> [], over the shards of x
 
 
 def comm_theory(

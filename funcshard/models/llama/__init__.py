@@ -5,7 +5,11 @@ Example:
     >>> from funcshard.models import llama
     >>> cfg = llama.Config(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, max_seq_len=32)
     >>> mesh = fs.make_mesh({"dp": 2, "tp": 2}, backend="sim")
-    >>> specs = llama.param_specs(cfg, mesh)
+    >>> specs = llama.param_specs(cfg, mesh)  # each role played by the axis of its own name
+    >>> named = fs.make_mesh({"data": 2, "model": 2}, backend="sim")  # other names: roles through a plan
+    >>> plan = fs.models.plan_from_mesh(named, {"dp": "data", "tp": "model"})
+    >>> llama.param_specs(cfg, named, plan)["layers"]["wo"], llama.batch_spec(named, plan)
+    (P(None, None, 'model'), P('data', None))
 """
 
 from .config import Config as Config

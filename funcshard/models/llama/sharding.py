@@ -1,16 +1,23 @@
-"""How the Llama's parameters and batches are laid out over whatever mesh axes exist.
+"""How the Llama's parameters and batches are laid out over the axes of a parallel plan.
 
-Rules (t5x / MaxText style, regex on the leaf path): vocab and the output features of q/k/v/gate/up are
-split over ``tp`` (column-parallel), the input features of o/down over ``tp`` (row-parallel); the other
-weight dim, and the norms, over ``fsdp``. The batch dim goes over ``dp`` and ``fsdp``, the sequence over
-``cp``. Axes the mesh does not have are dropped, so one rule set serves every mesh.
+Rules (t5x / MaxText style, regex on the leaf path) are written with role names as axis names: vocab and
+the output features of q/k/v/gate/up are split over ``tp`` (column-parallel), the input features of o/down
+over ``tp`` (row-parallel); the other weight dim, and the norms, over ``fsdp``. The batch dim goes over
+``dp`` and ``fsdp``, the sequence over ``cp``. A :class:`~funcshard.models.ParallelPlan` turns each role
+into the mesh axis that plays it (``logical_to_mesh``), dropping the roles that are off, so one rule set
+serves every mesh, whatever its axes are called. Without a plan, each role is played by the mesh axis of
+its own name (``dp``, ``fsdp``, ``tp``, ``cp``).
 
 Example:
     >>> import funcshard as fs
+    >>> from funcshard.models import plan_from_mesh
     >>> from funcshard.models.llama import Config
     >>> cfg = Config(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, max_seq_len=32)
     >>> param_specs(cfg, fs.make_mesh({"dp": 2, "tp": 2}, backend="sim"))["layers"]["wq"]
     P(None, 'tp', None)
+    >>> mesh = fs.make_mesh({"data": 2, "model": 2}, backend="sim")
+    >>> param_specs(cfg, mesh, plan_from_mesh(mesh, {"dp": "data", "tp": "model"}))["layers"]["wq"]
+    P(None, 'model', None)
 """
 
 from __future__ import annotations
@@ -20,14 +27,15 @@ from typing import Any
 import torch
 
 from ... import _rules
-from ..._errors import ShardingError
+from ..._errors import ConfigError, ShardingError
 from ..._spec import P
+from ..plan import ParallelPlan, plan_from_mesh
 from .config import Config
 
-__all__ = ["RULES", "batch_spec", "check_mesh", "param_shapes", "param_specs"]
+__all__ = ["RULES", "batch_spec", "check_mesh", "model_plan", "param_shapes", "param_specs", "specs_for"]
 
-BATCH_AXES = ("dp", "fsdp")
-KNOWN_AXES = ("dp", "fsdp", "tp", "cp")
+KNOWN_AXES = ("dp", "fsdp", "tp", "cp")  # the roles the Llama plays (and, without a plan, the axes' names)
+BATCH = P(("dp", "fsdp"), "cp")  # a [batch, seq] token tensor, in role names
 
 RULES = [
     (r"embed", P("tp", "fsdp")),
@@ -77,15 +85,43 @@ def param_shapes(cfg: Config) -> dict[str, Any]:
     }
 
 
-def check_mesh(cfg: Config, mesh: Any) -> None:
-    """Raise a one-line ``ShardingError`` saying what to change when the model cannot use ``mesh``.
+def _default_roles(mesh: Any) -> dict[str, str]:
+    """Each role the Llama plays, by the mesh axis of its own name (the mesh's axes without a plan)."""
+    return {r: r for r in KNOWN_AXES if r in mesh.shape}
+
+
+def _check_sizes(cfg: Config, plan: ParallelPlan) -> None:
+    """ShardingError when the tp or fsdp size does not divide the model's sizes."""
+    tp, fsdp = plan.size("tp"), plan.size("fsdp")
+    tp_name = "tp" if plan.tp in (None, "tp") else f"tp (axis {plan.tp!r})"
+    for what, n in (
+        ("n_heads", cfg.n_heads),
+        ("n_kv_heads", cfg.n_kv_heads),
+        ("vocab_size", cfg.vocab_size),
+        ("ffn_dim", cfg.ffn_dim),
+    ):
+        if n % tp:
+            raise ShardingError(
+                f"llama: {what}={n} is not divisible by tp={tp}; choose {tp_name} dividing {what} (or change {what})."
+            )
+    if cfg.dim % fsdp:
+        fsdp_name = "fsdp" if plan.fsdp == "fsdp" else f"fsdp (axis {plan.fsdp!r})"
+        raise ShardingError(f"llama: dim={cfg.dim} is not divisible by fsdp={fsdp}; choose {fsdp_name} dividing dim.")
+
+
+def check_mesh(cfg: Config, mesh: Any, plan: ParallelPlan | None = None) -> None:
+    """Raise a one-line error saying what to change when the model cannot use ``mesh`` (with ``plan``).
 
     Args:
         cfg: the model config.
-        mesh: the mesh to check (its axes among ``dp``, ``fsdp``, ``tp``, ``cp``).
+        mesh: the mesh to check (without a plan, its axes among ``dp``, ``fsdp``, ``tp``, ``cp``).
+        plan: the parallel plan, from :func:`~funcshard.models.plan_from_mesh`; ``None``: each role played
+            by the axis of its own name.
 
     Raises:
-        ShardingError: an axis the model does not use, or a size that does not divide the model.
+        ShardingError: an axis the model does not use (no plan), or a size that does not divide the model.
+        ConfigError: a plan built for another mesh, a ``pp`` role (the Llama runs no pipeline yet), or a
+            plan without sequence parallelism for a config that asks for it.
 
     Example:
         >>> import funcshard as fs
@@ -97,41 +133,91 @@ def check_mesh(cfg: Config, mesh: Any) -> None:
         ...
         funcshard._errors.ShardingError: llama: n_heads=4 is not divisible by tp=8; choose tp dividing n_heads ...
     """
-    shape = mesh.shape
-    unknown = [a for a in mesh.axis_names if a not in KNOWN_AXES and shape[a] > 1]
-    if unknown:
-        raise ShardingError(
-            f"llama: the mesh has axis {unknown[0]!r} of size {shape[unknown[0]]}, which the Llama does not use; "
-            f"use the axes {list(KNOWN_AXES)} (e.g. --mesh dp=2,tp=2)."
-        )
-    tp = shape.get("tp", 1)
-    for what, n in (
-        ("n_heads", cfg.n_heads),
-        ("n_kv_heads", cfg.n_kv_heads),
-        ("vocab_size", cfg.vocab_size),
-        ("ffn_dim", cfg.ffn_dim),
-    ):
-        if n % tp:
+    if plan is None:
+        shape = mesh.shape
+        unknown = [a for a in mesh.axis_names if a not in KNOWN_AXES and shape[a] > 1]
+        if unknown:
             raise ShardingError(
-                f"llama: {what}={n} is not divisible by tp={tp}; choose tp dividing {what} (or change {what})."
+                f"llama: the mesh has axis {unknown[0]!r} of size {shape[unknown[0]]}, which the Llama does not "
+                f"use; use the axes {list(KNOWN_AXES)} (e.g. --mesh dp=2,tp=2). From Python, axes of other names "
+                f"take roles through a plan: llama.param_specs(cfg, mesh, plan_from_mesh(mesh, {{'dp': ..., ...}}))."
             )
-    fsdp = shape.get("fsdp", 1)
-    if cfg.dim % fsdp:
-        raise ShardingError(f"llama: dim={cfg.dim} is not divisible by fsdp={fsdp}; choose fsdp dividing dim.")
+        plan = ParallelPlan(**_default_roles(mesh), mesh_shape=tuple(shape.items()))
+    else:
+        plan.check_mesh(mesh, "llama")
+        if plan.size("pp") > 1:
+            raise ConfigError(
+                f"llama: the plan gives role 'pp' to axis {plan.pp!r} of size {plan.size('pp')}, but the Llama "
+                f"runs no pipeline yet; map 'pp' to None and give the axis another role."
+            )
+        if cfg.sequence_parallel and plan.tp is not None and not plan.sp:
+            raise ConfigError(
+                "llama: the config has sequence_parallel=True but the plan has no sequence parallelism; build it "
+                "with plan_from_mesh(mesh, roles, sequence_parallel=True), or set the config's to False."
+            )
+    _check_sizes(cfg, plan)
 
 
-def param_specs(cfg: Config, mesh: Any) -> dict[str, Any]:
-    """The spec tree of the parameters on ``mesh`` (only the axes the mesh has).
+def model_plan(cfg: Config, mesh: Any, plan: ParallelPlan | None = None) -> ParallelPlan:
+    """The checked plan the Llama runs with on ``mesh``: ``plan`` itself, or by default each role played by
+    the axis of its own name, with sequence parallelism when ``cfg.sequence_parallel`` and there is a ``tp``.
+
+    Args:
+        cfg: the model config.
+        mesh: the mesh.
+        plan: an explicit plan (from :func:`~funcshard.models.plan_from_mesh`), or None.
+
+    Returns:
+        The validated :class:`~funcshard.models.ParallelPlan`.
+
+    Raises:
+        ShardingError, ConfigError: as :func:`check_mesh`.
+
+    Example:
+        >>> import funcshard as fs
+        >>> from funcshard.models.llama import Config
+        >>> cfg = Config(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, max_seq_len=32,
+        ...              sequence_parallel=True)
+        >>> plan = model_plan(cfg, fs.make_mesh({"dp": 2, "tp": 2}, backend="sim"))
+        >>> plan.dp, plan.tp, plan.sp
+        ('dp', 'tp', True)
+    """
+    check_mesh(cfg, mesh, plan)
+    if plan is not None:
+        return plan
+    sp = cfg.sequence_parallel and "tp" in mesh.shape
+    return plan_from_mesh(mesh, _default_roles(mesh), sequence_parallel=sp)
+
+
+def specs_for(cfg: Config, plan: ParallelPlan, mesh: Any = None) -> dict[str, Any]:
+    """The parameters' spec tree under ``plan`` (checked against each shape on ``mesh`` when given).
+
+    Example:
+        >>> from funcshard.models import ParallelPlan
+        >>> from funcshard.models.llama import Config
+        >>> cfg = Config(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, max_seq_len=32)
+        >>> specs_for(cfg, ParallelPlan(fsdp="shard"))["layers"]["wo"]
+        P(None, 'shard', None)
+    """
+    rules = [(pattern, plan.to_mesh(spec)) for pattern, spec in RULES]  # role names -> this mesh's axes
+    return _rules.spec_rules(param_shapes(cfg), rules, default=None, mesh=mesh)
+
+
+def param_specs(cfg: Config, mesh: Any, plan: ParallelPlan | None = None) -> dict[str, Any]:
+    """The spec tree of the parameters on ``mesh`` (only the axes the plan gives a role).
 
     Args:
         cfg: the model config.
         mesh: the mesh the parameters are laid out on.
+        plan: the parallel plan (:func:`~funcshard.models.plan_from_mesh`); ``None``: each role played by the
+            mesh axis of its own name (``dp``, ``fsdp``, ``tp``, ``cp``).
 
     Returns:
         A tree of ``P`` specs with the structure of ``param_shapes(cfg)``.
 
     Raises:
         ShardingError: the mesh has an axis the model cannot use, or a size that does not divide the model.
+        ConfigError: a plan that does not fit the mesh or the model (see :func:`check_mesh`).
 
     Example:
         >>> import funcshard as fs
@@ -141,26 +227,33 @@ def param_specs(cfg: Config, mesh: Any) -> dict[str, Any]:
         >>> specs["embed"], specs["layers"]["wo"]
         (P('tp', 'fsdp'), P(None, 'fsdp', 'tp'))
     """
-    check_mesh(cfg, mesh)  # the parameters are replicated over cp
-    return _rules.spec_rules(param_shapes(cfg), RULES, default=None, mesh=mesh, drop_missing_axes=True)
+    return specs_for(cfg, model_plan(cfg, mesh, plan), mesh)  # the parameters are replicated over dp and cp
 
 
-def batch_spec(mesh: Any) -> P:
+def batch_spec(mesh: Any, plan: ParallelPlan | None = None) -> P:
     """The spec of a ``[batch, seq]`` token tensor: batch over the data axes (``dp``, ``fsdp``) present,
-    the sequence over ``cp`` (context parallelism, contiguous blocks) when the mesh has it.
+    the sequence over ``cp`` (context parallelism, contiguous blocks) when there is one.
 
     Args:
         mesh: the mesh the batch is laid out on.
+        plan: the parallel plan; ``None``: each role played by the mesh axis of its own name.
 
     Returns:
         The ``P`` spec of a ``[batch, seq]`` tensor.
 
     Example:
         >>> import funcshard as fs
+        >>> from funcshard.models import plan_from_mesh
         >>> batch_spec(fs.make_mesh({"dp": 2, "tp": 2}, backend="sim"))
         P('dp', None)
         >>> batch_spec(fs.make_mesh({"dp": 2, "fsdp": 2, "cp": 2}, backend="sim"))
         P(('dp', 'fsdp'), 'cp')
+        >>> mesh = fs.make_mesh({"data": 2, "seq": 2}, backend="sim")
+        >>> batch_spec(mesh, plan_from_mesh(mesh, {"dp": "data", "cp": "seq"}))
+        P('data', 'seq')
     """
-    axes = tuple(a for a in BATCH_AXES if a in mesh.shape)
-    return P(axes if len(axes) > 1 else axes[0] if axes else None, "cp" if "cp" in mesh.shape else None)
+    if plan is None:
+        plan = ParallelPlan(**_default_roles(mesh))
+    else:
+        plan.check_mesh(mesh, "llama.batch_spec")
+    return plan.to_mesh(BATCH)

@@ -1,0 +1,168 @@
+"""One transformer block, written once for every mesh: RMSNorm, attention with column-parallel q/k/v and a
+row-parallel output projection, and an MLP (SwiGLU or GELU) column- then row-parallel.
+
+Every op takes its axis from a :class:`~funcshard.models.ParallelPlan`: ``plan.tp`` for the Megatron linears
+(``gather_dim`` / ``scatter_dim`` under sequence parallelism), ``plan.cp`` for attention over a split sequence,
+``plan.fsdp`` and ``plan.replica_axes`` for the parameters. A role that is off gives ``None``, which the ops of
+:mod:`funcshard.ops` take as plain local math, so there is no second, unsharded copy of the block: called with
+``ParallelPlan()`` on full tensors it is the single-device block. The Llama (:mod:`funcshard.models.llama`) and
+the test block (:mod:`funcshard.models.block`) are both this function.
+
+Example:
+    >>> import torch
+    >>> from funcshard.models import ParallelPlan
+    >>> d, f = 16, 32
+    >>> p = {n: torch.ones(d) for n in ("attn_norm", "mlp_norm")}
+    >>> p |= {n: torch.randn(d, d) / 4 for n in ("wq", "wk", "wv", "wo")}
+    >>> p |= {"w1": torch.randn(f, d) / 4, "w3": torch.randn(f, d) / 4, "w2": torch.randn(d, f) / 6}
+    >>> transformer_block(torch.randn(2, 8, d), p, ParallelPlan(), head_dim=4, norm_eps=1e-5).shape
+    torch.Size([2, 8, 16])
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from .. import lax
+from .._errors import ConfigError
+from ..ops import column_parallel_linear, fsdp_gather, ring_attention, row_parallel_linear
+from .plan import ParallelPlan
+
+__all__ = ["MLPS", "causal_attention", "rms_norm", "rope", "transformer_block", "use_params"]
+
+PyTree = Any
+
+
+def _swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return F.silu(gate) * up
+
+
+# MLP kind -> (the column-parallel weights, the activation applied to their outputs); "w2" is the row-parallel one
+MLPS: dict[str, tuple[tuple[str, ...], Callable[..., torch.Tensor]]] = {
+    "swiglu": (("w1", "w3"), _swiglu),
+    "gelu": (("w1",), F.gelu),
+}
+
+
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim, computed in float32 and returned in ``x``'s dtype, times ``w``.
+
+    Example:
+        >>> x = torch.tensor([[3.0, 4.0]])
+        >>> rms_norm(x, torch.ones(2), 0.0)  # x / sqrt(mean(x^2)) = x / sqrt(12.5)
+        tensor([[0.8485, 1.1314]])
+    """
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * w
+
+
+def rope(x: torch.Tensor, theta: float, offset: int | torch.Tensor = 0) -> torch.Tensor:
+    """Rotary embedding of ``x [b, s, heads, hd]`` at positions ``offset .. offset+s-1`` (rotate-half form).
+
+    Example:
+        >>> x = torch.randn(1, 4, 2, 8)
+        >>> torch.allclose(rope(x, 10000.0)[:, 0], x[:, 0])  # position 0 is not rotated
+        True
+    """
+    s, hd = x.shape[1], x.shape[-1]
+    inv = 1.0 / theta ** (torch.arange(0, hd, 2, dtype=torch.float32, device=x.device) / hd)  # [hd/2]
+    pos = torch.arange(s, dtype=torch.float32, device=x.device) + offset  # [s]: this device's positions
+    ang = pos[:, None] * inv  # [s, 1] * [hd/2] -> [s, hd/2]
+    cos, sin = ang.cos()[None, :, None, :], ang.sin()[None, :, None, :]  # [1, s, 1, hd/2]
+    x1, x2 = x.float().chunk(2, dim=-1)
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+
+
+def use_params(p: PyTree, specs: PyTree, plan: ParallelPlan) -> PyTree:
+    """Parameters as the computation needs them: gathered over ``plan.fsdp`` (ZeRO-3), and varying over the
+    replica axes (``dp``, ``cp``), so their gradients are summed there (one bucketed all-reduce). With neither
+    role on, ``p`` itself.
+
+    Args:
+        p: a tree of local parameter blocks.
+        specs: their spec tree (only read when ``plan.fsdp`` is on).
+        plan: the parallel plan.
+
+    Returns:
+        The tree with the ``fsdp`` axis gathered out of every leaf.
+
+    Example:
+        >>> p = {"w": torch.randn(4, 3)}
+        >>> use_params(p, None, ParallelPlan()) is p
+        True
+    """
+    return fsdp_gather(p, specs, axis=plan.fsdp, replicate_axis=plan.replica_axes)  # [.., s/fsdp, ..] -> [.., s, ..]
+
+
+def _vary(x: torch.Tensor, axis: str | None) -> torch.Tensor:
+    """``pvary`` over ``axis`` (identity forward, psum backward); ``x`` itself when ``axis`` is None."""
+    return x if axis is None else lax.pvary(x, axis)
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: ParallelPlan) -> torch.Tensor:
+    """Causal grouped-query attention on ``[b, heads, s, hd]``; with a ``cp`` axis the sequence is split in
+    contiguous blocks over it and k/v go around the ring. The one place the block calls attention.
+
+    Example:
+        >>> q, kv = torch.randn(2, 4, 8, 16), torch.randn(2, 2, 8, 16)
+        >>> causal_attention(q, kv, kv, ParallelPlan()).shape
+        torch.Size([2, 4, 8, 16])
+    """
+    return ring_attention(q, k, v, axis=plan.cp, causal=True, layout="contiguous")  # [b, h, s(/cp), hd]
+
+
+def transformer_block(
+    x: torch.Tensor,
+    p: dict[str, torch.Tensor],
+    plan: ParallelPlan,
+    *,
+    head_dim: int,
+    norm_eps: float,
+    rope_theta: float | None = None,
+    mlp: str = "swiglu",
+) -> torch.Tensor:
+    """A pre-norm transformer block on its (gathered) parameters, for any plan.
+
+    Args:
+        x: ``[b, s, d]`` hidden states (``[b, s/tp, d]`` under sequence parallelism, ``s/cp`` positions
+            with a ``cp`` axis).
+        p: ``attn_norm``, ``wq``, ``wk``, ``wv``, ``wo``, ``mlp_norm``, ``w2`` and the MLP's column weights
+            (``w1``, ``w3`` for SwiGLU; ``w1`` for GELU), ``F.linear`` layout, local blocks of their specs.
+        plan: the parallel plan (``ParallelPlan()``: the unsharded block).
+        head_dim: the attention head size (q/k/v features are ``heads * head_dim``).
+        norm_eps: RMSNorm's epsilon.
+        rope_theta: the RoPE base; ``None``: no rotary embedding.
+        mlp: a kind of :data:`MLPS`: ``"swiglu"`` or ``"gelu"``.
+
+    Returns:
+        The block's output, the shape of ``x``.
+
+    Raises:
+        ConfigError: an unknown ``mlp``.
+
+    Example:
+        >>> # y = transformer_block(x, layer_params, plan, head_dim=64, norm_eps=1e-5, rope_theta=5e5)
+    """
+    if mlp not in MLPS:
+        raise ConfigError(f"transformer_block: unknown mlp {mlp!r}; use one of {sorted(MLPS)}.")
+    up_names, act = MLPS[mlp]
+    sp = 1 if plan.sp else None  # the sequence dim of x under sequence parallelism
+    # replicated norm weights meet sequence shards under SP: their gradients are summed over tp
+    attn_norm, mlp_norm = _vary(p["attn_norm"], plan.sp_axis), _vary(p["mlp_norm"], plan.sp_axis)
+    h = rms_norm(x, attn_norm, norm_eps)  # [b, s(/tp), d]
+    qkv = column_parallel_linear(h, [p["wq"], p["wk"], p["wv"]], axis=plan.tp, gather_dim=sp)  # -> [b, s, h*hd(/tp)]
+    b, s = qkv[0].shape[:2]
+    q, k, v = (t.unflatten(-1, (-1, head_dim)) for t in qkv)  # -> [b, s, heads(/tp), hd]
+    if rope_theta is not None:
+        offset = 0 if plan.cp is None else lax.axis_index(plan.cp) * s  # this device's first position
+        q, k = rope(q, rope_theta, offset), rope(k, rope_theta, offset)
+    o = causal_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), plan)  # [b, heads(/tp), s, hd]
+    o = o.transpose(1, 2).reshape(b, s, -1)  # -> [b, s, heads(/tp)*hd]
+    x = x + row_parallel_linear(o, p["wo"], axis=plan.tp, scatter_dim=sp)  # [b, s, h*hd(/tp)] -> [b, s(/tp), d]
+    h = rms_norm(x, mlp_norm, norm_eps)  # [b, s(/tp), d]
+    up = column_parallel_linear(h, [p[n] for n in up_names], axis=plan.tp, gather_dim=sp)  # -> [b, s, f(/tp)] each
+    return x + row_parallel_linear(act(*up), p["w2"], axis=plan.tp, scatter_dim=sp)  # [b, s, f(/tp)] -> [b, s(/tp), d]
