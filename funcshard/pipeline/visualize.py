@@ -1,5 +1,7 @@
 """Pictures of a pipeline schedule's simulated timeline: ASCII (``text``) and PNG (``plot``).
 
+An overlapped F&B pair (``dualpipev``) is one cell ``F5c0&B1c1`` in text and two half-height boxes in the PNG.
+
 Example:
     >>> from funcshard.pipeline import one_f_one_b
     >>> print(one_f_one_b(2, 3).text())
@@ -13,10 +15,10 @@ from __future__ import annotations
 import math
 from fractions import Fraction
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from .schedules import Schedule, Timeline
+    from .schedules import Action, Schedule, Timeline
 
 __all__ = ["plot", "text"]
 
@@ -25,19 +27,37 @@ NAMES = {"F": "forward", "B": "backward", "W": "weight grad"}
 MAX_CELLS = 400
 
 
-def _label(schedule: Schedule, a: Any, with_kind: bool = True) -> str:
+def _label(schedule: Schedule, a: Action, with_kind: bool = True) -> str:
     base = (a.kind if with_kind else "") + str(a.microbatch)
     return base + (f"c{a.chunk}" if schedule.n_virtual > 1 else "")
+
+
+def _cells(schedule: Schedule, row: list[tuple[float, float, Action]]) -> list[tuple[float, float, str]]:
+    """A stage's timeline as labelled cells, an overlapped F&B pair merged into one (``F5c0&B1c1``)."""
+    out: list[tuple[float, float, str]] = []
+    for b, e, a in row:
+        if a.overlap and out:
+            out[-1] = (out[-1][0], out[-1][1], out[-1][2] + "&" + _label(schedule, a))
+        else:
+            out.append((b, e, _label(schedule, a)))
+    return out
 
 
 def _cost_note(sim: Timeline, split: bool) -> str:
     c = sim.costs
     note = " ".join(f"{k}={c[k]:g}" for k in ("F", "B", "W") if split or k != "W")
+    note += f" FB={c['FB']:g}" if "FB" in c else ""
     return note + (f" comm={c['comm']:g}" if c["comm"] else "")
 
 
 def _header(schedule: Schedule, sim: Timeline) -> str:
+    from .schedules import looped_placement, v_placement
+
     v = f", {schedule.n_virtual} chunks/stage" if schedule.n_virtual > 1 else ""
+    if schedule.placement == v_placement(schedule.n_stages) and schedule.n_virtual == 2:
+        v += " (V-shape)"
+    elif schedule.placement != looped_placement(schedule.n_stages, schedule.n_virtual):
+        v += f" (placement {schedule.placement})"
     return (
         f"{schedule.name}: {schedule.n_stages} stages, {schedule.n_microbatches} microbatches{v}, "
         f"bubble {sim.bubble_fraction:.1%}, peak in-flight {sim.peak_in_flight}"
@@ -71,15 +91,16 @@ def text(schedule: Schedule, costs: dict[str, float] | None = None) -> str:
     """
     sim = schedule.simulate(costs)
     step = _step(sim)
-    width = max((len(_label(schedule, a)) for row in sim.timeline for _, _, a in row), default=2) + 1
+    rows = [_cells(schedule, row) for row in sim.timeline]
+    width = max((len(label) for row in rows for _, _, label in row), default=2) + 1
     n_cells = round(sim.makespan / step)
     lines = [f"{_header(schedule, sim)}  ({_cost_note(sim, schedule.split_backward)})"]
-    for s, row in enumerate(sim.timeline):
+    for s, row in enumerate(rows):
         out, cell = [], 0
-        for b, e, a in row:
+        for b, e, label in row:
             start, stop = round(b / step), max(round(e / step), round(b / step) + 1)
             out += [".".ljust(width)] * max(start - cell, 0)
-            out.append(_label(schedule, a).ljust((stop - start) * width - 1, "-") + " ")
+            out.append(label.ljust((stop - start) * width - 1, "-") + " ")
             cell = max(stop, cell)
         out += [".".ljust(width)] * max(n_cells - cell, 0)
         lines.append(f"stage {s} | " + "".join(out).rstrip())
@@ -96,8 +117,9 @@ def _shade(color: str, chunk: int, n_virtual: int) -> tuple[float, float, float]
 def plot(schedule: Schedule, path: str | Path, costs: dict[str, float] | None = None, *, dpi: int = 120) -> Path:
     """Draw the simulated timeline as a PNG: a row per stage, a box per action colored by kind.
 
-    Boxes are labelled with the microbatch (and ``c<chunk>`` for interleaved schedules; later chunks are
-    lighter); idle time shows as gaps. The title names the schedule and its bubble fraction. Uses
+    Boxes are labelled with the microbatch (and ``c<chunk>`` for schedules with several chunks per stage;
+    later chunks are lighter); idle time shows as gaps; an overlapped F&B pair shares its row's time span,
+    the F above its B. The title names the schedule and its bubble fraction. Uses
     matplotlib's object API with the Agg canvas, so it changes no global pyplot state.
 
     Args:
@@ -127,18 +149,26 @@ def plot(schedule: Schedule, path: str | Path, costs: dict[str, float] | None = 
     ax = fig.add_subplot(1, 1, 1)
     points_per_time = fig_w * 0.8 / span * 72
     for s, row in enumerate(sim.timeline):
-        for b, e, a in row:
+        for i, (b, e, a) in enumerate(row):
+            # an overlapped F&B pair: the F on the upper half of the row, its B on the lower half
+            top, height = (s - 0.4, 0.8)
+            if i + 1 < len(row) and row[i + 1][2].overlap:
+                height = 0.4
+            elif a.overlap:
+                top, height = s, 0.4
             color = _shade(COLORS[a.kind], a.chunk, schedule.n_virtual)
-            ax.add_patch(Rectangle((b, s - 0.4), e - b, 0.8, facecolor=color, edgecolor="white", linewidth=0.8))
+            ax.add_patch(Rectangle((b, top), e - b, height, facecolor=color, edgecolor="white", linewidth=0.8))
             label = _label(schedule, a, with_kind=False)
-            size = min(9.0, (e - b) * points_per_time / (0.65 * len(label) + 0.6))
+            size = min(9.0 if height > 0.5 else 7.0, (e - b) * points_per_time / (0.65 * len(label) + 0.6))
             if size >= 4:  # too narrow a box stays unlabelled
                 ink = "white" if a.chunk == 0 else "black"
-                ax.text((b + e) / 2, s, label, ha="center", va="center", fontsize=size, color=ink)
+                ax.text((b + e) / 2, top + height / 2, label, ha="center", va="center", fontsize=size, color=ink)
     ax.set_xlim(0, span)
     ax.set_ylim(p - 0.5, -0.5)
     ax.set_yticks(range(p), [f"stage {s}" for s in range(p)])
-    ax.set_xlabel(f"time ({_cost_note(sim, schedule.split_backward)})")
+    pairs = any(a.overlap for row in schedule.actions for a in row)
+    note = "; overlapped F&B: F above B" if pairs else ""
+    ax.set_xlabel(f"time ({_cost_note(sim, schedule.split_backward)}){note}")
     for side in ("top", "right"):
         ax.spines[side].set_visible(False)
     ax.set_title(_header(schedule, sim), fontsize=10)
