@@ -71,7 +71,12 @@ def test_every_schedule_validates(p: int, m: int) -> None:
         for s, row in enumerate(sched.actions):
             n = {k: sum(a.kind == k for a in row) for k in "FBW"}
             assert n["F"] == n["B"] == m * sched.n_virtual, (sched.name, s)
-            assert n["W"] == (m * sched.n_virtual if sched.name in ("zero_bubble_h1", "zbv") else n["W"])
+            if sched.name in ("zero_bubble_h1", "zbv", "interleaved_zero_bubble"):
+                assert n["W"] == m * sched.n_virtual  # every backward split
+            elif sched.name == "dualpipev":
+                assert n["W"] == 2 * p - 1 - s  # only warmup's and cooldown's backwards split
+            else:
+                assert n["W"] == 0
             assert n["W"] == sum(sched.is_split(s, a.microbatch, a.chunk) for a in row if a.kind == "B")
 
 
