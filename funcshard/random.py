@@ -1,12 +1,16 @@
-"""Counter-based random numbers whose value at each global index does not depend on the mesh.
+"""Counter-based random numbers, bit-identical to ``jax.random``, whose value at each global index does not
+depend on the mesh.
 
-A key is a plain ``torch.int64`` tensor of shape ``[2]`` holding two uint32 words, so it is an ordinary
-pytree leaf (pass it into ``shard_map`` with spec ``P()``). Every element of a draw is Threefry-2x32 (20
-rounds) of the key and the element's global row-major index, so inside ``shard_map`` a draw with
-``spec=P(...)`` computes only this device's block, bitwise equal to that slice of the unsharded draw: a model
-too large for one device is initialised shard by shard, identical to an unsharded init. The float transforms
-use only correctly rounded IEEE ops (``+ - * / sqrt``, ``frexp``, comparisons), never torch's SIMD
-``log`` / ``cos`` kernels, whose last bit can depend on where an element sits in a tensor.
+A key is a plain ``torch.int64`` tensor of shape ``[2]`` holding two uint32 words (``jax.random.key_data``
+of a threefry key), so it is an ordinary pytree leaf (pass it into ``shard_map`` with spec ``P()``). The
+streams are JAX's with ``jax_threefry_partitionable=True`` (its default from 0.5): element ``i`` of a draw
+is Threefry-2x32 (20 rounds) of the key and the 64-bit row-major index ``i``; ``split`` / ``fold_in`` use the
+same counters. So ``key``, ``split``, ``fold_in``, ``bits``, ``uniform``, ``bernoulli`` and ``randint`` equal
+``jax.random``'s bit for bit, and ``normal`` (``sqrt(2) * erfinv(u)``, as JAX) within a few ulp (XLA's own
+``log1p`` differs from a correctly rounded one). Inside ``shard_map`` a draw with ``spec=P(...)`` computes
+only this device's block, bitwise equal to that slice of the unsharded draw: a model too large for one device
+is initialised shard by shard, identical to an unsharded init. Every transform is elementwise and built from
+correctly rounded IEEE ops (no SIMD ``log`` kernel whose last bit could depend on where an element sits).
 
 Example:
     >>> import torch, funcshard as fs
@@ -38,7 +42,6 @@ __all__ = ["bernoulli", "bits", "fold_in", "key", "normal", "randint", "split", 
 _M = 0xFFFFFFFF
 _ROT = (13, 15, 26, 6, 17, 29, 16, 24)  # Threefry-2x32 rotation constants (Salmon et al. 2011)
 _PARITY = 0x1BD11BDA
-_KEY_DOMAIN = 1 << 31  # high counter bit of derived keys: a child key never equals a draw's bits
 _Shape = int | Sequence[int]
 
 
@@ -88,13 +91,16 @@ def _check_key(k: Any, fn: str) -> torch.Tensor:
 
 
 def _derive(k: torch.Tensor, i: torch.Tensor) -> torch.Tensor:
-    """Keys number ``i`` (int64 ``[n]``, in ``[0, 2**63)``) derived from ``k``: int64 ``[n, 2]``."""
-    x0, x1 = threefry2x32(k, (i >> 32) | _KEY_DOMAIN, i & _M)
+    """Keys number ``i`` (int64 ``[n]``, in ``[0, 2**63)``) derived from ``k``: int64 ``[n, 2]``, the two
+    Threefry words of counter ``i`` (JAX's partitionable ``split``; ``fold_in`` is the same for one ``i``)."""
+    x0, x1 = threefry2x32(k, i >> 32, i & _M)
     return torch.stack([x0, x1], dim=-1)  # 2 x [n] -> [n, 2]
 
 
 def key(seed: int) -> torch.Tensor:
-    """A key from an integer seed of up to 64 bits (negative seeds are taken as two's complement).
+    """A key from an integer seed of up to 64 bits (negative seeds are taken as two's complement):
+    ``jax.random.key_data(jax.random.key(seed))`` (64-bit seeds as JAX with ``jax_enable_x64``; without it
+    JAX keeps only a seed's low 32 bits).
 
     Example:
         >>> key(1)
@@ -185,30 +191,62 @@ def _finish(out: torch.Tensor, axes: frozenset[str]) -> torch.Tensor:
 
 
 def _float_dtype(dtype: torch.dtype, fn: str) -> torch.dtype:
-    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-        raise ConfigError(f"{fn}: dtype must be a floating torch dtype, found {dtype!r}; e.g. torch.float32.")
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point or dtype not in _FLOAT_BITS:
+        raise ConfigError(
+            f"{fn}: dtype must be a floating torch dtype (float16, bfloat16, float32, float64), found {dtype!r}."
+        )
     return dtype
 
 
+# per float dtype: the int dtype of its bits, JAX's random bit width, mantissa bits, and the bits of 1.0
+_FLOAT_BITS = {
+    torch.float32: (torch.int32, 32, 23, 0x3F800000),
+    torch.float64: (torch.int64, 64, 52, 0x3FF0000000000000),
+    torch.float16: (torch.int16, 16, 10, 0x3C00),
+    torch.bfloat16: (torch.int16, 8, 7, 0x3F80),  # JAX draws 8 bits where the mantissa has fewer than 8
+}
+
+
+def _width_bits(x0: torch.Tensor, x1: torch.Tensor, width: int) -> torch.Tensor:
+    """JAX's ``random_bits`` of ``width`` 8, 16 or 32 from the Threefry words: ``x0 ^ x1``, truncated."""
+    b = x0 ^ x1
+    return b if width == 32 else b & ((1 << width) - 1)
+
+
 def _unit(x0: torch.Tensor, x1: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Uniform in [0, 1) on the grid 2**-m, m = dtype's mantissa bits (53 take bits of both words); exact."""
-    m = 1 - int(math.log2(torch.finfo(dtype).eps))  # 24 for float32, 53 for float64, 8 for bfloat16
-    if m <= 32:
-        return (x0 >> (32 - m)).to(dtype) * 2.0**-m  # integer < 2**m times a power of two: exact
-    n = (x0 << (m - 32)) | (x1 >> (64 - m))  # int64 < 2**m, exact in float64
-    return (n.to(torch.float64) * 2.0**-m).to(dtype)
+    """JAX's uniform in ``[0, 1)``: random mantissa bits under the exponent of 1.0, minus 1 (exact)."""
+    int_dtype, width, nmant, one = _FLOAT_BITS[dtype]
+    if width == 64:  # (x0 << 32 | x1) >> 12 without leaving int64
+        mant = (x0 << 20) | (x1 >> 12)
+    else:
+        mant = _width_bits(x0, x1, width) >> (width - nmant)
+    return (mant | one).to(int_dtype).view(dtype) - 1.0
 
 
 def bits(key: torch.Tensor, shape: _Shape, *, spec: P | None = None) -> torch.Tensor:
-    """Uniform random uint32 values, held in int64.
+    """Uniform random uint32 values, held in int64: ``jax.random.bits(key, shape)``.
 
     Example:
         >>> b = bits(key(0), (3,))
         >>> b.dtype, bool(((b >= 0) & (b < 2**32)).all())
         (torch.int64, True)
     """
-    x0, _, axes = _words(key, shape, spec, "bits")
-    return _finish(x0, axes)
+    x0, x1, axes = _words(key, shape, spec, "bits")
+    return _finish(_width_bits(x0, x1, 32), axes)
+
+
+def _scale(u: torch.Tensor, low: float, high: float, dtype: torch.dtype) -> torch.Tensor:
+    """``max(low, u * (high - low) + low)`` in ``dtype`` as XLA computes it: the multiply-add fused (one
+    rounding) for float16 / float32 / float64, two bfloat16 ops for bfloat16."""
+    lo, hi = torch.tensor(low, dtype=dtype), torch.tensor(high, dtype=dtype)
+    span = hi - lo
+    if dtype == torch.bfloat16:
+        y = u * span + lo
+    elif dtype == torch.float64:  # torch's CPU addcmul fuses (vector and scalar paths alike)
+        y = torch.addcmul(lo.expand_as(u), u, span.expand_as(u))
+    else:  # the product of two float32 values is exact in float64: one rounding there, one to dtype
+        y = (u.double() * span.double() + lo.double()).to(dtype)
+    return torch.maximum(lo, y)
 
 
 def uniform(
@@ -220,9 +258,9 @@ def uniform(
     high: float = 1.0,
     spec: P | None = None,
 ) -> torch.Tensor:
-    """Uniform floats in ``[low, high)`` (``high`` itself may appear only by rounding of ``low + (high-low)*u``).
+    """Uniform floats in ``[low, high)``: ``jax.random.uniform(key, shape, dtype, low, high)`` bit for bit.
 
-    ``u`` has as many random bits as ``dtype``'s mantissa (24 for float32, 53 for float64, 8 for bfloat16).
+    ``u`` has as many random bits as ``dtype``'s mantissa (23 for float32, 52 for float64, 7 for bfloat16).
 
     Example:
         >>> u = uniform(key(0), (1000,), low=-1.0, high=1.0)
@@ -235,7 +273,7 @@ def uniform(
     x0, x1, axes = _words(key, shape, spec, "uniform")
     u = _unit(x0, x1, dtype)
     if (low, high) != (0.0, 1.0):
-        u = u * (float(high) - float(low)) + float(low)  # two correctly rounded ops, no fma
+        u = _scale(u, float(low), float(high), dtype)
     return _finish(u, axes)
 
 
@@ -257,23 +295,36 @@ def _log(x: torch.Tensor) -> torch.Tensor:
     return e * _LN2_HI + (e * _LN2_LO + 2.0 * s * p)
 
 
-def _cos2pi(u: torch.Tensor) -> torch.Tensor:
-    """``cos(2 pi u)`` of float64 ``u`` in ``[0, 1]``, exact reductions and a Taylor polynomial on [0, pi/2]."""
-    w = (u - 0.5).abs()  # cos(2 pi u) = -cos(2 pi w), w in [0, 1/2]
-    far = w > 0.25
-    w = torch.where(far, 0.5 - w, w)  # cos(2 pi w) = -cos(2 pi (1/2 - w)), w in [0, 1/4]
-    x = w * (2.0 * math.pi)
-    nx2 = -(x * x)
-    c = torch.full_like(x, 1.0 / math.factorial(24))
-    for k in range(11, -1, -1):  # cos x = sum (-1)**k x**(2k) / (2k)!, remainder < 2e-17 on [0, pi/2]
-        c = c.mul_(nx2).add_(1.0 / math.factorial(2 * k))
-    return torch.where(far, c, -c)
+# Giles' single-precision erfinv ("Approximating the erfinv function", 2010), the polynomial XLA evaluates
+_ERFINV_W_LT_5 = (2.81022636e-08, 3.43273939e-07, -3.5233877e-06, -4.39150654e-06, 0.00021858087,
+                  -0.00125372503, -0.00417768164, 0.246640727, 1.50140941)  # fmt: skip
+_ERFINV_W_GE_5 = (-0.000200214257, 0.000100950558, 0.00134934322, -0.00367342844, 0.00573950773,
+                  -0.0076224613, 0.00943887047, 1.00167406, 2.83297682)  # fmt: skip
+
+
+def _erfinv32(x: torch.Tensor) -> torch.Tensor:
+    """``erfinv`` of float32 ``x`` in (-1, 1) as XLA computes it in float32 (Giles' polynomial, each step
+    ``c + p * w`` rounded once as a fused multiply-add), with a correctly rounded ``log1p``."""
+    t = (-(x * x)).double()  # exact
+    w = torch.where(t.abs() < 2.0**-30, -t, -_log(1.0 + t)).float()  # -log1p(-x**2); 1 + t exact when used
+    lt = w < 5.0
+    ww = torch.where(lt, w - 2.5, torch.sqrt(w) - 3.0).double()
+    p = torch.where(lt, _ERFINV_W_LT_5[0], _ERFINV_W_GE_5[0]).float()
+    for c_lt, c_ge in zip(_ERFINV_W_LT_5[1:], _ERFINV_W_GE_5[1:], strict=True):
+        c = torch.where(lt, _f32(c_lt), _f32(c_ge))
+        p = (c + p.double() * ww).float()  # float32 product exact in float64: one rounding, as an fma
+    return p * x
+
+
+def _f32(v: float) -> float:
+    return float(torch.tensor(v, dtype=torch.float32))
 
 
 def normal(
     key: torch.Tensor, shape: _Shape, dtype: torch.dtype = torch.float32, *, spec: P | None = None
 ) -> torch.Tensor:
-    """Standard normal samples (Box-Muller in float64, then cast; ``|z| <= 6.67`` from 32-bit words).
+    """Standard normal samples: ``sqrt(2) * erfinv(u)`` with ``u`` uniform in ``(-1, 1)``, as
+    ``jax.random.normal`` (equal to it within a few ulp; float16 / bfloat16 go through float32 as XLA does).
 
     Example:
         >>> z = normal(key(0), (100_000,))
@@ -282,14 +333,18 @@ def normal(
     """
     dtype = _float_dtype(dtype, "normal")
     x0, x1, axes = _words(key, shape, spec, "normal")
-    r = (x0 + 1).to(torch.float64) * 2.0**-32  # radius uniform in (0, 1], exact
-    t = x1.to(torch.float64) * 2.0**-32  # angle uniform in [0, 1), exact
-    z = torch.sqrt(_log(r) * -2.0) * _cos2pi(t)
-    return _finish(z.to(dtype), axes)
+    lo = float(torch.nextafter(torch.tensor(-1.0, dtype=dtype), torch.tensor(0.0, dtype=dtype)))
+    u = _scale(_unit(x0, x1, dtype), lo, 1.0, dtype)
+    if dtype == torch.float64:
+        e = torch.erfinv(u)  # a scalar kernel: one result per element, wherever it sits
+    else:
+        e = _erfinv32(u.float()).to(dtype)
+    return _finish(torch.tensor(math.sqrt(2), dtype=dtype) * e, axes)
 
 
 def bernoulli(key: torch.Tensor, p: float, shape: _Shape, *, spec: P | None = None) -> torch.Tensor:
-    """Bool samples that are True with probability ``p`` (resolution 2**-32).
+    """Bool samples that are True with probability ``p``: ``jax.random.bernoulli(key, p, shape)``
+    (``uniform(key, shape) < p`` in float32).
 
     Example:
         >>> b = bernoulli(key(0), 0.25, (100_000,))
@@ -299,8 +354,8 @@ def bernoulli(key: torch.Tensor, p: float, shape: _Shape, *, spec: P | None = No
     p = float(p)
     if not 0.0 <= p <= 1.0:
         raise ConfigError(f"bernoulli: p must lie in [0, 1], found {p}.")
-    x0, _, axes = _words(key, shape, spec, "bernoulli")
-    return _finish(x0 < math.ceil(p * 2.0**32), axes)  # integer compare, exactly x0 * 2**-32 < p
+    x0, x1, axes = _words(key, shape, spec, "bernoulli")
+    return _finish(_unit(x0, x1, torch.float32) < torch.tensor(p, dtype=torch.float32), axes)
 
 
 def randint(
@@ -312,11 +367,12 @@ def randint(
     dtype: torch.dtype = torch.int64,
     spec: P | None = None,
 ) -> torch.Tensor:
-    """Integers in ``[low, high)``, ``high - low <= 2**31``.
+    """Integers in ``[low, high)``, ``high - low <= 2**31``: ``jax.random.randint`` bit for bit (JAX draws
+    32 bits for every integer dtype up to int32, its default; the values are the same in any torch dtype).
 
-    Computed as ``low + (bits * span) >> 32`` with ``span = high - low`` (no rejection loop, so every element
-    stays a pure function of its index): each value has probability ``(1 + eps) / span`` with
-    ``|eps| < span / 2**32``, e.g. below 3e-5 for a 128k vocabulary.
+    JAX's method: two draws of 32 bits from ``split(key)``, combined as ``(hi % span) * (2**32 % span) +
+    lo % span`` in unsigned 32-bit arithmetic, modulo ``span``; no rejection loop, so every element stays a
+    pure function of its index.
 
     Example:
         >>> r = randint(key(0), (1000,), 3, 7)
@@ -333,6 +389,13 @@ def randint(
     info = torch.iinfo(dtype)
     if low < info.min or high - 1 > info.max:
         raise ConfigError(f"randint: [{low}, {high}) does not fit {dtype} ([{info.min}, {info.max}]).")
-    x0, _, axes = _words(key, shape, spec, "randint")
-    v = ((x0 * (high - low)) >> 32) + low  # [0, 2**32) * span < 2**63: no overflow
-    return _finish(v.to(dtype), axes)
+    nbits = 32
+    k1, k2 = split(key, 2)
+    h0, h1, axes = _words(k1, shape, spec, "randint")
+    l0, l1, _ = _words(k2, shape, spec, "randint")
+    mask = (1 << nbits) - 1
+    span = high - low
+    mult = (2 ** (nbits // 2) % span) ** 2 % span  # 2**nbits % span, as JAX computes it
+    off = (((_width_bits(h0, h1, nbits) % span) * mult) & mask) + (_width_bits(l0, l1, nbits) % span)
+    off = (off & mask) % span  # the sum wraps at 2**nbits, as unsigned arithmetic does
+    return _finish((off + low).to(dtype), axes)
