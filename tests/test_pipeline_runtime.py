@@ -13,7 +13,7 @@ import torch
 
 import funcshard as fs
 from funcshard import P
-from funcshard.pipeline import gpipe, interleaved_1f1b, one_f_one_b, run, zero_bubble_h1
+from funcshard.pipeline import by_name, gpipe, interleaved_1f1b, one_f_one_b, run, zero_bubble_h1
 from funcshard.pipeline.runtime import ticks, virtual_stage_order
 
 D, H, MB = 4, 6, 3  # feature dim, hidden dim, rows per microbatch
@@ -56,6 +56,8 @@ def _schedule(name: str, p: int, m: int):
         return one_f_one_b(p, m)
     if name == "interleaved":
         return interleaved_1f1b(p, m, 2)
+    if name in ("interleaved_zb", "looped_bfs"):
+        return by_name(name, p, m, n_virtual=2)
     return zero_bubble_h1(p, m)
 
 
@@ -82,11 +84,26 @@ def _pipeline_body(mesh: fs.Mesh, name: str, m: int, check_vma: bool) -> str:
 
 CASES = [
     (name, p, m)
-    for name in ("gpipe", "1f1b", "interleaved", "zb_h1")
+    for name in ("gpipe", "1f1b", "interleaved", "zb_h1", "interleaved_zb", "looped_bfs")
     for p in (2, 4)
     for m in (4, 8)
-    if not (name == "interleaved" and m % p)
+    if not (name == "interleaved" and m % p) and not (name == "interleaved_zb" and m < p)
 ]
+
+
+@pytest.mark.parametrize("name", ["zbv", "dualpipev"])
+def test_v_shaped_schedules_refused_for_now(name: str) -> None:
+    mesh = fs.make_mesh({"pp": 2}, backend="sim")
+    sched = by_name(name, 2, 4)
+    f = fs.shard_map(
+        lambda w, xs, ts: run(sched, _layer, w, xs, targets=ts, loss_fn=_mse),
+        mesh=mesh,
+        in_specs=(P("pp"), P(), P()),
+        out_specs=(P(), P("pp")),
+    )
+    w1, w2, x, t = _data(4, 4 * MB)
+    with pytest.raises(fs.ShardingError, match="V"):
+        f((w1, w2), x.reshape(4, MB, D), t.reshape(4, MB, D))
 
 
 @pytest.mark.parametrize("check_vma", [True, False], ids=["vma", "novma"])

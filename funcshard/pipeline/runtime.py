@@ -38,7 +38,7 @@ from .. import lax
 from .._context import current
 from .._errors import ShardingError
 from .._vma import get_vma, pvary_to, set_vma
-from .schedules import Action, Schedule
+from .schedules import Action, Schedule, looped_placement
 
 __all__ = ["Tick", "run", "ticks", "virtual_stage_order"]
 
@@ -119,6 +119,15 @@ def _check(
     schedule: Schedule, stage_params: PyTree, microbatches: torch.Tensor, targets: torch.Tensor | None, axis: str
 ) -> None:
     n = lax.axis_size(axis)
+    looped = schedule.placement == looped_placement(schedule.n_stages, schedule.n_virtual)
+    paired = any(a.overlap for acts in schedule.actions for a in acts)
+    if not looped or paired:
+        raise ShardingError(
+            f"pipeline.run: {schedule!r} "
+            + ("places model chunks in a V" if not looped else "has overlapped F&B pairs")
+            + "; this runtime runs looped placements (gpipe, 1f1b, interleaved, zb, interleaved_zb, looped_bfs) "
+            "so far. Simulate and plot it with schedule.simulate() / schedule.plot(), or pick a looped schedule."
+        )
     if n != schedule.n_stages:
         raise ShardingError(
             f"pipeline.run: mesh axis '{axis}' has size {n} but the schedule {schedule!r} has "
@@ -235,7 +244,6 @@ class _Stage:
         self.microbatches, self.targets = microbatches, targets
         self.p, self.m = schedule.n_stages, schedule.n_microbatches
         self.last = self.p * schedule.n_virtual - 1
-        self.split = schedule.split_backward
         self.me = lax.axis_index_int(axis)
         # the axes every activation / activation gradient varies over (vma tags of what ppermute delivers)
         self.act_axes = get_vma(microbatches) | frozenset([axis]) if self.vma else frozenset()
@@ -323,9 +331,10 @@ class _Stage:
         x, out = self.saved[key]
         g_out = None if vs == self.last else self.received["B"].pop(key)
         params = self.chunk_leaves[a.chunk]
-        wrt = ([x] if vs > 0 else []) + ([] if self.split else params)
-        gs = torch.autograd.grad(out, wrt, g_out, retain_graph=self.split, allow_unused=True) if wrt else ()
-        if self.split:
+        split = self.schedule.is_split(self.me, a.microbatch, a.chunk)  # a W follows: input gradient only
+        wrt = ([x] if vs > 0 else []) + ([] if split else params)
+        gs = torch.autograd.grad(out, wrt, g_out, retain_graph=split, allow_unused=True) if wrt else ()
+        if split:
             self.pending_w[key] = g_out if g_out is not None else torch.ones_like(out)
         else:
             del self.saved[key]
