@@ -38,7 +38,7 @@ from .. import lax
 from .._context import current
 from .._errors import ShardingError
 from .._vma import get_vma, pvary_to, set_vma
-from .schedules import Action, Schedule, looped_placement
+from .schedules import Action, Schedule
 
 __all__ = ["Tick", "run", "ticks", "virtual_stage_order"]
 
@@ -119,7 +119,7 @@ def _check(
     schedule: Schedule, stage_params: PyTree, microbatches: torch.Tensor, targets: torch.Tensor | None, axis: str
 ) -> None:
     n = lax.axis_size(axis)
-    looped = schedule.placement == looped_placement(schedule.n_stages, schedule.n_virtual)
+    looped = schedule.placement_kind == "looped"
     paired = any(a.overlap for acts in schedule.actions for a in acts)
     if not looped or paired:
         raise ShardingError(

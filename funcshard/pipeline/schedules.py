@@ -218,6 +218,22 @@ class Schedule:
         """True when the schedule has ``W`` actions (each ``B`` with a ``W`` is then the input-gradient half)."""
         return any(a.kind == "W" for acts in self.actions for a in acts)
 
+    @property
+    def placement_kind(self) -> str:
+        """``"looped"`` (chunk ``c`` of stage ``s`` is virtual stage ``c*p+s``), ``"v"`` (``zbv`` / ``dualpipev``'s
+        V-shape) or ``"custom"``.
+
+        Example:
+            >>> from funcshard.pipeline import zbv
+            >>> zbv(2, 4).placement_kind
+            'v'
+        """
+        if self.placement == looped_placement(self.n_stages, self.n_virtual):
+            return "looped"
+        if self.n_virtual == 2 and self.placement == v_placement(self.n_stages):
+            return "v"
+        return "custom"
+
     def virtual_stage(self, stage: int, chunk: int) -> int:
         """The virtual stage (model chunk, 0 = first layers) that chunk ``chunk`` of ``stage`` holds.
 

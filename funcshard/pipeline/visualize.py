@@ -51,12 +51,10 @@ def _cost_note(sim: Timeline, split: bool) -> str:
 
 
 def _header(schedule: Schedule, sim: Timeline) -> str:
-    from .schedules import looped_placement, v_placement
-
     v = f", {schedule.n_virtual} chunks/stage" if schedule.n_virtual > 1 else ""
-    if schedule.placement == v_placement(schedule.n_stages) and schedule.n_virtual == 2:
+    if schedule.placement_kind == "v":
         v += " (V-shape)"
-    elif schedule.placement != looped_placement(schedule.n_stages, schedule.n_virtual):
+    elif schedule.placement_kind == "custom":
         v += f" (placement {schedule.placement})"
     return (
         f"{schedule.name}: {schedule.n_stages} stages, {schedule.n_microbatches} microbatches{v}, "
