@@ -1,19 +1,54 @@
-"""What both backends share: group membership and the device-handle interface."""
+"""What both backends share: group membership, the device-handle interface, and how long a collective waits."""
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 
-__all__ = ["DeviceHandle", "default_timeout", "group_members"]
+from .._errors import MeshError, ShardingError
+
+__all__ = ["DEFAULT_TIMEOUT", "DeviceHandle", "PeerError", "default_timeout", "group_members"]
+
+DEFAULT_TIMEOUT = 300.0
+
+
+class PeerError(ShardingError):
+    """A collective whose peers did not answer in time, or whose connection broke (a process stopped, hung or
+    died). Under ``"dist"`` each process has its own view of it, so each one reports its own message.
+
+    Example:
+        >>> issubclass(PeerError, ShardingError)
+        True
+    """
 
 
 def default_timeout() -> float:
-    """Seconds a collective may wait for its peers (``FUNCSHARD_TIMEOUT``, default 300)."""
-    return float(os.environ.get("FUNCSHARD_TIMEOUT", "300"))
+    """Seconds a collective may wait for its peers: ``FUNCSHARD_TIMEOUT`` (default 300), read at each call.
+
+    Under ``"sim"`` it bounds every wait of a simulated device; under ``"dist"`` it is the timeout of the default
+    process group (when funcshard starts it) and of every per-axis group.
+
+    Raises:
+        MeshError: a value that is not a positive number of seconds.
+
+    Example:
+        >>> default_timeout() > 0  # FUNCSHARD_TIMEOUT=10 python ... gives 10.0
+        True
+    """
+    text = os.environ.get("FUNCSHARD_TIMEOUT", "")
+    if not text.strip():
+        return DEFAULT_TIMEOUT
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not (value > 0 and math.isfinite(value)):
+        raise MeshError(f"FUNCSHARD_TIMEOUT={text!r}: expected a positive number of seconds (default 300), e.g. 60.")
+    return value
 
 
 def group_members(mesh: Any, coords: Mapping[str, int], axes: Sequence[str]) -> tuple[list[int], int]:

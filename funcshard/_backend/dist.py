@@ -5,6 +5,12 @@ axes is built the first time a collective uses it (every process reaches that co
 takes part in building it) and kept. torch orders a group's ranks by global rank; the primitives here
 reorder rows to the logical (row-major over the named axes) order.
 
+Every group, the default one included when funcshard starts it, waits ``FUNCSHARD_TIMEOUT`` seconds (default
+300) for its peers. A collective that times out, or whose connection breaks (a peer stopped, hung or died),
+raises :class:`~funcshard._backend.base.PeerError` on each surviving process, naming the axis, this rank and
+the rank(s) it waited for; the processes that saw the failure tell each other through the default store, so
+a process waiting on a live peer that itself waits names the rank that never answered.
+
 Example:
     >>> # under torchrun --nproc-per-node 2:
     >>> # mesh = fs.make_mesh({"tp": 2}, backend="dist")
@@ -15,16 +21,22 @@ from __future__ import annotations
 import atexit
 import datetime
 import os
+import re
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from .._errors import MeshError
-from .base import DeviceHandle, default_timeout, group_members
+from .base import DeviceHandle, PeerError, default_timeout, group_members
 
 __all__ = [
     "DistDevice",
+    "any_process",
     "barrier",
     "broadcast_object",
     "device_for",
@@ -76,7 +88,11 @@ def _init_default_group() -> None:
     backend = "nccl" if torch.cuda.is_available() and dist.is_nccl_available() else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=default_timeout()))
+    dist.init_process_group(backend, timeout=_timeout())
+
+
+def _timeout() -> datetime.timedelta:
+    return datetime.timedelta(seconds=default_timeout())
 
 
 def _mesh_key(mesh: Any) -> tuple[Any, ...]:
@@ -97,7 +113,7 @@ def _build_group(mesh: Any, axes: frozenset[str]) -> Any:
         if members in seen:
             continue
         seen.add(members)
-        g = dist.new_group(list(members))
+        g = dist.new_group(list(members), timeout=_timeout())
         if me in members:
             mine = g
     return mine
@@ -155,6 +171,97 @@ def device_for(mesh: Any) -> DistDevice:
     return dev
 
 
+_PEER_TROUBLE = ("timed out", "timeout", "connection", "closed", "reset by peer", "broken pipe", "peer")
+_PROBE_S = 3.0  # at most this long, after a failure, to learn which processes failed alike
+
+
+def _first_line(e: BaseException) -> str:
+    """torch's message without the C++ source location: ``[.../pair.cc:534] Read error`` -> ``Read error``."""
+    lines = str(e).strip().splitlines()
+    return re.sub(r"^\[[^\]]*\]\s*", "", lines[0] if lines else type(e).__name__)[:200]
+
+
+def _silent_ranks(wait_s: float) -> list[int] | None:
+    """The ranks that did not report a failed collective within ``wait_s`` seconds (best effort: None when
+    the default store cannot tell in time, e.g. its host process is the one that stopped)."""
+    box: list[list[int]] = []
+
+    def probe() -> None:
+        store = dist.distributed_c10d._get_default_store()
+        me, world = dist.get_rank(), dist.get_world_size()
+        store.set(f"funcshard/failed/{me}", "1")
+        deadline = time.monotonic() + wait_s
+        while True:
+            failed = {r for r in range(world) if store.check([f"funcshard/failed/{r}"])}
+            if len(failed) == world or time.monotonic() > deadline:
+                box.append([r for r in range(world) if r not in failed])
+                return
+            time.sleep(0.1)
+
+    def guarded() -> None:
+        try:
+            probe()
+        except Exception:  # noqa: BLE001 - the probe only improves the message
+            pass
+
+    # a thread: a store whose host process is stopped blocks its callers, whatever their timeout
+    t = threading.Thread(target=guarded, name="funcshard-peer-probe", daemon=True)
+    t.start()
+    t.join(wait_s + 1.0)
+    return box[0] if box else None
+
+
+def _ranks(ranks: list[int]) -> str:
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
+
+
+def peer_error(what: str, axes: tuple[str, ...], members: list[int], err: BaseException) -> PeerError:
+    """The error for collective ``what`` over ``axes`` (group ``members``, global ranks) that failed with
+    ``err`` because a peer did not answer or its connection broke.
+
+    Example:
+        >>> # under torchrun, with rank 3 stopped (SIGSTOP) and FUNCSHARD_TIMEOUT=10, on rank 2:
+        >>> # PeerError: psum over axis 'tp' (ranks 2, 3): rank 2 got no answer within 10 s (FUNCSHARD_TIMEOUT)
+        >>> # waiting for rank 3, which does not answer (stopped, hung or dead) ...
+    """
+    me = dist.get_rank()
+    cause = _first_line(err)
+    timed_out = "timed out" in cause.lower() or "timeout" in cause.lower()
+    t = default_timeout()
+    where = ("axis " + " x ".join(f"'{a}'" for a in axes)) if axes else "every process"
+    peers = [m for m in members if m != me]
+    silent = _silent_ranks(min(_PROBE_S, t))
+    how = f"got no answer within {t:g} s (FUNCSHARD_TIMEOUT)" if timed_out else "lost its connection"
+    head = f"{what} over {where} ({_ranks(sorted(members))}): rank {me} {how}"
+    if silent is None:
+        who = "which (or a rank it waits for) is" if len(peers) == 1 else "one of them (or a rank they wait for) is"
+        body = f"waiting for {_ranks(peers)}, {who} stopped, hung or dead"
+    elif set(silent) & set(peers):
+        gone = [r for r in peers if r in silent]
+        body = f"waiting for {_ranks(gone)}, which does not answer (stopped, hung or dead)"
+    elif silent:
+        body = (
+            f"waiting for {_ranks(peers)}, which wait(s) in turn; {_ranks(silent)} does not answer "
+            f"(stopped, hung or dead)"
+        )
+    else:
+        body = f"waiting for {_ranks(peers)}, which failed too"
+    return PeerError(
+        f"{head} {body}. FUNCSHARD_TIMEOUT sets how many seconds a collective waits (now {t:g}). (torch: {cause})"
+    )
+
+
+@contextmanager
+def _waiting(what: str, axes: tuple[str, ...], members: list[int]) -> Iterator[None]:
+    """Around a torch.distributed call: a peer that does not answer, or a broken connection -> :func:`peer_error`."""
+    try:
+        yield
+    except RuntimeError as e:
+        if not any(k in str(e).lower() for k in _PEER_TROUBLE):
+            raise
+        raise peer_error(what, axes, members, e) from e
+
+
 class DistDevice(DeviceHandle):
     """This process, as a device of ``mesh``."""
 
@@ -179,38 +286,42 @@ class DistDevice(DeviceHandle):
         return hit
 
     def all_reduce(self, x: torch.Tensor, axes: tuple[str, ...], op: str) -> torch.Tensor:
-        g = self._group(axes)[0]
+        g, members, _, _ = self._group(axes)
         out = x.detach().clone(memory_format=torch.contiguous_format)
         red = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op]
-        dist.all_reduce(out, op=red, group=g)  # [*s] -> [*s]
+        with _waiting({"sum": "psum", "max": "pmax", "min": "pmin"}[op], axes, members):
+            dist.all_reduce(out, op=red, group=g)  # [*s] -> [*s]
         return out
 
     def all_gather(self, x: torch.Tensor, axes: tuple[str, ...]) -> torch.Tensor:
         g, members, gr, _ = self._group(axes)
         n = len(members)
         out = torch.empty(n * x.numel(), dtype=x.dtype, device=x.device)
-        _all_gather(out, x.detach().reshape(-1).contiguous(), group=g)  # [*s] -> [n * |s|] (group-rank order)
+        with _waiting("all_gather", axes, members):
+            _all_gather(out, x.detach().reshape(-1).contiguous(), group=g)  # [*s] -> [n * |s|] (group-rank order)
         out = out.view(n, *x.shape)
         return out if gr == sorted(gr) else out[gr]
 
     def reduce_scatter(self, x: torch.Tensor, axes: tuple[str, ...]) -> torch.Tensor:
-        g, _, gr, _ = self._group(axes)
+        g, members, gr, _ = self._group(axes)
         inp = x.detach()
         if gr != sorted(gr):
             inp = inp[_inverse(gr)]  # logical order -> group-rank order
         out = torch.empty(x[0].numel(), dtype=x.dtype, device=x.device)
-        _reduce_scatter(out, inp.reshape(-1).contiguous(), group=g)  # [n * |s|] -> [|s|]
+        with _waiting("psum_scatter", axes, members):
+            _reduce_scatter(out, inp.reshape(-1).contiguous(), group=g)  # [n * |s|] -> [|s|]
         return out.view(x.shape[1:])
 
     def all_to_all(self, x: torch.Tensor, axes: tuple[str, ...]) -> torch.Tensor:
-        g, _, gr, _ = self._group(axes)
+        g, members, gr, _ = self._group(axes)
         inp = x.detach()
         reorder = gr != sorted(gr)
         if reorder:
             inp = inp[_inverse(gr)]  # logical order -> group-rank order
         flat = inp.reshape(-1).contiguous()
         out = torch.empty_like(flat)
-        dist.all_to_all_single(out, flat, group=g)  # [n * |s|] -> [n * |s|] (group-rank order)
+        with _waiting("all_to_all", axes, members):
+            dist.all_to_all_single(out, flat, group=g)  # [n * |s|] -> [n * |s|] (group-rank order)
         out = out.view(x.shape)
         return out[gr] if reorder else out
 
@@ -227,8 +338,9 @@ class DistDevice(DeviceHandle):
             elif dst == idx:
                 ops.append(dist.P2POp(dist.irecv, out, members[src], group=g))
         if ops:
-            for req in dist.batch_isend_irecv(ops):  # [*s] -> [*s]
-                req.wait()
+            with _waiting("ppermute", axes, members):
+                for req in dist.batch_isend_irecv(ops):  # [*s] -> [*s]
+                    req.wait()
         return out
 
 
@@ -239,11 +351,26 @@ def initialized() -> bool:
 
 def barrier() -> None:
     """Wait until every process of the default group reaches this call."""
-    dist.barrier()
+    with _waiting("barrier", (), list(range(dist.get_world_size()))):
+        dist.barrier()
 
 
 def broadcast_object(obj: Any, src: int = 0) -> Any:
     """``obj`` as process ``src`` passed it, on every process (pickled; a collective)."""
     box = [obj]
-    dist.broadcast_object_list(box, src=src)
+    with _waiting("broadcast", (), list(range(dist.get_world_size()))):
+        dist.broadcast_object_list(box, src=src)
     return box[0]
+
+
+def any_process(flag: bool) -> bool:
+    """True on every process when ``flag`` is True on any process (a collective over the default group): how
+    the processes of a job agree, at the same step, to stop after Ctrl-C.
+
+    Example:
+        >>> # under torchrun: stop = any_process(interrupted)  # the same answer on every rank
+    """
+    t = torch.tensor([1 if flag else 0], dtype=torch.int32, device=tensor_device())
+    with _waiting("any_process", (), list(range(dist.get_world_size()))):
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())

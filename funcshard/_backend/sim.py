@@ -3,7 +3,10 @@
 Collectives are real exchanges of tensors between the device threads through a rendezvous (one slot per
 group and call number). Every wait has a deadline and an abort path: an exception on one device ends the
 call on all of them with that exception; devices that wait on a collective that some peer will never
-reach (it finished, or waits on another collective) are told so at once instead of hanging.
+reach (it finished, or waits on another collective) are told so at once instead of hanging. A device that
+never reaches a collective its peers wait in (stuck in its own code) is reported after ``FUNCSHARD_TIMEOUT``
+seconds: the call raises then and leaves that device's thread behind. Ctrl-C (``KeyboardInterrupt`` in the
+calling thread) stops every device at its next collective before the interrupt goes on.
 
 Example:
     >>> from funcshard import make_mesh
@@ -25,7 +28,24 @@ import torch
 from .._errors import ShardingError
 from .base import DeviceHandle, default_timeout, group_members
 
-__all__ = ["SimDevice", "SimWorld"]
+__all__ = ["SimDevice", "SimWorld", "abandoned_threads"]
+
+_GRACE = 0.2  # seconds the waiting devices get to leave once a call has failed on a timeout
+_INTERRUPT_GRACE = 5.0  # seconds the devices get to stop after Ctrl-C, before the interrupt goes on without them
+_ABANDONED: list[threading.Thread] = []
+
+
+def abandoned_threads() -> list[threading.Thread]:
+    """Device threads still running in calls that already raised (a device stuck in its own code, or one
+    that did not stop after Ctrl-C). A program that exits with such a thread alive should leave with
+    ``os._exit``: torch ops on a thread at interpreter shutdown can abort the process.
+
+    Example:
+        >>> abandoned_threads()
+        []
+    """
+    _ABANDONED[:] = [t for t in _ABANDONED if t.is_alive()]
+    return list(_ABANDONED)
 
 
 _PUBLIC = {"reduce_scatter": "psum_scatter"}
@@ -66,6 +86,13 @@ class SimWorld:
         self._reset()
 
     def _reset(self) -> None:
+        if getattr(self, "abandoned", False):
+            raise ShardingError(
+                "shard_map: this call's simulated devices were left running after an earlier failure; "
+                "call the shard_map again (a new call starts fresh devices)."
+            )
+        self.abandoned = False
+        self.give_up = float("inf")  # after a failure: when to stop waiting for devices that do not stop
         self.slots: dict[Any, _Slot] = {}
         self.status: list[Any] = ["running"] * self.mesh.size
         self.seq: list[dict[Any, int]] = [defaultdict(int) for _ in range(self.mesh.size)]
@@ -95,9 +122,7 @@ class SimWorld:
                 pass
             except BaseException as e:  # noqa: BLE001 - handed to the caller, which re-raises it
                 with self.cond:
-                    if self.error is None:
-                        self.error = e
-                    self.cond.notify_all()
+                    self._fail(e)
             finally:
                 with self.cond:
                     self.status[dev.rank] = "done"
@@ -112,13 +137,47 @@ class SimWorld:
             ]
             for t in threads:
                 t.start()
-            for t in threads:
-                t.join()
+            try:
+                self._join(threads)
+            except KeyboardInterrupt:
+                self._interrupt(threads)
+                raise
         if self.error is not None:
             err = self.error
-            self.error = None
+            if not self.abandoned:
+                self.error = None
             raise err
         return results
+
+    def _join(self, threads: list[threading.Thread]) -> None:
+        """Wait for the device threads; after a failure, wait at most until its ``give_up`` time, then
+        leave the devices still running behind (marked abandoned: they stop at their next collective)."""
+        for t in threads:
+            while t.is_alive():
+                t.join(0.05)
+                with self.cond:
+                    late = self.error is not None and time.monotonic() > self.give_up
+                if late:
+                    self._abandon(threads)
+                    return
+
+    def _interrupt(self, threads: list[threading.Thread]) -> None:
+        """Ctrl-C in the calling thread: stop every device at its next collective and wait a little for them."""
+        with self.cond:
+            if self.error is None:
+                self.error = KeyboardInterrupt()
+            self.give_up = time.monotonic() + _INTERRUPT_GRACE
+            self.cond.notify_all()
+        try:
+            self._join(threads)
+        except KeyboardInterrupt:  # a second Ctrl-C: leave at once
+            self._abandon(threads)
+
+    def _abandon(self, threads: list[threading.Thread]) -> None:
+        with self.cond:
+            self.abandoned = True
+            self.cond.notify_all()
+        _ABANDONED.extend(t for t in threads if t.is_alive())
 
     # -- the rendezvous -----------------------------------------------------------------------------
     def exchange(self, dev: SimDevice, kind: str, axes: tuple[str, ...], payload: Any, meta: Any) -> list[Any]:
@@ -126,7 +185,7 @@ class SimWorld:
         members, idx = group_members(self.mesh, dev.coords, axes)
         others = tuple(dev.coords[a] for a in self.mesh.axis_names if a not in axes)
         with self.cond:
-            if self.error is not None:
+            if self.error is not None or self.abandoned:
                 raise _Aborted
             seq_key = (axes, others)
             seq = self.seq[dev.rank][seq_key]
@@ -161,11 +220,15 @@ class SimWorld:
                     raise _Aborted
                 left = deadline - time.monotonic()
                 if left <= 0:
+                    missing = [self._dev_name(m) for i, m in enumerate(slot.members) if i not in slot.vals]
                     self._fail(
                         ShardingError(
-                            f"{kind} over {axes}: device {self._dev_name(dev.rank)} waited {self.timeout:.0f} s "
-                            f"(FUNCSHARD_TIMEOUT) for its peers; states: {self._states()}."
-                        )
+                            f"{_describe(kind, meta)} over {axes}: device {self._dev_name(dev.rank)} waited "
+                            f"{self.timeout:g} s (FUNCSHARD_TIMEOUT) for device(s) {', '.join(missing)}, which never "
+                            f"reached it; states: {self._states()}. A device stuck in its own code (a loop, a "
+                            f"blocking call) looks like this; raise FUNCSHARD_TIMEOUT if it is only slow."
+                        ),
+                        give_up=time.monotonic() + _GRACE,
                     )
                     raise _Aborted
                 self.cond.wait(timeout=min(left, 1.0))
@@ -175,9 +238,12 @@ class SimWorld:
                 del self.slots[key]
             return vals
 
-    def _fail(self, err: BaseException) -> None:
+    def _fail(self, err: BaseException, *, give_up: float | None = None) -> None:
+        """Record the call's error (the first one wins) and wake every waiting device; ``give_up``: when the
+        caller stops waiting for devices still running (default: ``FUNCSHARD_TIMEOUT`` from now)."""
         if self.error is None:
             self.error = err
+            self.give_up = time.monotonic() + self.timeout if give_up is None else give_up
         self.cond.notify_all()
 
     def _dev_name(self, rank: int) -> str:
