@@ -11,7 +11,9 @@ commands:
   generate  sample text from the latest checkpoint of a train run
   demo      train a DP x TP MLP with a functional step on a simulated mesh (or under torchrun)
 
-'python -m funcshard <command> --help' lists a command's options.
+'python -m funcshard <command> --help' lists a command's options (with their defaults) and the environment
+settings: FUNCSHARD_TIMEOUT (seconds a collective waits for its peers, default 300) and torchrun's RANK,
+WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE.
 """
 
 

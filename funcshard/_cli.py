@@ -1,8 +1,10 @@
 """Command-line plumbing shared by the jobs: ``--mesh`` parsing, one-line errors, exit codes.
 
 Every job turns bad input into ONE line ``error: ...`` on stderr and exit code 2 (no traceback): argparse's
-own complaints, :class:`UsageError` (raised by the jobs for input they cannot use), and the library's
-``MeshError`` / ``ShardingError`` / ``CheckpointError``, whose messages already say what to change.
+own complaints, :class:`UsageError` (raised by the jobs for input they cannot use), the library's
+``MeshError`` / ``ShardingError`` / ``CheckpointError``, whose messages already say what to change, and an
+``OSError`` (a file that could not be read or written: its reason and path). Ctrl-C ends a job with one line
+and exit code 130. ``--help`` shows every option with its default, and the environment settings.
 
 Example:
     >>> parse_mesh("dp=2,tp=4")
@@ -12,19 +14,84 @@ Example:
 from __future__ import annotations
 
 import argparse
+import math
 import os
+import signal
 import sys
+import threading
+import time
 from collections.abc import Callable
-from typing import NoReturn
+from typing import Any, NoReturn
 
+from ._backend.base import PeerError
 from ._errors import MeshError, ShardingError
 from .checkpoint import CheckpointError
 
-__all__ = ["ArgumentParser", "UsageError", "generate_parser", "parse_mesh", "run", "train_parser"]
+__all__ = [
+    "ENVIRONMENT",
+    "ArgumentParser",
+    "HelpFormatter",
+    "Interrupted",
+    "StopOnCtrlC",
+    "UsageError",
+    "demo_parser",
+    "finite_positive",
+    "generate_parser",
+    "parse_mesh",
+    "run",
+    "train_parser",
+]
 
 
 class UsageError(ValueError):
     """Input a job cannot use (a path with no text, a missing checkpoint, a bad flag value)."""
+
+
+class Interrupted(Exception):
+    """A job stopped by Ctrl-C; the message says where it stopped and what is intact (exit code 130)."""
+
+
+class StopOnCtrlC:
+    """While active (a ``with`` block in the main thread): the first Ctrl-C only sets :attr:`requested`, so a
+    job can stop at the end of its running step, with every simulated device and every torchrun process at
+    the same point; another Ctrl-C, a second or more later, raises ``KeyboardInterrupt`` at once. (torchrun
+    passes its own SIGINT on to the workers right after the terminal's: that one counts as the same Ctrl-C.)
+
+    Example:
+        >>> with StopOnCtrlC() as stop:
+        ...     stop.requested
+        False
+    """
+
+    REPEAT_S = 1.0
+
+    def __init__(self) -> None:
+        self.at: float | None = None
+        self._previous: Any = None
+        self._installed = False
+
+    @property
+    def requested(self) -> bool:
+        """True once Ctrl-C was pressed."""
+        return self.at is not None
+
+    def _handle(self, signum: int, frame: object) -> None:
+        now = time.monotonic()
+        if self.at is None:
+            self.at = now
+        elif now - self.at > self.REPEAT_S:
+            raise KeyboardInterrupt
+
+    def __enter__(self) -> StopOnCtrlC:
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGINT, self._handle)
+            self._installed = True
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._installed:
+            signal.signal(signal.SIGINT, self._previous if self._previous is not None else signal.default_int_handler)
+            self._installed = False
 
 
 def parse_mesh(text: str) -> dict[str, int]:
@@ -78,45 +145,91 @@ nonneg_int = _int_at_least(0, "an integer >= 0")
 nonneg_int.__doc__ = "An argparse type: an int >= 0."
 
 
+ENVIRONMENT = """environment:
+  FUNCSHARD_TIMEOUT  seconds a collective waits for its peers before it fails
+                     with an error naming the axis and the rank it waited for
+                     (default 300; sim and torchrun alike)
+  RANK, WORLD_SIZE   set by torchrun: with both set, the mesh runs one device
+                     per process ("dist"); without, every device is simulated
+                     in this process ("sim")
+  LOCAL_RANK         set by torchrun: the GPU of this process (NCCL)
+  LOCAL_WORLD_SIZE   set by torchrun: processes on this machine, which share
+                     its cores (see --threads)
+  MASTER_ADDR, MASTER_PORT are torch.distributed's own (set by torchrun).
+
+exit codes: 0 done; 2 bad input or a failure, with one 'error: ...' line;
+130 stopped by Ctrl-C, with one line naming the checkpoint that is intact."""
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """``--help`` with each option's default after its line (an option whose default is None explains it in its
+    own words; an on/off flag has none), and the description and epilog as written."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        flag = action.nargs == 0  # --resume, --no-check-vma: on or off, said by the flag itself
+        if "%(default)" in text or action.default in (None, argparse.SUPPRESS) or flag or not action.option_strings:
+            return text
+        return f"{text} (default: %(default)s)"
+
+
+def _parser(prog: str, description: str) -> ArgumentParser:
+    return ArgumentParser(prog=prog, description=description, epilog=ENVIRONMENT, formatter_class=HelpFormatter)
+
+
 def train_parser() -> ArgumentParser:
-    """The options of ``python -m funcshard train``; the defaults train a ~3M-parameter byte-level Llama."""
-    ap = ArgumentParser(
-        prog="funcshard train",
-        description="Train a byte-level Llama on a real text corpus (by default the Python standard library's "
-        "own .py files) over a mesh of dp / fsdp / tp / cp axes: simulated in this process, or one device per process "
-        "under torchrun.",
+    """The options of ``python -m funcshard train``; the defaults train a ~3M-parameter byte-level Llama.
+
+    Example:
+        >>> train_parser().parse_args(["--mesh", "tp=4"]).mesh
+        'tp=4'
+    """
+    ap = _parser(
+        "funcshard train",
+        "Train a byte-level Llama on a real text corpus (by default the Python standard library's own .py files) "
+        "over a mesh of dp / fsdp / tp / cp axes: simulated in this process, or one device per process under "
+        "torchrun. Ctrl-C stops at the end of the running step (a second Ctrl-C, at once); --resume continues "
+        "from the last checkpoint.",
     )
     g = ap.add_argument_group("mesh")
-    g.add_argument("--mesh", default="dp=2,tp=2", help="axis=size pairs over dp, fsdp, tp (default dp=2,tp=2)")
+    g.add_argument("--mesh", default="dp=2,tp=2", help="axis=size pairs over dp, fsdp, tp, cp")
     g.add_argument("--sp", action="store_true", help="sequence parallelism over tp (activations split by sequence)")
     g.add_argument("--no-check-vma", dest="check_vma", action="store_false", help="turn varying-axes tracking off")
     g.add_argument("--threads", type=nonneg_int, default=0, help="torch threads per process (0: cores / processes)")
     g = ap.add_argument_group("model")
-    g.add_argument("--dim", type=positive_int, default=256)
-    g.add_argument("--layers", type=positive_int, default=4)
-    g.add_argument("--heads", type=positive_int, default=8)
-    g.add_argument("--kv-heads", type=positive_int, default=4)
+    g.add_argument("--dim", type=positive_int, default=256, help="model width")
+    g.add_argument("--layers", type=positive_int, default=4, help="transformer blocks")
+    g.add_argument("--heads", type=positive_int, default=8, help="attention (query) heads")
+    g.add_argument("--kv-heads", type=positive_int, default=4, help="key / value heads (grouped-query attention)")
     g.add_argument("--ffn", type=positive_int, default=704, help="SwiGLU hidden size")
-    g.add_argument("--seq", type=positive_int, default=128, help="tokens (bytes) per sequence")
+    g.add_argument("--seq", type=positive_int, default=128, help="tokens (bytes) per sequence: the model's context")
     g = ap.add_argument_group("training")
     g.add_argument("--steps", type=positive_int, default=200, help="total optimiser steps (the schedule's length)")
     g.add_argument("--batch", type=positive_int, default=16, help="global batch, in sequences")
     g.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
-    g.add_argument("--final-lr", type=float, default=None, help="learning rate at the last step (default lr/10)")
-    g.add_argument("--warmup", type=nonneg_int, default=None, help="warmup steps (default min(20, steps/10))")
-    g.add_argument("--weight-decay", type=float, default=0.1)
+    g.add_argument("--final-lr", type=float, default=None, help="learning rate at the last step (default: lr / 10)")
+    g.add_argument("--warmup", type=nonneg_int, default=None, help="warmup steps (default: min(20, steps / 10))")
+    g.add_argument("--weight-decay", type=float, default=0.1, help="AdamW weight decay")
     g.add_argument("--clip", type=float, default=1.0, help="clip gradients to this global norm")
     g.add_argument("--seed", type=nonneg_int, default=0, help="seeds the init and the batches")
     g.add_argument("--stop-after", type=positive_int, default=None, help="stop (with a checkpoint) after N steps")
     g = ap.add_argument_group("data")
-    g.add_argument("--data", default=None, help="a text file or folder of text files (default: the stdlib)")
+    g.add_argument(
+        "--data", default=None, help="a UTF-8 text file or a folder of them (default: the Python standard library)"
+    )
     g.add_argument("--max-bytes", type=positive_int, default=8_000_000, help="read at most this much text")
     g.add_argument("--eval-every", type=positive_int, default=25, help="validation loss every N steps")
     g.add_argument("--eval-batches", type=positive_int, default=4, help="fixed held-out batches per evaluation")
     g = ap.add_argument_group("output")
     g.add_argument("--ckpt-dir", default="runs/llama/ckpt", help="checkpoints (one subfolder per step, last 2 kept)")
-    g.add_argument("--ckpt-every", type=positive_int, default=100)
+    g.add_argument("--ckpt-every", type=positive_int, default=100, help="save a checkpoint every N steps")
     g.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --ckpt-dir")
+    g.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="start afresh even though --ckpt-dir holds an earlier run's checkpoints, deleting them (without it, "
+        "train refuses to start there)",
+    )
     g.add_argument("--out", default="runs/llama", help="where the loss curve (PNG) and metrics (CSV) go")
     g.add_argument(
         "--peak-tflops",
@@ -128,18 +241,63 @@ def train_parser() -> ArgumentParser:
 
 
 def generate_parser() -> ArgumentParser:
-    """The options of ``python -m funcshard generate``."""
-    ap = ArgumentParser(prog="funcshard generate", description="Sample text from a trained checkpoint.")
+    """The options of ``python -m funcshard generate``.
+
+    Example:
+        >>> generate_parser().parse_args([]).tokens
+        200
+    """
+    ap = _parser("funcshard generate", "Sample text from the latest checkpoint of a train run.")
     ap.add_argument("--ckpt-dir", default="runs/llama/ckpt", help="the --ckpt-dir of a train run")
     ap.add_argument("--prompt", default="def ", help="text to continue")
     ap.add_argument("--tokens", type=positive_int, default=200, help="bytes to generate")
-    ap.add_argument("--temperature", type=float, default=0.8, help="0 for greedy")
-    ap.add_argument("--seed", type=nonneg_int, default=0)
+    ap.add_argument("--temperature", type=float, default=0.8, help="sampling temperature; 0 for greedy")
+    ap.add_argument("--seed", type=nonneg_int, default=0, help="seeds the sampling")
     return ap
 
 
+def demo_parser() -> ArgumentParser:
+    """The options of ``python -m funcshard demo``.
+
+    Example:
+        >>> demo_parser().parse_args([]).steps
+        30
+    """
+    ap = _parser("funcshard demo", "Train a DP x TP MLP with a functional step, checked against the unsharded model.")
+    ap.add_argument("--mesh", default="dp=2,tp=2", help="axis=size pairs over dp, fsdp, tp")
+    ap.add_argument("--steps", type=positive_int, default=30, help="SGD steps")
+    ap.add_argument("--lr", type=float, default=0.05, help="SGD learning rate")
+    return ap
+
+
+def finite_positive(name: str, value: float, *, zero: bool = False) -> None:
+    """Check a float option: finite and > 0 (>= 0 with ``zero``).
+
+    Raises:
+        UsageError: naming the flag and the value found.
+
+    Example:
+        >>> finite_positive("--lr", float("inf"))
+        Traceback (most recent call last):
+        ...
+        funcshard._cli.UsageError: --lr must be a finite number > 0, found inf.
+    """
+    ok = math.isfinite(value) and (value >= 0 if zero else value > 0)
+    if not ok:
+        raise UsageError(f"{name} must be a finite number {'>= 0' if zero else '> 0'}, found {value}.")
+
+
 def run(parser: ArgumentParser, job: Callable[[argparse.Namespace], object], argv: list[str] | None) -> int:
-    """Parse ``argv`` and run ``job``; exit code 0, or 2 with one ``error: ...`` line on bad input."""
+    """Parse ``argv`` and run ``job``: exit code 0; 2 with one ``error: ...`` line on bad input or a failure
+    the user can act on; 130 with one line after Ctrl-C.
+
+    Under torchrun every rank fails alike on bad input, so rank 0 alone prints; a peer that stopped answering
+    (:class:`~funcshard._backend.base.PeerError`) is seen differently by each rank, so each prints its own.
+
+    Example:
+        >>> run(demo_parser(), lambda args: None, ["--steps", "0"])  # one error line on stderr
+        2
+    """
     try:
         args = parser.parse_args(argv)
     except SystemExit as e:  # --help
@@ -148,18 +306,54 @@ def run(parser: ArgumentParser, job: Callable[[argparse.Namespace], object], arg
         return _fail(str(e))
     try:
         job(args)
+    except Interrupted as e:
+        code = _say_once(str(e), 130)
+    except KeyboardInterrupt:
+        code = _say_once(f"{parser.prog}: stopped (Ctrl-C).", 130)
+    except PeerError as e:
+        code = _fail(str(e), every_rank=True)
     except (UsageError, MeshError, ShardingError, CheckpointError) as e:
-        return _fail(str(e))
+        code = _fail(str(e))
+    except OSError as e:  # a file the job could not read or write (disk full, permissions, ...)
+        code = _fail(_os_message(e))
+    else:
+        code = 0
     finally:
         if "RANK" in os.environ:  # under torchrun: leave the process group cleanly
             from ._backend import dist as dist_backend
 
             dist_backend.shutdown()
-    return 0
+    from ._backend.sim import abandoned_threads
+
+    if code and abandoned_threads():  # a simulated device still runs torch code: leave without the teardown
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
 
 
-def _fail(message: str) -> int:
+def _os_message(e: OSError) -> str:
+    """``No space left on device: 'runs/llama/metrics.csv'`` (errno text and path) from an ``OSError``."""
+    what = e.strerror or str(e)
+    if e.filename is not None:
+        return f"{what}: '{os.fsdecode(e.filename)}'."
+    return f"{what}."
+
+
+def _rank() -> int:
+    return int(os.environ.get("RANK", "0"))
+
+
+def _say_once(message: str, code: int) -> int:
+    if _rank() == 0:
+        print(" ".join(message.split()), file=sys.stderr, flush=True)
+    return code
+
+
+def _fail(message: str, *, every_rank: bool = False) -> int:
     line = " ".join(message.split())  # one line, whatever the message holds
-    if int(os.environ.get("RANK", "0")) == 0:  # under torchrun every rank fails alike: say it once
-        print(f"error: {line}", file=sys.stderr)
+    if every_rank and "RANK" in os.environ:
+        print(f"error: [rank {_rank()}] {line}", file=sys.stderr, flush=True)
+    elif _rank() == 0:  # under torchrun every rank fails alike: say it once
+        print(f"error: {line}", file=sys.stderr, flush=True)
     return 2

@@ -3,7 +3,8 @@
 With no ``--data`` the corpus is the Python standard library's own ``.py`` files (every machine with Python
 has them; nothing is downloaded): sorted by path, ``site-packages`` and test folders left out, read until
 ``max_bytes``. ``--data PATH`` takes a text file or a folder of text files instead (binary files, those with
-NUL bytes, are skipped). Tokens are the bytes themselves (vocabulary 256).
+NUL bytes or that are not UTF-8, are skipped; a single binary file is refused). Files are streamed: memory
+holds only the ``max_bytes`` kept, however large the files. Tokens are the bytes themselves (vocabulary 256).
 
 The split is deterministic: every 20th file is held out for validation (or, with fewer than 20 files, the last
 5% of the bytes). Training batches are windows at offsets drawn with ``fs.random`` from ``fold_in(key,
@@ -20,17 +21,20 @@ Example:
 
 from __future__ import annotations
 
+import codecs
 import os
+import stat
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 import torch
 
 from . import random as fsr
 from ._cli import UsageError
 
-__all__ = ["Corpus", "eval_batches", "load_corpus", "train_batch"]
+__all__ = ["Corpus", "eval_batches", "load_corpus", "not_text", "train_batch"]
 
 VAL_EVERY = 20  # every 20th file is held out
 VAL_FRACTION = 0.05  # or the last 5% of the bytes, with fewer files
@@ -76,34 +80,136 @@ def _data_files(path: Path) -> list[Path]:
     return sorted(files, key=lambda p: p.relative_to(path).as_posix())
 
 
-def _read_text(files: list[Path], max_bytes: int) -> list[bytes]:
-    """The contents of the text files among ``files`` (no NUL bytes), in order, ``max_bytes`` in all."""
-    out, total = [], 0
-    for f in files:
-        if total >= max_bytes:
-            break
+_SNIFF = 8192  # bytes looked at to tell text from binary (as git and grep do)
+_CONTROL = set(range(32)) - set(b"\t\n\r\f\v\b\x1b") | {0x7F}
+
+
+def not_text(head: bytes) -> str | None:
+    r"""Why the bytes ``head`` (a file's first bytes) are not text, or None when they are.
+
+    Text is NUL-free and UTF-8 (a multi-byte character cut at the end is fine); bytes that are not UTF-8 still
+    pass when under 5% of them are control bytes (Latin-1 and other 8-bit text).
+
+    Example:
+        >>> not_text("x = 'é'  # UTF-8".encode())
+        >>> not_text(b"PK\x03\x04\x14\x00\x00\x00")
+        'it has NUL bytes in its first 8 bytes (a binary file?)'
+    """
+    if b"\0" in head:
+        return f"it has NUL bytes in its first {len(head)} bytes (a binary file?)"
+    try:
+        codecs.getincrementaldecoder("utf-8")().decode(head, final=False)
+    except UnicodeDecodeError:
+        control = sum(b in _CONTROL for b in head)
+        if control > 0.05 * len(head):
+            return f"it is not UTF-8 and {control / len(head):.0%} of its first {len(head)} bytes are control bytes"
+    return None
+
+
+class _Reader:
+    """Reads the text files in order into a buffer sized for what is used: every 20th kept file goes to the
+    validation buffer, the rest to the training buffer, each file cut to the bytes still wanted."""
+
+    def __init__(self, capacity: int, max_bytes: int) -> None:
+        self.train = bytearray(capacity)
+        self.n_train = 0
+        self.val = bytearray()
+        self.max_bytes = max_bytes
+        self.total = 0  # bytes taken, separators included (both splits)
+        self.kept = 0
+        self.skipped: list[tuple[Path, str]] = []
+
+    def full(self) -> bool:
+        return self.total >= self.max_bytes
+
+    def add(self, f: Path) -> None:
+        """Read ``f`` (what is still wanted of it) unless it is empty or not text (then note why)."""
+        want = self.max_bytes - self.total
         try:
-            raw = f.read_bytes()
+            with open(f, "rb") as fh:
+                head = fh.read(min(_SNIFF, want))
+                if not head.strip():
+                    return
+                why = not_text(head)
+                if why is not None:
+                    self.skipped.append((f, why))
+                    return
+                to_val = self.kept % VAL_EVERY == VAL_EVERY - 1
+                if to_val:
+                    self._val(fh, head, want)
+                else:
+                    self._train(fh, head, want)
+        except OSError as e:
+            self.skipped.append((f, e.strerror or str(e)))
+            return
+        self.kept += 1
+
+    def _train(self, fh: BinaryIO, head: bytes, want: int) -> None:
+        sep = _SEP if self.n_train else b""
+        view = memoryview(self.train)
+        pos = self.n_train
+        view[pos : pos + len(sep)] = sep
+        pos += len(sep)
+        view[pos : pos + len(head)] = head
+        pos += len(head)
+        end = pos + max(0, want - len(head))
+        while pos < end:  # straight into the buffer: no copy of the file in memory
+            n = fh.readinto(view[pos:end])
+            if not n:
+                break
+            pos += n
+        view.release()
+        self.total += pos - self.n_train - len(sep) + len(_SEP)
+        self.n_train = pos
+
+    def _val(self, fh: BinaryIO, head: bytes, want: int) -> None:
+        rest = fh.read(max(0, want - len(head)))
+        if self.val:
+            self.val += _SEP
+        self.val += head
+        self.val += rest
+        self.total += len(head) + len(rest) + len(_SEP)
+
+    def tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
+        del self.train[self.n_train :]  # in place: what was not used of the buffer goes back
+        return _tensor(self.train), _tensor(self.val)
+
+
+def _tensor(buf: bytearray) -> torch.Tensor:
+    return torch.frombuffer(buf, dtype=torch.uint8) if buf else torch.empty(0, dtype=torch.uint8)
+
+
+def _read(files: list[Path], max_bytes: int) -> _Reader:
+    """Stream the regular files among ``files`` into a :class:`_Reader`, ``max_bytes`` in all."""
+    sizes = []
+    for f in files:
+        try:
+            st = f.stat()
         except OSError:
             continue
-        if not raw.strip() or b"\0" in raw:
-            continue
-        raw = raw[: max_bytes - total]
-        out.append(raw)
-        total += len(raw) + len(_SEP)
-    return out
-
-
-def _tensor(chunks: list[bytes]) -> torch.Tensor:
-    return torch.frombuffer(bytearray(_SEP.join(chunks)), dtype=torch.uint8)
+        if stat.S_ISREG(st.st_mode):  # no FIFOs or devices: reading them could block or never end
+            sizes.append((f, st.st_size))
+    capacity = min(max_bytes, sum(n for _, n in sizes)) + len(_SEP) * len(sizes)  # the separators: at most one a file
+    reader = _Reader(capacity, max_bytes)
+    for f, _ in sizes:
+        if reader.full():
+            break
+        reader.add(f)
+    return reader
 
 
 def load_corpus(data: str | None, *, max_bytes: int, seq: int) -> Corpus:
     """Read the corpus (``data``: a file or folder; ``None``: the standard library) and split it.
 
+    Files are streamed: at most ``max_bytes`` are read in all, whatever the size of the files, and memory holds
+    only the bytes kept. Files that are not text (see :func:`not_text`) are skipped in a folder and refused
+    when given alone.
+
     Raises:
-        UsageError: no text at ``data``, or too little for windows of ``seq + 1`` bytes in both splits.
+        UsageError: no text at ``data`` (a single file that is not text says why), or too little for windows
+            of ``seq + 1`` bytes in both splits.
     """
+    single = False
     if data is None:
         root, files = _stdlib_files()
         source = f"Python standard library ({root})"
@@ -111,25 +217,32 @@ def load_corpus(data: str | None, *, max_bytes: int, seq: int) -> Corpus:
         path = Path(data).expanduser()
         files = _data_files(path)
         source = str(path)
-    chunks = _read_text(files, max_bytes)
-    if not chunks:
-        raise UsageError(f"--data {source!r}: found no text there (empty or binary files); give text files.")
-    if len(chunks) >= VAL_EVERY:
-        val_chunks = chunks[VAL_EVERY - 1 :: VAL_EVERY]
-        train_chunks = [c for i, c in enumerate(chunks) if i % VAL_EVERY != VAL_EVERY - 1]
-        train, val = _tensor(train_chunks), _tensor(val_chunks)
+        single = path.is_file()
+    reader = _read(files, max_bytes)
+    if single and reader.skipped:
+        why = reader.skipped[0][1]
+        raise UsageError(f"--data {source!r} is not text: {why}; give a UTF-8 text file or a folder of them.")
+    if not reader.kept:
+        seen = f" ({len(reader.skipped)} not text, e.g. '{reader.skipped[0][0]}': {reader.skipped[0][1]})"
+        raise UsageError(
+            f"--data {source!r}: found no text there (empty or binary files){seen if reader.skipped else ''}; "
+            f"give text files."
+        )
+    n_files, n_bytes = reader.kept, reader.total
+    if n_files >= VAL_EVERY:
+        train, val = reader.tensors()
         split = f"every {VAL_EVERY}th file held out"
     else:
-        allb = _tensor(chunks)
+        allb, _ = reader.tensors()
         n_val = max(int(len(allb) * VAL_FRACTION), seq + 1)
-        train, val = allb[: len(allb) - n_val], allb[len(allb) - n_val :]
+        train, val = allb[: max(len(allb) - n_val, 0)], allb[max(len(allb) - n_val, 0) :]
         split = f"last {VAL_FRACTION:.0%} of the bytes held out"
     if len(train) < seq + 1 or len(val) < seq + 1:
         raise UsageError(
-            f"--data {source!r}: only {sum(map(len, chunks))} bytes of text, too little for windows of --seq {seq} "
+            f"--data {source!r}: only {n_bytes} bytes of text, too little for windows of --seq {seq} "
             f"in both the training and validation split; give more text or a smaller --seq."
         )
-    return Corpus(train, val, source, len(chunks), split)
+    return Corpus(train, val, source, n_files, split)
 
 
 def _windows(data: torch.Tensor, offsets: torch.Tensor, seq: int) -> tuple[torch.Tensor, torch.Tensor]:

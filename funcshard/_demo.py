@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from . import _array, _mesh, _shard_map, _stats, _visualize, lax
-from ._cli import parse_mesh
+from ._cli import demo_parser, finite_positive, parse_mesh, run
 from ._errors import MeshError, ShardingError
 from ._spec import P
 
@@ -134,14 +134,9 @@ def main(argv: list[str] | None = None) -> int:
         >>> main(["--mesh", "pp=2"])  # the demo has no pipeline axis
         2
     """
-    ap = argparse.ArgumentParser(prog="funcshard demo", description="Train a DP x TP MLP with a functional step.")
-    ap.add_argument("--mesh", default="dp=2,tp=2", help="axis=size pairs, e.g. dp=2,tp=2 (default)")
-    ap.add_argument("--steps", type=int, default=30)
-    ap.add_argument("--lr", type=float, default=0.05)
-    args = ap.parse_args(argv)
-    try:
-        run_demo(parse_mesh(args.mesh), steps=args.steps, lr=args.lr)
-    except (MeshError, ShardingError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    return 0
+
+    def job(args: argparse.Namespace) -> float:
+        finite_positive("--lr", args.lr)
+        return run_demo(parse_mesh(args.mesh), steps=args.steps, lr=args.lr)
+
+    return run(demo_parser(), job, argv)

@@ -32,9 +32,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from . import _array, _grad, _mesh, _shard_map, checkpoint, optim
+from . import _array, _grad, _mesh, _preflight, _shard_map, checkpoint, optim
 from . import random as fsr
-from ._cli import UsageError, generate_parser, parse_mesh, run, train_parser
+from ._backend.base import PeerError, default_timeout
+from ._cli import Interrupted, StopOnCtrlC, UsageError, finite_positive, generate_parser, parse_mesh, run, train_parser
 from ._data import eval_batches, load_corpus, train_batch
 from ._spec import P
 from .models import llama
@@ -95,9 +96,6 @@ def _check_args(args: argparse.Namespace, mesh: _mesh.Mesh, cfg: llama.Config) -
     warmup = min(20, args.steps // 10) if args.warmup is None else args.warmup
     if warmup >= args.steps:
         raise UsageError(f"--warmup {warmup} must be smaller than --steps {args.steps}.")
-    for name in ("lr", "weight_decay", "clip", "peak_tflops"):
-        if not getattr(args, name) > 0 and not (name == "weight_decay" and args.weight_decay == 0):
-            raise UsageError(f"--{name.replace('_', '-')} must be a positive number, found {getattr(args, name)}.")
     return warmup
 
 
@@ -164,6 +162,10 @@ def _plot(path: Path, rows: list[dict[str, Any]], title: str) -> bool:
 def train(args: argparse.Namespace) -> dict[str, Any]:
     """Run the training job described by ``args`` (see ``funcshard train --help``); returns a summary.
 
+    Before the first step it checks what can be checked (numbers, the checkpoint folder, that ``--out`` and
+    ``--ckpt-dir`` are writable, that one step fits memory and time: see :mod:`funcshard._preflight`). Ctrl-C
+    stops at the end of the running step (a second one at once) with :class:`~funcshard._cli.Interrupted`.
+
     Args:
         args: parsed ``funcshard train`` options (``funcshard._cli.train_parser``).
 
@@ -172,8 +174,9 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         ``wall_s``, ``steps``, the train ``losses`` of this run, and the final ``params``.
 
     Raises:
-        UsageError: options the mesh or the checkpoints cannot use (also MeshError, ShardingError,
+        UsageError: options the mesh, the machine or the checkpoints cannot use (also MeshError, ShardingError,
             CheckpointError).
+        Interrupted: Ctrl-C; the message names the last step done and the checkpoint that is intact.
 
     Example:
         >>> from funcshard._cli import train_parser
@@ -182,21 +185,56 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         >>> summary["steps"]  # doctest: +SKIP
         2
     """
+    cfg = model_config(args)
+    _preflight.check_numbers(args)
+    mesh_shape = parse_mesh(args.mesh)
+    default_timeout()  # MeshError now, not at the first collective: a FUNCSHARD_TIMEOUT that is not a number
+    ckpt_dir, out = Path(args.ckpt_dir), Path(args.out)
+    saved = _preflight.check_ckpt_dir(ckpt_dir, resume=args.resume, overwrite=args.overwrite)
+    _preflight.check_writable("--ckpt-dir", ckpt_dir)
+    _preflight.check_writable("--out", out)
+    _preflight.check_step_size(args, cfg)
+    progress = {"step": None}  # the last step done, for the message after Ctrl-C
+    stop = StopOnCtrlC()
+    try:
+        return _train(args, cfg, mesh_shape, ckpt_dir, out, saved, stop, progress)
+    except KeyboardInterrupt:
+        raise Interrupted(_stopped(progress["step"], ckpt_dir, args)) from None
+    except PeerError:
+        if stop.requested:  # a peer left after Ctrl-C: what the user asked for
+            raise Interrupted(_stopped(progress["step"], ckpt_dir, args)) from None
+        raise
+
+
+def _stopped(step: int | None, ckpt_dir: Path, args: argparse.Namespace) -> str:
+    """The line after Ctrl-C: where the run stopped and which checkpoint is intact."""
+    where = "before the first step" if step is None else f"at step {step}"
+    steps = checkpoint.list_steps(ckpt_dir)
+    if steps:
+        return f"stopped {where}; the checkpoint of step {steps[-1]} is intact; --resume continues"
+    return f"stopped {where}; no checkpoint yet (one every {args.ckpt_every} steps, --ckpt-every); run again to start"
+
+
+def _train(
+    args: argparse.Namespace,
+    cfg: llama.Config,
+    mesh_shape: dict[str, int],
+    ckpt_dir: Path,
+    out: Path,
+    saved: list[int],
+    stop: StopOnCtrlC,
+    progress: dict[str, int | None],
+) -> dict[str, Any]:
     from tqdm.auto import tqdm
 
-    cfg = model_config(args)
     corpus = load_corpus(args.data, max_bytes=args.max_bytes, seq=args.seq)
-    mesh = _mesh.make_mesh(parse_mesh(args.mesh))
+    mesh = _mesh.make_mesh(mesh_shape)
     specs = llama.param_specs(cfg, mesh)  # ShardingError: an axis the model cannot use
     bs = llama.batch_spec(mesh)
     warmup = _check_args(args, mesh, cfg)
     opt = _optimizer(args, warmup)
     sspecs = opt.state_specs(specs)
-    ckpt_dir, out = Path(args.ckpt_dir), Path(args.out)
-    saved = checkpoint.list_steps(ckpt_dir)
     if args.resume:
-        if not saved:
-            raise UsageError(f"--resume: no checkpoint in '{ckpt_dir}'; drop --resume to start, or fix --ckpt-dir.")
         _check_same_model(ckpt_dir, cfg)
 
     n_threads = _threads(args, mesh)
@@ -229,12 +267,12 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
             params, state, start, data_key = tree["params"], tree["opt_state"], tree["step"], tree["data_key"]
             if start >= args.steps:
                 raise UsageError(f"--resume: the checkpoint is at step {start} already; raise --steps to train on.")
-        elif saved and _lead():
-            for s in saved:  # a fresh run: the old run's checkpoints would shadow this one's
-                shutil.rmtree(checkpoint.step_path(ckpt_dir, s), ignore_errors=True)
-            print(f"starting fresh: removed {len(saved)} old checkpoint(s) in {ckpt_dir} (--resume continues one)")
+        elif saved and _lead():  # --overwrite (check_ckpt_dir refused the rest): the old run's checkpoints go
+            for s in saved:
+                _remove_checkpoint(ckpt_dir, s)
+            print(f"--overwrite: removed {len(saved)} checkpoint(s) of an earlier run in {ckpt_dir}", flush=True)
+        progress["step"] = start
         if _lead():
-            ckpt_dir.mkdir(parents=True, exist_ok=True)
             meta = {"model": dataclasses.asdict(cfg), "args": vars(args), "mesh": mesh.shape}
             (ckpt_dir / "config.json").write_text(json.dumps({**meta, "corpus": corpus.describe()}, indent=1))
 
@@ -259,28 +297,35 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         last_val = next((float(r["val_loss"]) for r in reversed(rows) if r["val_loss"] != ""), float("nan"))
         bar = tqdm(total=end, initial=start, desc="train", disable=not _lead(), dynamic_ncols=True, mininterval=0.5)
         t_start = time.perf_counter()
-        for i in range(start, end):
-            tokens, targets = train_batch(corpus.train, data_key, step=i, batch=args.batch, seq=args.seq)
-            t0 = time.perf_counter()
-            loss, params, state = train_step(params, state, tokens, targets)
-            loss_v = float(_array.device_get(loss))
-            times.append(time.perf_counter() - t0)
-            if not math.isfinite(loss_v):
-                raise UsageError(f"the loss became {loss_v} at step {i + 1}; lower --lr (now {args.lr}).")
-            row: dict[str, Any] = {"step": i + 1, "train_loss": loss_v, "val_loss": ""}
-            row["tokens_per_s"] = tok_per_step / times[-1]
-            if (i + 1) % args.eval_every == 0 or i + 1 == end:
-                row["val_loss"] = last_val = evaluate(params)
-            rows.append(row)
-            tps = tok_per_step * min(len(times), 10) / sum(times[-10:])
-            bar.set_postfix(
-                loss=f"{loss_v:.3f}", val=f"{last_val:.3f}", tok_s=f"{tps:.0f}", mfu=f"{flops * tps / peak:.1%}"
-            )
-            bar.update(1)
-            if (i + 1) % args.ckpt_every == 0 or i + 1 == end:
-                _save(ckpt_dir, i + 1, params, state, data_key, cfg)
-                if _lead():
-                    _write_rows(out / "metrics.csv", rows)
+        with stop:
+            for i in range(start, end):
+                if _agree(stop.requested, mesh):  # every device and process stops after the same step
+                    bar.close()
+                    if _lead():
+                        _write_rows(out / "metrics.csv", rows)
+                    raise Interrupted(_stopped(i, ckpt_dir, args))
+                tokens, targets = train_batch(corpus.train, data_key, step=i, batch=args.batch, seq=args.seq)
+                t0 = time.perf_counter()
+                loss, params, state = train_step(params, state, tokens, targets)
+                loss_v = float(_array.device_get(loss))
+                times.append(time.perf_counter() - t0)
+                if not math.isfinite(loss_v):
+                    raise UsageError(f"the loss became {loss_v} at step {i + 1}; lower --lr (now {args.lr}).")
+                progress["step"] = i + 1
+                row: dict[str, Any] = {"step": i + 1, "train_loss": loss_v, "val_loss": ""}
+                row["tokens_per_s"] = tok_per_step / times[-1]
+                if (i + 1) % args.eval_every == 0 or i + 1 == end:
+                    row["val_loss"] = last_val = evaluate(params)
+                rows.append(row)
+                tps = tok_per_step * min(len(times), 10) / sum(times[-10:])
+                bar.set_postfix(
+                    loss=f"{loss_v:.3f}", val=f"{last_val:.3f}", tok_s=f"{tps:.0f}", mfu=f"{flops * tps / peak:.1%}"
+                )
+                bar.update(1)
+                if (i + 1) % args.ckpt_every == 0 or i + 1 == end:
+                    _save(ckpt_dir, i + 1, params, state, data_key, cfg)
+                    if _lead():
+                        _write_rows(out / "metrics.csv", rows)
         bar.close()
         wall = time.perf_counter() - t_start
     finally:
@@ -302,6 +347,15 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     if _lead():
         _report(args, summary, rows, f"Llama {cfg.num_params() / 1e6:.1f}M on {mesh.shape}, byte-level", flops)
     return summary
+
+
+def _agree(flag: bool, mesh: _mesh.Mesh) -> bool:
+    """``flag`` on any process (under torchrun, a tiny all-reduce; simulated, the flag itself)."""
+    if mesh.backend != "dist":
+        return flag
+    from ._backend import dist as dist_backend
+
+    return dist_backend.any_process(flag)
 
 
 def _report(
@@ -342,7 +396,19 @@ def _save(ckpt_dir: Path, step: int, params: Any, state: Any, data_key: torch.Te
     checkpoint.save(checkpoint.step_path(ckpt_dir, step), tree, step=step, metadata={"model": dataclasses.asdict(cfg)})
     if _lead():
         for s in checkpoint.list_steps(ckpt_dir)[:-2]:  # keep the last two
-            shutil.rmtree(checkpoint.step_path(ckpt_dir, s), ignore_errors=True)
+            _remove_checkpoint(ckpt_dir, s)
+
+
+def _remove_checkpoint(ckpt_dir: Path, step: int) -> None:
+    """Delete the checkpoint of ``step``: renamed away first (one atomic step), so an interruption while its
+    files go never leaves a half-deleted folder that looks like a checkpoint."""
+    path = Path(checkpoint.step_path(ckpt_dir, step))
+    trash = path.with_name(f"{path.name}.trash-{os.getpid()}")
+    try:
+        os.rename(path, trash)
+    except OSError:
+        return
+    shutil.rmtree(trash, ignore_errors=True)
 
 
 # ---------------------------------------------------------------------------------------------- generate
@@ -401,8 +467,7 @@ def generate(args: argparse.Namespace) -> str:
         >>> from funcshard._cli import generate_parser
         >>> text = generate(generate_parser().parse_args(["--tokens", "20"]))  # doctest: +SKIP
     """
-    if not args.temperature >= 0:
-        raise UsageError(f"--temperature must be >= 0 (0: greedy), found {args.temperature}.")
+    finite_positive("--temperature", args.temperature, zero=True)
     cfg, params, _ = load_model(args.ckpt_dir)
     ids = list(args.prompt.encode("utf-8")) or [ord("\n")]
     key = fsr.key(args.seed)
