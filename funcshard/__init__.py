@@ -52,6 +52,25 @@ from .pytree import tree_path as tree_path
 
 __version__ = "0.1.0"
 
+# Subpackages imported on first use (``fs.ops``, ``fs.checkpoint``, ``fs.models``): all of funcshard is one
+# ``import funcshard as fs`` away, without paying for DCP or the Llama at import time.
+_LAZY = ("checkpoint", "models", "ops")
+
+
+def __getattr__(name: str) -> object:
+    if name in _LAZY:
+        import importlib
+
+        module = importlib.import_module(f"{__name__}.{name}")
+        globals()[name] = module
+        return module
+    raise AttributeError(f"module 'funcshard' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
+
+
 __all__ = [
     "Array",
     "CommStats",
@@ -65,12 +84,15 @@ __all__ = [
     "all_to_all",
     "axis_index",
     "axis_size",
+    "checkpoint",
     "comm_stats",
     "device_get",
     "device_put",
     "lax",
     "logical_to_mesh",
     "make_mesh",
+    "models",
+    "ops",
     "optim",
     "pipeline",
     "pmax",
