@@ -212,7 +212,10 @@ def _stopped(step: int | None, ckpt_dir: Path, args: argparse.Namespace) -> str:
     steps = checkpoint.list_steps(ckpt_dir)
     if steps:
         return f"stopped {where}; the checkpoint of step {steps[-1]} is intact; --resume continues"
-    return f"stopped {where}; no checkpoint yet (one every {args.ckpt_every} steps, --ckpt-every); run again to start"
+    return (
+        f"stopped {where}; no checkpoint yet (one every {args.ckpt_every} steps, --ckpt-every); run the same "
+        f"command to start over"
+    )
 
 
 def _train(

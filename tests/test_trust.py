@@ -9,6 +9,7 @@ checksums and a full disk, are in test_checkpoint.py.)
 
 from __future__ import annotations
 
+import _thread
 import os
 import re
 import signal
@@ -210,6 +211,22 @@ def test_ctrl_c_stops_with_one_line_and_exit_130(tmp_path: Path) -> None:
     # --resume continues from step k
     assert cli_main([*argv, "--resume", "--stop-after", "1"]) == 0
     assert checkpoint.list_steps(tmp_path / "ckpt")[-1] == k + 1
+
+
+@pytest.mark.timeout(60)
+def test_ctrl_c_in_sim_stops_every_device_before_it_goes_on() -> None:
+    """The abort came from device threads still running torch code when the interpreter shut down."""
+    mesh = fs.make_mesh({"dp": 4}, backend="sim")
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        if int(fs.axis_index("dp")) == 0:
+            time.sleep(1.0)  # busy in its own code when Ctrl-C comes; the others wait in the psum
+        return fs.psum(x, "dp")
+
+    with pytest.raises(KeyboardInterrupt):
+        threading.Timer(0.3, _thread.interrupt_main).start()  # Ctrl-C, as the terminal sends it
+        fs.shard_map(f, mesh=mesh, in_specs=(P("dp"),), out_specs=P())(torch.ones(4))
+    assert [t.name for t in threading.enumerate() if t.name.startswith("funcshard-sim")] == []
 
 
 # -- 6: --data is streamed ---------------------------------------------------------------------------------

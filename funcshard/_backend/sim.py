@@ -127,6 +127,7 @@ class SimWorld:
                 with self.cond:
                     self.status[dev.rank] = "done"
                     self._check_deadlock()
+                    self.cond.notify_all()  # the caller waits for every device to be done
 
         if self.mesh.size == 1:
             work(self.devices[0])
@@ -135,9 +136,9 @@ class SimWorld:
                 threading.Thread(target=work, args=(d,), name=f"funcshard-sim-{d.rank}", daemon=True)
                 for d in self.devices
             ]
-            for t in threads:
-                t.start()
-            try:
+            try:  # Ctrl-C may land while the threads start: they are stopped all the same
+                for t in threads:
+                    t.start()
                 self._join(threads)
             except KeyboardInterrupt:
                 self._interrupt(threads)
@@ -151,15 +152,19 @@ class SimWorld:
 
     def _join(self, threads: list[threading.Thread]) -> None:
         """Wait for the device threads; after a failure, wait at most until its ``give_up`` time, then
-        leave the devices still running behind (marked abandoned: they stop at their next collective)."""
-        for t in threads:
-            while t.is_alive():
-                t.join(0.05)
-                with self.cond:
-                    late = self.error is not None and time.monotonic() > self.give_up
-                if late:
+        leave the devices still running behind (marked abandoned: they stop at their next collective).
+
+        It waits on the rendezvous' condition, not with ``Thread.join(timeout)``: a Ctrl-C inside ``join``
+        marks a running thread as stopped (CPython before 3.13), and it would be left behind unseen.
+        """
+        with self.cond:
+            while not all(s == "done" for s in self.status):
+                if self.error is not None and time.monotonic() > self.give_up:
                     self._abandon(threads)
                     return
+                self.cond.wait(0.05)
+        for t in threads:  # every device has finished its work: only the threads' own exit is left
+            t.join()
 
     def _interrupt(self, threads: list[threading.Thread]) -> None:
         """Ctrl-C in the calling thread: stop every device at its next collective and wait a little for them."""
@@ -174,10 +179,11 @@ class SimWorld:
             self._abandon(threads)
 
     def _abandon(self, threads: list[threading.Thread]) -> None:
-        with self.cond:
+        """Leave the devices that have not finished (they stop at their next collective)."""
+        with self.cond:  # re-entrant: _join holds it already
             self.abandoned = True
+            _ABANDONED.extend(t for t, s in zip(threads, self.status, strict=True) if s != "done")
             self.cond.notify_all()
-        _ABANDONED.extend(t for t in threads if t.is_alive())
 
     # -- the rendezvous -----------------------------------------------------------------------------
     def exchange(self, dev: SimDevice, kind: str, axes: tuple[str, ...], payload: Any, meta: Any) -> list[Any]:
