@@ -34,7 +34,14 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(USAGE)
         return 0 if argv else 2
-    cmd, rest = argv[0], argv[1:]
+    try:
+        return _dispatch(argv[0], argv[1:])
+    except KeyboardInterrupt:  # Ctrl-C while the command's modules load (the jobs handle their own)
+        print("funcshard: stopped (Ctrl-C).", file=sys.stderr)
+        return 130
+
+
+def _dispatch(cmd: str, rest: list[str]) -> int:
     if cmd == "train":
         from .train import main as train_main
 

@@ -8,6 +8,11 @@ cosine), with the parameters and optimiser state laid out by ``llama.param_specs
 initialised sharded (each device draws only its blocks). Along the way: a progress bar (loss, tokens/s, MFU
 estimate), held-out validation loss, checkpoints with exact resume; at the end a loss curve and a CSV.
 
+Nothing is lost and nothing hangs: a run refuses a ``--ckpt-dir`` holding an earlier run's checkpoints unless
+``--resume`` or ``--overwrite`` says what to do with them; bad input is one ``error:`` line before the first step
+(:mod:`funcshard._preflight`); Ctrl-C stops after the running step, every device and process at the same step,
+with one line naming the checkpoint that is intact (exit code 130).
+
 ``python -m funcshard generate`` samples bytes from the latest checkpoint with the unsharded ``llama.forward``.
 
 Example:
