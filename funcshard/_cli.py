@@ -186,10 +186,10 @@ def train_parser() -> ArgumentParser:
     """
     ap = _parser(
         "funcshard train",
-        "Train a byte-level Llama on a real text corpus (by default the Python standard library's own .py files) "
-        "over a mesh of dp / fsdp / tp / cp axes: simulated in this process, or one device per process under "
-        "torchrun. Ctrl-C stops at the end of the running step (a second Ctrl-C, at once); --resume continues "
-        "from the last checkpoint.",
+        "Train a byte-level Llama on a real text corpus (by default the Python standard\n"
+        "library's own .py files) over a mesh of dp / fsdp / tp / cp axes: simulated in this\n"
+        "process, or one device per process under torchrun. Ctrl-C stops at the end of the\n"
+        "running step (a second Ctrl-C, at once); --resume continues from the last checkpoint.",
     )
     g = ap.add_argument_group("mesh")
     g.add_argument("--mesh", default="dp=2,tp=2", help="axis=size pairs over dp, fsdp, tp, cp")
@@ -212,7 +212,12 @@ def train_parser() -> ArgumentParser:
     g.add_argument("--weight-decay", type=float, default=0.1, help="AdamW weight decay")
     g.add_argument("--clip", type=float, default=1.0, help="clip gradients to this global norm")
     g.add_argument("--seed", type=nonneg_int, default=0, help="seeds the init and the batches")
-    g.add_argument("--stop-after", type=positive_int, default=None, help="stop (with a checkpoint) after N steps")
+    g.add_argument(
+        "--stop-after",
+        type=positive_int,
+        default=None,
+        help="stop (with a checkpoint) after N steps (default: run to --steps)",
+    )
     g = ap.add_argument_group("data")
     g.add_argument(
         "--data", default=None, help="a UTF-8 text file or a folder of them (default: the Python standard library)"
