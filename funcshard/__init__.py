@@ -23,6 +23,8 @@ from ._array import Array as Array
 from ._array import device_get as device_get
 from ._array import device_put as device_put
 from ._array import reshard as reshard
+from ._dtensor import from_dtensor as from_dtensor
+from ._dtensor import to_dtensor as to_dtensor
 from ._errors import ConfigError as ConfigError
 from ._errors import FuncshardError as FuncshardError
 from ._errors import MeshError as MeshError
@@ -88,6 +90,7 @@ __all__ = [
     "comm_stats",
     "device_get",
     "device_put",
+    "from_dtensor",
     "lax",
     "logical_to_mesh",
     "make_mesh",
@@ -107,6 +110,7 @@ __all__ = [
     "reshard",
     "shard_map",
     "spec_rules",
+    "to_dtensor",
     "tree_path",
     "value_and_grad",
     "visualize",

@@ -21,10 +21,9 @@ All in float64, under ``sim`` for every case (check_vma on and off) and under ``
 
 from __future__ import annotations
 
-import contextlib
 import math
 import zlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import pytest
@@ -329,28 +328,6 @@ def _args(case: Case, seed: int) -> list[torch.Tensor]:
     return args
 
 
-@contextlib.contextmanager
-def _forward_level(mesh: fs.Mesh) -> Iterator[None]:
-    """Under ``sim``, one forward-AD level shared by the device threads for ``torch.func.jvp`` inside them.
-
-    torch keeps forward AD's level (and ``torch.func.jvp``'s nesting count) per process, not per thread:
-    simulated devices that each enter ``torch.func.jvp`` race on it ("Trying to access a forward AD level
-    with an invalid index"). Until the sim backend does this itself (see ``test_sim_jvp_without_shared_level``),
-    the test enters the level once around the shard_map call and counts one jvp nesting, so each device's
-    ``torch.func.jvp`` uses that level instead of entering and leaving its own.
-    """
-    if mesh.backend != "sim" or fwAD._current_level >= 0:
-        yield
-        return
-    fwAD.enter_dual_level()
-    _eager.JVP_NESTING += 1
-    try:
-        yield
-    finally:
-        _eager.JVP_NESTING -= 1
-        fwAD.exit_dual_level()
-
-
 def _close(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
     torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10, msg=lambda m: f"{what}: {m}")
 
@@ -418,8 +395,7 @@ def _body(mesh: fs.Mesh, name: str, check_vma: bool) -> str:
         (spec0, spec0, *case.in_specs[1:]),
         out_spec,
     )
-    with _forward_level(mesh):
-        _close(fs.device_get(fj(x, t, *rest)), want_t, "jvp")
+    _close(fs.device_get(fj(x, t, *rest)), want_t, "jvp")
 
     def dual(x: torch.Tensor, t: torch.Tensor, *r: torch.Tensor) -> torch.Tensor:
         return fwAD.unpack_dual(case.local(fwAD.make_dual(x, t), *r)).tangent
@@ -446,8 +422,7 @@ def _body(mesh: fs.Mesh, name: str, check_vma: bool) -> str:
 
     rev_spec = P(*none(out_nd), *spec0)
     jac_specs = (P(*out_spec, *none(out_nd - len(out_spec))), rev_spec, rev_spec, P(), P())
-    with _forward_level(mesh):
-        jf, jr, jt, mf, mr = sm(jacobians, case.in_specs, jac_specs)(x, *rest)
+    jf, jr, jt, mf, mr = sm(jacobians, case.in_specs, jac_specs)(x, *rest)
     _close(fs.device_get(jf), want_f, "jacfwd")
     _close(fs.device_get(jr), want_r, "jacrev")
     _close(fs.device_get(jt), want_r, "jacrev of the jvp in its tangent")
@@ -472,8 +447,7 @@ def _body(mesh: fs.Mesh, name: str, check_vma: bool) -> str:
         rf = torch.func.jacrev(torch.func.jacfwd(scalar))(x)  # reverse over forward: [*in_local, *in_local]
         return h, rf
 
-    with _forward_level(mesh):
-        h, rf = sm(second, case.in_specs, (P(*spec0), P(*none(x.dim()), *spec0)))(x, *rest)
+    h, rf = sm(second, case.in_specs, (P(*spec0), P(*none(x.dim()), *spec0)))(x, *rest)
     _close(fs.device_get(h), want_h, "hessian")
     _close(fs.device_get(rf), want_rf, "jacrev(jacfwd)")
     return "ok"
@@ -564,17 +538,10 @@ def _plain_jvp_body(mesh: fs.Mesh) -> str:
     return "ok"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=RuntimeError,
-    reason="sim backend: torch's forward-AD level (and torch.func.jvp's nesting count) is per process, so device "
-    "threads that each enter torch.func.jvp race on it; SimWorld.run must enter one level for all its threads "
-    "(as _forward_level here does) before starting them",
-)
-def test_sim_jvp_without_shared_level() -> None:
+def test_sim_jvp_in_every_device_thread() -> None:
     from _dist_pool import run_body
 
     try:
         run_body("sim", _plain_jvp_body, {"tp": 4})
-    finally:  # whatever the race did, leave torch's process-wide forward-AD state as it was
+    finally:  # the shared level is left again: torch's process-wide forward-AD state is as it was
         assert fwAD._current_level == -1 and _eager.JVP_NESTING == 0, (fwAD._current_level, _eager.JVP_NESTING)

@@ -272,6 +272,10 @@ class DistDevice(DeviceHandle):
         self._groups = _GROUPS[_mesh_key(mesh)]
         self._order: dict[tuple[str, ...], tuple[Any, list[int], list[int], int]] = {}
 
+    def process_group(self, axes: tuple[str, ...]) -> Any:
+        """The torch.distributed process group of this process over ``axes`` (built once, shared)."""
+        return self._group(axes)[0]
+
     def _group(self, axes: tuple[str, ...]) -> tuple[Any, list[int], list[int], int]:
         """(process group, logical members, group-rank of each logical index, my logical index)."""
         hit = self._order.get(axes)

@@ -17,13 +17,16 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+import torch._functorch.eager_transforms as _eager
+import torch.autograd.forward_ad as fwAD
 
 from .._errors import ShardingError
 from .base import DeviceHandle, default_timeout, group_members
@@ -73,6 +76,27 @@ class _Slot:
         self.done = False
         self.reads = 0
         self.members = members
+
+
+@contextlib.contextmanager
+def _shared_forward_level() -> Iterator[None]:
+    """One forward-mode AD level for all the device threads of a call.
+
+    torch keeps forward AD's level, and ``torch.func.jvp``'s nesting count, per process, not per thread:
+    devices that each entered ``torch.func.jvp`` would race on them ("Trying to access a forward AD level
+    with an invalid index"). Entered here, around the threads, each device's ``jvp`` uses this level (as a
+    nested ``jvp`` does) instead of entering and leaving its own. A level the caller entered is used as is.
+    """
+    if fwAD._current_level >= 0:
+        yield
+        return
+    fwAD.enter_dual_level()
+    _eager.JVP_NESTING += 1
+    try:
+        yield
+    finally:
+        _eager.JVP_NESTING -= 1
+        fwAD.exit_dual_level()
 
 
 class SimWorld:
@@ -137,9 +161,10 @@ class SimWorld:
                 for d in self.devices
             ]
             try:  # Ctrl-C may land while the threads start: they are stopped all the same
-                for t in threads:
-                    t.start()
-                self._join(threads)
+                with _shared_forward_level():
+                    for t in threads:
+                        t.start()
+                    self._join(threads)
             except KeyboardInterrupt:
                 self._interrupt(threads)
                 raise
