@@ -61,8 +61,8 @@ class Gen:
         self.weights = dict(CATEGORIES)
         if focus is not None:  # the core ops and this one feature, often
             self.weights = {c: w for c, w in CATEGORIES.items() if c in CORE or c == focus}
-            if self.weights.get(focus):
-                self.weights[focus] = 2 * max(self.weights[focus], 2)
+            if self.weights.get(focus):  # about a third of the ops
+                self.weights[focus] = sum(CATEGORIES[c] for c in CORE) // 2
         self.cats = list(self.weights)
         if mode == "lazy":  # inside a transform, JAX's check_vma=False gradients are local: not compared here
             self.cats = [c for c in self.cats if c != "transform"]
@@ -91,21 +91,28 @@ class Gen:
     def emit1(self, kind: str, args: list[Var], shape: tuple[int, ...], vma: frozenset[str], **params: Any) -> Var:
         return self.emit(kind, args, [self.var(shape, vma)], **params)
 
+    def chance(self, p: float) -> bool:
+        """True with probability ``p`` (from an integer draw: hypothesis' floats crowd near 0)."""
+        return self.rnd.randrange(100) < p * 100
+
     def pick(self, ok: Callable[[Var], bool], first: Var | None = None) -> Var | None:
         if first is not None:
             return first if ok(first) else None
         cands = [v for v in self.pool if ok(v)]
         if not cands:
             return None
-        return cands[-1] if self.rnd.random() < 0.5 else self.rnd.choice(cands)  # chains of ops, mostly
+        return cands[-1] if self.chance(0.5) else self.rnd.choice(cands)  # chains of ops, mostly
 
-    def axes(self, exclude: frozenset[str] = frozenset()) -> Axes | None:
-        """A collective's axis: one name, or a tuple in random order (so often not the mesh order)."""
+    def axes(self, exclude: frozenset[str] = frozenset(), prefer: frozenset[str] = frozenset()) -> Axes | None:
+        """A collective's axis: one name, or a tuple in random order (so often not the mesh order); often
+        only from ``prefer`` when it has some."""
         avail = [a for a in self.names if a not in exclude]
+        if any(a in prefer for a in avail) and self.chance(0.5):
+            avail = [a for a in avail if a in prefer]
         if not avail:
             return None
         picked = self.rnd.sample(avail, self.rnd.randint(1, len(avail)))
-        return picked[0] if len(picked) == 1 and self.rnd.random() < 0.7 else tuple(picked)
+        return picked[0] if len(picked) == 1 and self.chance(0.7) else tuple(picked)
 
     def n(self, axes: Axes) -> int:
         return math.prod(self.mesh[a] for a in axes_tuple(axes))
@@ -126,13 +133,15 @@ class Gen:
 
     # -- the program -------------------------------------------------------------------------------------
     def gen_inputs(self) -> None:
-        for _ in range(self.rnd.randint(1, 3)):
-            ndim = self.rnd.randint(0, 3)
+        """1 to 3 inputs of 0 to 3 dims, each dim replicated or sharded over 1 or 2 axes. (The first choice of
+        each draw is the likeliest under hypothesis: two 2-d inputs, dims sharded over one axis.)"""
+        for i in range(self.rnd.choice((2, 1, 3))):
+            ndim = self.rnd.choice((2, 1, 0, 3))
             local = tuple(self.rnd.choice((2, 3, 1, 4)) for _ in range(ndim))
             free = list(self.names)
             entries: list[Entry] = []
             for _ in range(ndim):
-                k = self.rnd.choice((0, 1, 0, 2)) if free else 0
+                k = self.rnd.choice((1, 0, 2, 0) if i % 2 else (0, 1, 0, 2)) if free else 0
                 picked = self.rnd.sample(free, min(k, len(free)))
                 free = [a for a in free if a not in picked]
                 entries.append(None if not picked else picked[0] if len(picked) == 1 else tuple(picked))
@@ -141,7 +150,7 @@ class Gen:
             vma = frozenset(a for e in entries for a in axes_tuple(e))
             v = self.var(local, vma)
             spec = tuple(entries)
-            self.inputs.append(Input(v, global_shape(local, spec, self.mesh), spec, self.rnd.random() < 0.75))
+            self.inputs.append(Input(v, global_shape(local, spec, self.mesh), spec, self.chance(0.75)))
             self.pool.append(v)
 
     def step(self, first: Var | None = None) -> bool:
@@ -159,13 +168,13 @@ class Gen:
         # the values no op read (so that most ops reach an output), the latest first, and at times another
         sinks = [v for v in reversed(self.pool) if v.id not in self.used]
         picked = sinks[: self.rnd.randint(1, 3)]
-        if self.rnd.random() < 0.2:
+        if self.chance(0.2):
             other = self.rnd.choice(self.pool)
             if other not in picked:
                 picked.append(other)
         if error == "out_spec" and not any(v.vma for v in picked):
             v = picked[0]
-            if "axis_index" in self.cats and self.rnd.random() < 0.5:
+            if "axis_index" in self.cats and self.chance(0.5):
                 picked[0] = self.op_axis_index(v)
             else:
                 picked[0] = self.pvary(v, frozenset({self.rnd.choice(self.names)}))
@@ -187,44 +196,55 @@ class Gen:
         """Every axis ``v`` varies over (but ``omit``), and ("tiled_out") some it does, each on a random dim."""
         axes = [a for a in self.names if a in v.vma and a != omit]
         if v.shape and "tiled_out" in self.cats:
-            axes += [a for a in self.names if a not in v.vma and self.rnd.random() < 0.25]
+            axes += [a for a in self.names if a not in v.vma and self.chance(0.25)]
         self.rnd.shuffle(axes)
         per_dim: list[list[str]] = [[] for _ in v.shape]
         for a in axes:
             per_dim[self.rnd.randrange(len(v.shape))].append(a)
-        entries = [None if not p else p[0] if len(p) == 1 and self.rnd.random() < 0.7 else tuple(p) for p in per_dim]
+        entries = [None if not p else p[0] if len(p) == 1 and self.chance(0.7) else tuple(p) for p in per_dim]
         while entries and entries[-1] is None:
             entries.pop()
         return tuple(entries)
 
     # -- op categories: each returns the value it wrote, or None when nothing fits ------------------------
+    def partner(self, a: Var) -> Var:
+        """A second operand for ``a`` (same shape, or 0-dim on one side): mostly one that varies over other
+        axes (a 0-dim sum of one when no shape fits), so that invariant and varying values meet."""
+        fits = lambda b: b.shape == a.shape or not b.shape or not a.shape  # noqa: E731
+        if self.chance(0.7):
+            b = self.pick(lambda b: fits(b) and b.vma != a.vma)
+            other = None if b else self.pick(lambda b: b.vma != a.vma)
+            b = b or (other and self.emit1("sum_all", [other], (), other.vma))
+            if b is not None:
+                return b
+        b = self.pick(fits)
+        assert b is not None  # a itself fits
+        return b
+
+    def binary(self, kind: str, a: Var, b: Var) -> Var:
+        if self.chance(0.5):
+            a, b = b, a
+        a, b = self.agree([a, b], a.vma | b.vma)
+        return self.emit1(kind, [a, b], a.shape or b.shape, a.vma | b.vma)
+
     def op_elementwise(self, first: Var | None, unary: bool = False) -> Var | None:
         a = self.pick(lambda v: True, first)
         if a is None:
             return None
-        if unary or self.rnd.random() < 0.4:
+        if unary or self.chance(0.4):
             return self.emit1(self.rnd.choice(UNARY), [a], a.shape, a.vma)
-        b = self.pick(lambda b: b.shape == a.shape or not b.shape or not a.shape)
-        assert b is not None  # a itself fits
-        if self.rnd.random() < 0.5:
-            a, b = b, a
-        a, b = self.agree([a, b], a.vma | b.vma)
-        return self.emit1(self.rnd.choice(BINARY), [a, b], a.shape or b.shape, a.vma | b.vma)
+        return self.binary(self.rnd.choice(BINARY), a, self.partner(a))
 
     def op_custom(self, first: Var | None) -> Var | None:
         a = self.pick(lambda v: True, first)
-        b = a and self.pick(lambda b: b.shape == a.shape)
-        if a is None or b is None:
-            return None
-        a, b = self.agree([a, b], a.vma | b.vma)
-        return self.emit1("custom_mul", [a, b], a.shape, a.vma | b.vma)
+        return a and self.binary("custom_mul", a, self.partner(a))
 
     def op_matmul(self, first: Var | None) -> Var | None:
         a = self.pick(lambda v: len(v.shape) == 2, first)
         b = a and self.pick(lambda b: len(b.shape) == 2 and a.shape[1] in b.shape)
         if a is None or b is None:
             return None
-        t = b.shape[1] == a.shape[1] and (b.shape[0] != a.shape[1] or self.rnd.random() < 0.5)
+        t = b.shape[1] == a.shape[1] and (b.shape[0] != a.shape[1] or self.chance(0.5))
         shape = (a.shape[0], b.shape[0] if t else b.shape[1])
         a, b = self.agree([a, b], a.vma | b.vma)
         return self.emit1("mm_t" if t else "mm", [a, b], shape, a.vma | b.vma)
@@ -237,9 +257,9 @@ class Gen:
         if kind == "sum_all":
             return self.emit1(kind, [v], (), v.vma)
         d = self.rnd.randrange(len(v.shape))
-        keep = kind == "sum" and self.rnd.random() < 0.5
+        keep = kind == "sum" and self.chance(0.5)
         shape = tuple(1 if i == d else s for i, s in enumerate(v.shape) if keep or i != d)
-        dim = d - len(v.shape) if self.rnd.random() < 0.3 else d
+        dim = d - len(v.shape) if self.chance(0.3) else d
         return self.emit1(kind, [v], shape, v.vma, dim=dim, **({"keepdim": keep} if kind == "sum" else {}))
 
     def op_reshape(self, first: Var | None) -> Var | None:
@@ -311,7 +331,7 @@ class Gen:
         kind = self.rnd.choice(
             (*REDUCING, "all_gather", "psum_scatter", "all_to_all", "ppermute", "all_gather_invariant")
         )
-        axes = self.axes()
+        axes = self.axes(prefer=frozenset(self.names) - v.vma)  # often over axes v is invariant over
         n, ax = self.n(axes), frozenset(axes_tuple(axes))
         made = self.collective_params(kind, v.shape, n)
         if made is None:
@@ -332,11 +352,11 @@ class Gen:
         if kind == "ppermute":
             k = rnd.randint(1, n)
             return s, {"perm": tuple(zip(rnd.sample(range(n), k), rnd.sample(range(n), k)))}
-        tiled = nd >= 1 and rnd.random() < 0.6
+        tiled = nd >= 1 and self.chance(0.6)
         if kind in ("all_gather", "all_gather_invariant"):
             d = rnd.randrange(nd if tiled else nd + 1)
             shape = (*s[:d], s[d] * n, *s[d + 1 :]) if tiled else (*s[:d], n, *s[d:])
-            if rnd.random() < 0.3:
+            if self.chance(0.3):
                 d -= nd if tiled else nd + 1
             return shape, {"dim": d, "tiled": tiled}
         ok = [d for d in range(nd) if (s[d] % n == 0 if tiled else s[d] == n)]
@@ -363,7 +383,7 @@ class Gen:
         kinds = ["iadd_fresh", "imul_fresh"] + (["setitem_fresh"] if a.shape else [])
         want = a.vma | b.vma
         if self.mode == "vma" and want - a.vma:
-            if self.rnd.random() < 0.5:
+            if self.chance(0.5):
                 a = self.pvary(a, want - a.vma)
             else:
                 self.may_raise.append(f"an in-place op makes a copy of {a.name} vary over {sorted(want - a.vma)}")
@@ -436,7 +456,7 @@ def generate(
     total: int | None = None,
     focus: str | None = None,
     error: str | None = None,
-    max_ops: int = 6,
+    max_ops: int = 7,
 ) -> Program:
     """A random program. ``mode``: "vma" (check_vma=True), "careful" (check_vma=False, pvary written where a
     careful user would), "lazy" (check_vma=False, no pvary before collectives: JAX's answer or an error).
@@ -446,7 +466,7 @@ def generate(
     "number" (psum_scatter / all_to_all of a Python number): the call must raise ShardingError."""
     g = Gen(rnd, mode, total, focus)
     g.gen_inputs()
-    for _ in range(rnd.randint(1, max_ops)):
+    for _ in range(rnd.randint(2, max_ops)):
         g.step()
     expect = None
     if error == "number":  # a number is a 0-dim value: it has no dim to scatter or split

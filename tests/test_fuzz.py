@@ -19,6 +19,7 @@ random seeds (``FUNCSHARD_FUZZ_SEED`` fixes them).
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import random
 
@@ -33,6 +34,7 @@ from _fuzz import (
     dist_program,
     finite,
     funcshard_result,
+    make_data,
     reference_result,
 )
 from _fuzz_gen import FEATURES, generate
@@ -43,7 +45,7 @@ from hypothesis import strategies as st
 
 import funcshard as fs
 
-CI_EXAMPLES = {"vma": 25, "careful": 12, "lazy": 40, "out_spec": 30, "number": 10}
+CI_EXAMPLES = {"vma": 25, "careful": 12, "lazy": 40, "out_spec": 30, "number": 10, "jax": 5}
 CI_TOTAL = CI_EXAMPLES["vma"] * (len(FEATURES) + 1) + CI_EXAMPLES["careful"] * (len(FEATURES) + 1) + 80
 SLOW = int(os.environ.get("FUNCSHARD_FUZZ_EXAMPLES", "0"))
 _COMMON = {
@@ -110,7 +112,7 @@ def test_careful_pvary(focus, data):
     check(data.draw(programs("careful", focus), label="prog"))
 
 
-@given(prog=programs("lazy"))
+@given(prog=programs("lazy", "core"))
 @fuzz_settings("lazy")
 def test_lazy_no_pvary(prog):
     check(prog)
@@ -163,8 +165,27 @@ def test_dist_equals_sim_and_reference(mode, seed):
 
 
 # ------------------------------------------------------------------------------------------------------
-# The oracle itself, on programs whose answers are known by hand
+# The oracle itself: against JAX where it is installed, and on programs whose answers are known by hand
 # ------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.skipif(importlib.util.find_spec("jax") is None, reason='needs jax: pip install "jax[cpu]"')
+@given(data=st.data())
+@fuzz_settings("jax")
+def test_reference_equals_jax(data):
+    """The reference agrees with JAX's shard_map (the model it follows) on the programs JAX runs alike."""
+    import _fuzz_jax
+
+    prog = data.draw(programs("vma", data.draw(st.sampled_from(FOCUS), label="focus")), label="prog")
+    want = reference_result(prog)
+    assume(finite(want))
+    xs, cts = make_data(prog)
+    try:
+        outs, grads = _fuzz_jax.jax_result(prog, xs, cts)
+    except _fuzz_jax.Unsupported:
+        assume(False)
+    problems = differences(prog, want, Result(outs, grads))
+    assert not problems, "\n".join(problems)
 
 
 def _program(src_mesh, inputs, ops, outputs, mode="vma") -> Program:
