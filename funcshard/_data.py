@@ -223,11 +223,12 @@ def load_corpus(data: str | None, *, max_bytes: int, seq: int) -> Corpus:
         why = reader.skipped[0][1]
         raise UsageError(f"--data {source!r} is not text: {why}; give a UTF-8 text file or a folder of them.")
     if not reader.kept:
-        seen = f" ({len(reader.skipped)} not text, e.g. '{reader.skipped[0][0]}': {reader.skipped[0][1]})"
-        raise UsageError(
-            f"--data {source!r}: found no text there (empty or binary files){seen if reader.skipped else ''}; "
-            f"give text files."
-        )
+        if reader.skipped:
+            (f, why), n = reader.skipped[0], len(reader.skipped)
+            found = f"{n} file(s) that are not text (e.g. '{f}': {why}), the rest empty"
+        else:
+            found = "only empty files"
+        raise UsageError(f"--data {source!r}: found no text there, {found}; give UTF-8 text files.")
     n_files, n_bytes = reader.kept, reader.total
     if n_files >= VAL_EVERY:
         train, val = reader.tensors()
