@@ -14,7 +14,7 @@ from pathlib import Path
 from ._manifest import MANIFEST, CheckpointError
 
 
-def _fsync_dir(d: Path) -> None:
+def fsync_dir(d: Path) -> None:
     try:
         fd = os.open(d, os.O_RDONLY)
     except OSError:
@@ -31,19 +31,19 @@ def _old(path: Path) -> Path:
     return path.with_name(path.name + ".old")
 
 
-def _is_checkpoint(d: Path) -> bool:
+def is_checkpoint(d: Path) -> bool:
     return d.is_dir() and (d / MANIFEST).is_file()
 
 
-def _check_replaceable(path: Path) -> None:
-    if path.exists() and not _is_checkpoint(path) and not (path.is_dir() and not any(path.iterdir())):
+def check_replaceable(path: Path) -> None:
+    if path.exists() and not is_checkpoint(path) and not (path.is_dir() and not any(path.iterdir())):
         raise CheckpointError(
             f"save('{path}'): refusing to replace it: it exists and is not a funcshard checkpoint (no {MANIFEST}); "
             f"pick another path or remove it yourself."
         )
 
 
-def _swap_in(tmp: Path, path: Path) -> None:
+def swap_in(tmp: Path, path: Path) -> None:
     """Make the finished ``tmp`` the checkpoint at ``path``; the previous one stays readable throughout."""
     old = _old(path)
     if old.exists() and path.exists():
@@ -57,14 +57,14 @@ def _swap_in(tmp: Path, path: Path) -> None:
         if moved:
             os.rename(old, path)
         raise
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)
     if old.exists():
         shutil.rmtree(old, ignore_errors=True)
 
 
-def _resolve(path: Path, where: str) -> Path:
+def resolve(path: Path, where: str) -> Path:
     if path.is_dir():
         return path
-    if _is_checkpoint(_old(path)):
+    if is_checkpoint(_old(path)):
         return _old(path)  # a save died between its two renames: the previous checkpoint is here
     raise CheckpointError(f"{where}: there is no checkpoint at '{path}' (no such directory).")

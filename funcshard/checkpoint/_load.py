@@ -12,10 +12,10 @@ import torch
 from .._array import Array
 from ..pytree import PyTree
 from ._checksums import verify as verify_checksums
-from ._files import _resolve
-from ._manifest import CheckpointError, _check_data, _parse_dtype, _read_manifest
-from ._planners import _cause, _dcp, _quiet
-from ._tree import _backend_of, _flatten, _offsets
+from ._files import resolve
+from ._manifest import CheckpointError, check_data, parse_dtype, read_manifest
+from ._planners import cause_of, dcp_api, quiet
+from ._tree import backend_of, block_offsets, flatten
 
 
 def info(path: str | os.PathLike[str]) -> dict[str, Any]:
@@ -28,7 +28,7 @@ def info(path: str | os.PathLike[str]) -> dict[str, Any]:
     """
     path = Path(os.fspath(path))
     where = f"info('{path}')"
-    return _read_manifest(_resolve(path, where), where)
+    return read_manifest(resolve(path, where), where)
 
 
 def load(path: str | os.PathLike[str], like: PyTree, *, strict: bool = True) -> PyTree:
@@ -58,12 +58,34 @@ def load(path: str | os.PathLike[str], like: PyTree, *, strict: bool = True) -> 
     """
     path = Path(os.fspath(path))
     where = f"load('{path}')"
-    leaves, treedef = _flatten(like, where)
-    backend = _backend_of(leaves, where)
-    ckpt = _resolve(path, where)
-    saved = _read_manifest(ckpt, where)["leaves"]
+    leaves, treedef = flatten(like, where)
+    backend = backend_of(leaves, where)
+    ckpt = resolve(path, where)
+    saved = read_manifest(ckpt, where)["leaves"]
+    _check_names([n for n, _ in leaves], saved, where, strict=strict)
+    requests = {}
+    for name, leaf in leaves:
+        blocks = _request(name, leaf, saved[name], where)
+        if blocks is not None:
+            requests[name] = blocks
+    if requests:
+        _read(ckpt, requests, saved, where, distributed=backend == "dist")
+    out = []
+    for name, leaf in leaves:
+        if isinstance(leaf, Array):
+            blocks = requests[name]
+            views = ((c, blocks[block_offsets(leaf, c)[0]]) for c in leaf.shards)
+            shards = {c: t.view(t.shape) for c, t in views}  # one tensor object per device, as device_put
+            out.append(Array(leaf.mesh, leaf.spec, leaf.shape, leaf.dtype, shards))
+        elif isinstance(leaf, torch.Tensor):
+            out.append(next(iter(requests[name].values())))
+        else:
+            out.append(saved[name]["value"])
+    return optree.tree_unflatten(treedef, out)
 
-    names = [n for n, _ in leaves]
+
+def _check_names(names: list[str], saved: dict[str, Any], where: str, *, strict: bool) -> None:
+    """Every leaf of ``like`` is in the checkpoint (and, with ``strict``, every saved leaf is in ``like``)."""
     missing = [n for n in names if n not in saved]
     if missing:
         raise CheckpointError(
@@ -77,78 +99,67 @@ def load(path: str | os.PathLike[str], like: PyTree, *, strict: bool = True) -> 
             f"structure differs. Pass the full tree, or strict=False to load only the leaves of `like`."
         )
 
-    dcp, _, load_planner, index_cls = _dcp()
-    requests: dict[str, dict[tuple[int, ...], torch.Tensor]] = {}
-    for name, leaf in leaves:
-        entry = saved[name]
-        kind = entry.get("kind")
-        if not isinstance(leaf, (Array, torch.Tensor)):
-            if kind != "value":
-                raise CheckpointError(
-                    f"{where}: leaf '{name}' was saved as a tensor of shape {tuple(entry.get('shape', ()))}, but "
-                    f"`like` has a {type(leaf).__name__} there; pass a tensor or fs.Array of that shape."
-                )
-            if type(entry["value"]) is not type(leaf):
-                raise CheckpointError(
-                    f"{where}: leaf '{name}' was saved as {type(entry['value']).__name__} {entry['value']!r}, but "
-                    f"`like` has a {type(leaf).__name__} there."
-                )
-            continue
-        if kind not in ("array", "tensor"):
-            raise CheckpointError(
-                f"{where}: leaf '{name}' was saved as the value {entry.get('value')!r}, but `like` has a "
-                f"{type(leaf).__name__} there; pass a Python {type(entry.get('value')).__name__}."
-            )
-        shape, dtype = tuple(entry["shape"]), _parse_dtype(entry["dtype"], where)
-        if tuple(leaf.shape) != shape or leaf.dtype != dtype:
-            raise CheckpointError(
-                f"{where}: leaf '{name}' was saved with shape {shape} and dtype {dtype}, but `like` has shape "
-                f"{tuple(leaf.shape)} and dtype {leaf.dtype}; build `like` with the saved shapes and dtypes."
-            )
-        if isinstance(leaf, Array):
-            dev = _real(next(iter(leaf.shards.values())).device, leaf)
-            blocks = {}
-            for c in leaf.shards:
-                off, sizes = _offsets(leaf, c)
-                if off not in blocks:
-                    blocks[off] = torch.empty(sizes, dtype=dtype, device=dev)
-            requests[name] = blocks
-        else:
-            requests[name] = {(0,) * len(shape): torch.empty(shape, dtype=dtype, device=_real(leaf.device, None))}
 
-    if requests:
-        try:
-            meta = dcp.FileSystemReader(str(ckpt)).read_metadata()
-        except Exception as e:  # noqa: BLE001 - any failure to read the metadata means a damaged checkpoint
+def _request(name: str, leaf: Any, entry: dict[str, Any], where: str) -> dict[tuple[int, ...], torch.Tensor] | None:
+    """The empty blocks (``{offsets: tensor}``) to read for leaf ``name`` laid out like ``leaf``, after checking
+    that its saved kind, shape and dtype fit; ``None`` for a Python scalar (it lives in the manifest)."""
+    kind = entry.get("kind")
+    if not isinstance(leaf, (Array, torch.Tensor)):
+        if kind != "value":
             raise CheckpointError(
-                f"{where}: cannot read the DCP metadata '{ckpt / '.metadata'}' ({type(e).__name__}: {e}); "
-                f"the checkpoint is damaged."
-            ) from None
-        for name, blocks in requests.items():
-            _check_data(ckpt, meta, name, saved[name], where, index_cls)
-            wanted = [(off, tuple(t.shape)) for off, t in blocks.items()]
-            verify_checksums(ckpt, meta, index_cls, name, saved[name], wanted, where)
-        try:
-            with _quiet():
-                reader = dcp.FileSystemReader(str(ckpt))
-                dcp.load(requests, storage_reader=reader, planner=load_planner(), no_dist=backend != "dist")
-        except (Exception, dcp.CheckpointException) as e:  # DCP wraps a failed read in CheckpointException
+                f"{where}: leaf '{name}' was saved as a tensor of shape {tuple(entry.get('shape', ()))}, but "
+                f"`like` has a {type(leaf).__name__} there; pass a tensor or fs.Array of that shape."
+            )
+        if type(entry["value"]) is not type(leaf):
             raise CheckpointError(
-                f"{where}: reading the tensor data failed ({_cause(e)}); the checkpoint is damaged."
-            ) from e
+                f"{where}: leaf '{name}' was saved as {type(entry['value']).__name__} {entry['value']!r}, but "
+                f"`like` has a {type(leaf).__name__} there."
+            )
+        return None
+    if kind not in ("array", "tensor"):
+        raise CheckpointError(
+            f"{where}: leaf '{name}' was saved as the value {entry.get('value')!r}, but `like` has a "
+            f"{type(leaf).__name__} there; pass a Python {type(entry.get('value')).__name__}."
+        )
+    shape, dtype = tuple(entry["shape"]), parse_dtype(entry["dtype"], where)
+    if tuple(leaf.shape) != shape or leaf.dtype != dtype:
+        raise CheckpointError(
+            f"{where}: leaf '{name}' was saved with shape {shape} and dtype {dtype}, but `like` has shape "
+            f"{tuple(leaf.shape)} and dtype {leaf.dtype}; build `like` with the saved shapes and dtypes."
+        )
+    if not isinstance(leaf, Array):
+        return {(0,) * len(shape): torch.empty(shape, dtype=dtype, device=_real(leaf.device, None))}
+    dev = _real(next(iter(leaf.shards.values())).device, leaf)
+    blocks = {}
+    for c in leaf.shards:
+        off, sizes = block_offsets(leaf, c)
+        if off not in blocks:
+            blocks[off] = torch.empty(sizes, dtype=dtype, device=dev)
+    return blocks
 
-    out = []
-    for name, leaf in leaves:
-        if isinstance(leaf, Array):
-            blocks = requests[name]
-            views = ((c, blocks[_offsets(leaf, c)[0]]) for c in leaf.shards)
-            shards = {c: t.view(t.shape) for c, t in views}  # one tensor object per device, as device_put
-            out.append(Array(leaf.mesh, leaf.spec, leaf.shape, leaf.dtype, shards))
-        elif isinstance(leaf, torch.Tensor):
-            out.append(next(iter(requests[name].values())))
-        else:
-            out.append(saved[name]["value"])
-    return optree.tree_unflatten(treedef, out)
+
+def _read(ckpt: Path, requests: dict[str, Any], saved: dict[str, Any], where: str, *, distributed: bool) -> None:
+    """Fill the requested blocks from the checkpoint at ``ckpt``, after checking its data files and checksums."""
+    dcp, _, load_planner, index_cls = dcp_api()
+    try:
+        meta = dcp.FileSystemReader(str(ckpt)).read_metadata()
+    except Exception as e:  # noqa: BLE001 - any failure to read the metadata means a damaged checkpoint
+        raise CheckpointError(
+            f"{where}: cannot read the DCP metadata '{ckpt / '.metadata'}' ({type(e).__name__}: {e}); "
+            f"the checkpoint is damaged."
+        ) from None
+    for name, blocks in requests.items():
+        check_data(ckpt, meta, name, saved[name], where, index_cls)
+        wanted = [(off, tuple(t.shape)) for off, t in blocks.items()]
+        verify_checksums(ckpt, meta, index_cls, name, saved[name], wanted, where)
+    try:
+        with quiet():
+            reader = dcp.FileSystemReader(str(ckpt))
+            dcp.load(requests, storage_reader=reader, planner=load_planner(), no_dist=not distributed)
+    except (Exception, dcp.CheckpointException) as e:  # DCP wraps a failed read in CheckpointException
+        raise CheckpointError(
+            f"{where}: reading the tensor data failed ({cause_of(e)}); the checkpoint is damaged."
+        ) from e
 
 
 def _real(dev: torch.device, a: Array | None) -> torch.device:

@@ -13,15 +13,16 @@ from typing import Any
 
 import torch
 
+from .._errors import FuncshardError
 from .._spec import P
 
 MANIFEST = "funcshard.json"
 FORMAT = "funcshard.checkpoint"
 VERSION = 1
-_VALUE_TYPES = (bool, int, float, str)
+VALUE_TYPES = (bool, int, float, str)
 
 
-class CheckpointError(ValueError):
+class CheckpointError(FuncshardError):
     """A checkpoint that is missing, damaged, or does not fit the tree it is loaded into; a tree that cannot
     be saved; or a save whose writes failed (the cause is chained, and the previous checkpoint is kept).
 
@@ -38,22 +39,22 @@ class CheckpointError(ValueError):
     """
 
 
-def _dtype_name(dtype: torch.dtype) -> str:
+def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def _spec_json(spec: P) -> list[Any]:
+def spec_json(spec: P) -> list[Any]:
     return [list(e) if isinstance(e, (tuple, list)) else e for e in spec.entries]
 
 
-def _parse_dtype(name: str, where: str) -> torch.dtype:
+def parse_dtype(name: str, where: str) -> torch.dtype:
     dt = getattr(torch, str(name), None)
     if not isinstance(dt, torch.dtype):
         raise CheckpointError(f"{where}: unknown dtype {name!r} in the manifest.")
     return dt
 
 
-def _manifest_text(manifest: dict[str, Any]) -> str:
+def manifest_text(manifest: dict[str, Any]) -> str:
     """JSON with one line per leaf, for a reader with ``less``."""
     head = {k: v for k, v in manifest.items() if k != "leaves"}
     lines = [f"  {json.dumps(k)}: {json.dumps(v)}," for k, v in head.items()]
@@ -61,7 +62,7 @@ def _manifest_text(manifest: dict[str, Any]) -> str:
     return "{\n" + "\n".join(lines) + '\n  "leaves": {\n' + ",\n".join(leaves) + "\n  }\n}\n"
 
 
-def _read_manifest(ckpt: Path, where: str) -> dict[str, Any]:
+def read_manifest(ckpt: Path, where: str) -> dict[str, Any]:
     f = ckpt / MANIFEST
     try:
         manifest = json.loads(f.read_text())
@@ -80,13 +81,13 @@ def _read_manifest(ckpt: Path, where: str) -> dict[str, Any]:
     return manifest
 
 
-def _check_data(ckpt: Path, meta: Any, name: str, entry: dict[str, Any], where: str, index_cls: Any) -> None:
+def check_data(ckpt: Path, meta: Any, name: str, entry: dict[str, Any], where: str, index_cls: Any) -> None:
     """The DCP metadata agrees with the manifest for leaf ``name`` and every block's bytes are on disk."""
     md = meta.state_dict_metadata.get(name)
     chunks = getattr(md, "chunks", None)
     if chunks is None:
         raise CheckpointError(f"{where}: leaf '{name}' is in {MANIFEST} but has no tensor data in .metadata.")
-    if list(md.size) != entry["shape"] or _dtype_name(md.properties.dtype) != entry["dtype"]:
+    if list(md.size) != entry["shape"] or dtype_name(md.properties.dtype) != entry["dtype"]:
         raise CheckpointError(
             f"{where}: leaf '{name}': .metadata says shape {tuple(md.size)} {md.properties.dtype}, {MANIFEST} "
             f"says {tuple(entry['shape'])} {entry['dtype']}; the checkpoint is damaged."

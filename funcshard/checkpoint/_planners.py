@@ -15,7 +15,7 @@ import torch
 
 
 @functools.cache
-def _dcp() -> Any:
+def dcp_api() -> Any:
     """The DCP module and this module's two planners, built on first use."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
@@ -82,7 +82,7 @@ def _dcp() -> Any:
     return dcp, SavePlanner, LoadPlanner, MetadataIndex
 
 
-def _cause(e: BaseException) -> str:
+def cause_of(e: BaseException) -> str:
     """The first failure inside DCP's ``CheckpointException`` (whose own text is only a traceback dump)."""
     failures = getattr(e, "failures", None)
     if isinstance(failures, dict) and failures:
@@ -97,7 +97,7 @@ def _first_line(e: BaseException) -> str:
 
 
 @contextlib.contextmanager
-def _quiet() -> Iterator[None]:
+def quiet() -> Iterator[None]:
     """Silence DCP's warning that it runs in a single process (our ``"sim"`` case, on purpose)."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=r".*assuming the intent is to (save|load) in a single process")

@@ -14,14 +14,14 @@ from typing import Any
 
 import torch
 
-from .. import checkpoint as _package  # _swap_in is called through the package, where tests patch it
+from .. import checkpoint as _package  # swap_in is called through the package (as _swap_in), where tests patch it
 from .._array import Array
 from ..pytree import PyTree
 from ._checksums import record as record_checksums
-from ._files import _check_replaceable, _fsync_dir
-from ._manifest import _VALUE_TYPES, FORMAT, MANIFEST, VERSION, CheckpointError, _dtype_name, _manifest_text, _spec_json
-from ._planners import _cause, _dcp, _quiet
-from ._tree import _all_offsets, _backend_of, _flatten, _offsets
+from ._files import check_replaceable, fsync_dir
+from ._manifest import FORMAT, MANIFEST, VALUE_TYPES, VERSION, CheckpointError, dtype_name, manifest_text, spec_json
+from ._planners import cause_of, dcp_api, quiet
+from ._tree import all_block_offsets, backend_of, block_offsets, flatten
 
 
 def save(path: str | os.PathLike[str], tree: PyTree, *, step: int | None = None, metadata: Any = None) -> str:
@@ -50,54 +50,20 @@ def save(path: str | os.PathLike[str], tree: PyTree, *, step: int | None = None,
     """
     path = Path(os.fspath(path))
     where = f"save('{path}')"
-    leaves, treedef = _flatten(tree, where)
-    backend = _backend_of(leaves, where)
-    distributed = backend == "dist"
+    leaves, treedef = flatten(tree, where)
+    distributed = backend_of(leaves, where) == "dist"
     if step is not None and (isinstance(step, bool) or not isinstance(step, int)):
         raise CheckpointError(f"{where}: step must be an int or None, found {step!r}.")
     try:
         user_meta = json.loads(json.dumps(metadata))
     except (TypeError, ValueError) as e:
         raise CheckpointError(f"{where}: metadata must be JSON-serialisable ({e}).") from None
-    _check_replaceable(path)
+    check_replaceable(path)
 
     from .._backend import dist as dist_backend
 
     rank0 = not distributed or dist_backend.process_rank() == 0
-    entries: dict[str, dict[str, Any]] = {}
-    state: dict[str, tuple[tuple[int, ...], dict[tuple[int, ...], torch.Tensor]]] = {}
-    for name, leaf in leaves:
-        if isinstance(leaf, Array):
-            blocks: dict[tuple[int, ...], torch.Tensor] = {}
-            for c, t in leaf.shards.items():
-                off, sizes = _offsets(leaf, c)
-                if tuple(t.shape) != sizes:
-                    raise CheckpointError(
-                        f"{where}: leaf '{name}': the shard of device {c} has shape {tuple(t.shape)}, but spec "
-                        f"{leaf.spec!r} of shape {leaf.shape} on mesh {leaf.mesh.shape} gives blocks of {sizes}."
-                    )
-                blocks.setdefault(off, t)
-            state[name] = (leaf.shape, blocks)
-            entries[name] = {
-                "kind": "array",
-                "shape": list(leaf.shape),
-                "dtype": _dtype_name(leaf.dtype),
-                "mesh": leaf.mesh.shape,
-                "backend": leaf.mesh.backend,
-                "spec": _spec_json(leaf.spec),
-                "blocks": _all_offsets(leaf),
-            }
-        elif isinstance(leaf, torch.Tensor):
-            if rank0:
-                state[name] = (tuple(leaf.shape), {(0,) * leaf.dim(): leaf})
-            entries[name] = {"kind": "tensor", "shape": list(leaf.shape), "dtype": _dtype_name(leaf.dtype)}
-        elif isinstance(leaf, _VALUE_TYPES):
-            entries[name] = {"kind": "value", "value": leaf}
-        else:
-            raise CheckpointError(
-                f"{where}: leaf '{name}' is a {type(leaf).__name__}; a checkpoint holds fs.Array, torch.Tensor "
-                f"and int / float / bool / str leaves (convert it, e.g. with torch.as_tensor)."
-            )
+    entries, state = _entries_and_blocks(leaves, where, rank0=rank0)
     manifest = {
         "format": FORMAT,
         "version": VERSION,
@@ -106,43 +72,17 @@ def save(path: str | os.PathLike[str], tree: PyTree, *, step: int | None = None,
         "treedef": str(treedef),
         "leaves": entries,
     }
-
     uid = uuid.uuid4().hex[:12]
     if distributed:
         uid = dist_backend.broadcast_object(uid)  # every process writes into rank 0's temp dir
     tmp = path.with_name(f"{path.name}.tmp-{uid}")
-    dcp, save_planner, _, index_cls = _dcp()
-    failures: list[tuple[OSError, str]] = []
-    try:
-        writer = dcp.FileSystemWriter(str(tmp), single_file_per_rank=True, sync_files=True, thread_count=1)
-        _record_failures(writer, failures)
-        with _quiet():
-            dcp.save(state, storage_writer=writer, planner=save_planner(), no_dist=not distributed)
-    except BaseException as e:
-        if rank0:
-            shutil.rmtree(tmp, ignore_errors=True)
-        if isinstance(e, OSError) or failures:
-            raise _write_error(where, path, e, failures) from e
-        if isinstance(e, dcp.CheckpointException):  # a BaseException that names only the failing ranks
-            raise CheckpointError(
-                f"{where}: writing the blocks failed ({_cause(e)}); the previous checkpoint is untouched."
-            ) from e
-        raise
+    _write_blocks(tmp, state, where, path, distributed=distributed, rank0=rank0)
     if distributed:
         dist_backend.barrier()  # every process has written and fsync'd its blocks
     err: BaseException | None = None
     if rank0:
         try:
-            try:
-                record_checksums(tmp, dcp.FileSystemReader(str(tmp)).read_metadata(), index_cls, entries)
-                with open(tmp / MANIFEST, "w") as f:
-                    f.write(_manifest_text(manifest))
-                    f.flush()
-                    os.fsync(f.fileno())
-            except OSError as e:
-                raise _write_error(where, path, e, [(e, str(tmp / MANIFEST))]) from e
-            _fsync_dir(tmp)
-            _package._swap_in(tmp, path)
+            _commit(tmp, path, manifest, where)
         except BaseException as e:  # noqa: BLE001 - re-raised below, after the other ranks hear of it
             shutil.rmtree(tmp, ignore_errors=True)
             err = e
@@ -153,6 +93,86 @@ def save(path: str | os.PathLike[str], tree: PyTree, *, step: int | None = None,
     if err is not None:
         raise err
     return str(path)
+
+
+_Blocks = dict[str, tuple[tuple[int, ...], dict[tuple[int, ...], torch.Tensor]]]
+
+
+def _entries_and_blocks(leaves: list[tuple[str, Any]], where: str, *, rank0: bool) -> tuple[dict[str, Any], _Blocks]:
+    """Per leaf path, its manifest entry, and the distinct blocks this process writes (its global shape and
+    ``{offsets: block}``); a plain tensor is written by rank 0 only, a Python scalar lives in the manifest."""
+    entries: dict[str, dict[str, Any]] = {}
+    state: _Blocks = {}
+    for name, leaf in leaves:
+        if isinstance(leaf, Array):
+            blocks: dict[tuple[int, ...], torch.Tensor] = {}
+            for c, t in leaf.shards.items():
+                off, sizes = block_offsets(leaf, c)
+                if tuple(t.shape) != sizes:
+                    raise CheckpointError(
+                        f"{where}: leaf '{name}': the shard of device {c} has shape {tuple(t.shape)}, but spec "
+                        f"{leaf.spec!r} of shape {leaf.shape} on mesh {leaf.mesh.shape} gives blocks of {sizes}."
+                    )
+                blocks.setdefault(off, t)
+            state[name] = (leaf.shape, blocks)
+            entries[name] = {
+                "kind": "array",
+                "shape": list(leaf.shape),
+                "dtype": dtype_name(leaf.dtype),
+                "mesh": leaf.mesh.shape,
+                "backend": leaf.mesh.backend,
+                "spec": spec_json(leaf.spec),
+                "blocks": all_block_offsets(leaf),
+            }
+        elif isinstance(leaf, torch.Tensor):
+            if rank0:
+                state[name] = (tuple(leaf.shape), {(0,) * leaf.dim(): leaf})
+            entries[name] = {"kind": "tensor", "shape": list(leaf.shape), "dtype": dtype_name(leaf.dtype)}
+        elif isinstance(leaf, VALUE_TYPES):
+            entries[name] = {"kind": "value", "value": leaf}
+        else:
+            raise CheckpointError(
+                f"{where}: leaf '{name}' is a {type(leaf).__name__}; a checkpoint holds fs.Array, torch.Tensor "
+                f"and int / float / bool / str leaves (convert it, e.g. with torch.as_tensor)."
+            )
+    return entries, state
+
+
+def _write_blocks(tmp: Path, state: _Blocks, where: str, path: Path, *, distributed: bool, rank0: bool) -> None:
+    """Write this process's blocks into ``tmp`` through DCP (fsync'd); on failure remove ``tmp`` and raise a
+    ``CheckpointError`` naming the OS's reason and the file."""
+    dcp, save_planner, _, _ = dcp_api()
+    failures: list[tuple[OSError, str]] = []
+    try:
+        writer = dcp.FileSystemWriter(str(tmp), single_file_per_rank=True, sync_files=True, thread_count=1)
+        _record_failures(writer, failures)
+        with quiet():
+            dcp.save(state, storage_writer=writer, planner=save_planner(), no_dist=not distributed)
+    except BaseException as e:
+        if rank0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, OSError) or failures:
+            raise _write_error(where, path, e, failures) from e
+        if isinstance(e, dcp.CheckpointException):  # a BaseException that names only the failing ranks
+            raise CheckpointError(
+                f"{where}: writing the blocks failed ({cause_of(e)}); the previous checkpoint is untouched."
+            ) from e
+        raise
+
+
+def _commit(tmp: Path, path: Path, manifest: dict[str, Any], where: str) -> None:
+    """Rank 0: record the blocks' checksums, write the manifest (fsync'd), and swap ``tmp`` in at ``path``."""
+    dcp, _, _, index_cls = dcp_api()
+    try:
+        record_checksums(tmp, dcp.FileSystemReader(str(tmp)).read_metadata(), index_cls, manifest["leaves"])
+        with open(tmp / MANIFEST, "w") as f:
+            f.write(manifest_text(manifest))
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as e:
+        raise _write_error(where, path, e, [(e, str(tmp / MANIFEST))]) from e
+    fsync_dir(tmp)
+    _package._swap_in(tmp, path)
 
 
 class _Guarded:
@@ -205,7 +225,7 @@ def _write_error(where: str, path: Path, e: BaseException, failures: list[tuple[
         err, file = e, os.fspath(e.filename) if e.filename is not None else str(path)
     else:
         return CheckpointError(
-            f"{where}: writing the blocks failed ({_cause(e)}); the previous checkpoint is untouched."
+            f"{where}: writing the blocks failed ({cause_of(e)}); the previous checkpoint is untouched."
         )
     reason = err.strerror or str(err) or type(err).__name__
     hint = " (free space there, or save elsewhere)" if err.errno == errno.ENOSPC else ""

@@ -6,7 +6,7 @@ import os
 import re
 from pathlib import Path
 
-from ._files import _is_checkpoint
+from ._files import is_checkpoint
 
 _STEP = re.compile(r"step_(\d+)")
 
@@ -47,7 +47,7 @@ def list_steps(root: str | os.PathLike[str]) -> list[int]:
     found = []
     for d in root.iterdir():
         m = _STEP.fullmatch(d.name)
-        if m and _is_checkpoint(d):
+        if m and is_checkpoint(d):
             found.append(int(m.group(1)))
     return sorted(found)
 

@@ -16,7 +16,7 @@ def _is_array(x: Any) -> bool:
     return isinstance(x, Array)
 
 
-def _flatten(tree: PyTree, where: str) -> tuple[list[tuple[str, Any]], Any]:
+def flatten(tree: PyTree, where: str) -> tuple[list[tuple[str, Any]], Any]:
     paths, leaves, treedef = optree.tree_flatten_with_path(tree, is_leaf=_is_array)
     out: list[tuple[str, Any]] = []
     seen: set[str] = set()
@@ -32,7 +32,7 @@ def _flatten(tree: PyTree, where: str) -> tuple[list[tuple[str, Any]], Any]:
     return out, treedef
 
 
-def _backend_of(leaves: list[tuple[str, Any]], where: str) -> str:
+def backend_of(leaves: list[tuple[str, Any]], where: str) -> str:
     """``"dist"`` when the arrays are on a dist mesh (or, with no arrays, when torch.distributed is up)."""
     backends = {leaf.mesh.backend for _, leaf in leaves if isinstance(leaf, Array)}
     if len(backends) > 1:
@@ -44,12 +44,12 @@ def _backend_of(leaves: list[tuple[str, Any]], where: str) -> str:
     return "dist" if dist_backend.initialized() else "sim"
 
 
-def _offsets(a: Array, coords: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+def block_offsets(a: Array, coords: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """(offsets, sizes) of the block the device at ``coords`` holds."""
     sl = shard_slices(a.shape, a.spec, a.mesh.shape, dict(zip(a.mesh.axis_names, coords, strict=True)))
     return tuple(s.start for s in sl), tuple(s.stop - s.start for s in sl)
 
 
-def _all_offsets(a: Array) -> list[list[int]]:
-    every = {_offsets(a, tuple(c.values()))[0] for c in a.mesh.device_coords()}
+def all_block_offsets(a: Array) -> list[list[int]]:
+    every = {block_offsets(a, tuple(c.values()))[0] for c in a.mesh.device_coords()}
     return [list(o) for o in sorted(every)]
