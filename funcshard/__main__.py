@@ -43,15 +43,15 @@ def main(argv: list[str] | None = None) -> int:
 
 def _dispatch(cmd: str, rest: list[str]) -> int:
     if cmd == "train":
-        from .train import main as train_main
+        from .job.train import main as train_main
 
         return train_main(rest)
     if cmd == "generate":
-        from .train import generate_main
+        from .job.train import generate_main
 
         return generate_main(rest)
     if cmd == "demo":
-        from ._demo import main as demo_main
+        from .job.demo import main as demo_main
 
         return demo_main(rest)
     print(

@@ -30,6 +30,7 @@ FLOORS = {
     "_dtensor": 4,
     "_array": 4,
     "_visualize": 4,
+    "process": 4,
     "random": 5,
     "optim": 5,
     "_grad": 5,
@@ -37,11 +38,7 @@ FLOORS = {
     "ops": 6,
     "pipeline": 7,
     "models": 8,
-    "train": 8,
-    "_demo": 8,
-    "_data": 8,
-    "_cli": 8,
-    "_preflight": 8,
+    "job": 8,
     "__main__": 9,
     "__init__": 9,
 }
@@ -184,3 +181,60 @@ def test_vma_tags_are_read_and_written_only_in_vma() -> None:
         if re.search(r"_fs_vma|__dict__\[", path.read_text()):
             offenders.append(_module_name(path))
     assert not offenders, f"modules touching vma tags directly (use funcshard._vma): {offenders}"
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def test_job_imports_only_public_names() -> None:
+    """The train job (``funcshard/job/``) is built on funcshard's public API: no private module or name of the
+    library, by import or attribute (``fs._x``); relative imports stay in the job, or name a public subpackage."""
+    offenders = []
+    for path in sorted((ROOT / "job").rglob("*.py")):
+        where = f"funcshard/{path.relative_to(ROOT)}"
+        tree = ast.parse(path.read_text())
+        aliases = set()  # local names bound to funcshard modules
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                for a in node.names:
+                    if a.name == "funcshard" or a.name.startswith("funcshard."):
+                        aliases.add(a.asname or a.name.split(".")[0])
+                        if any(_private(p) for p in a.name.split(".")):
+                            offenders.append(f"{where}:{node.lineno}: import {a.name}")
+            elif isinstance(node, ast.ImportFrom):
+                names = [a.name for a in node.names]
+                mod = node.module or ""
+                if node.level == 0 and (mod == "funcshard" or mod.startswith("funcshard.")):
+                    aliases.update(a.asname or a.name for a in node.names)
+                    bad = any(_private(p) for p in mod.split(".")) or any(_private(n) for n in names)
+                elif node.level == 1:  # a sibling in the job
+                    bad = any(_private(n) for n in names)
+                elif node.level >= 2:  # only "from .. import <public subpackage>"
+                    bad = node.level > 2 or bool(mod) or any(_private(n) for n in names)
+                else:
+                    continue
+                if bad:
+                    offenders.append(f"{where}:{node.lineno}: from {'.' * node.level}{mod} import {', '.join(names)}")
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and _private(node.attr):
+                if isinstance(node.value, ast.Name) and node.value.id in aliases:
+                    offenders.append(f"{where}:{node.lineno}: {node.value.id}.{node.attr}")
+    assert not offenders, "the job reaches into funcshard's private names:\n" + "\n".join(offenders)
+
+
+def test_no_module_imports_a_private_name() -> None:
+    """``from .x import _y`` nowhere in the package: a helper shared across modules has a plain name (in a
+    private module); importing a private *module* (``from . import _prims``) is how the library is built."""
+    offenders = []
+    for path in sorted(ROOT.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.ImportFrom) or node.module is None or node.module == "__future__":
+                continue
+            if node.level == 0 and not node.module.startswith("funcshard"):
+                continue
+            bad = [a.name for a in node.names if _private(a.name)]
+            if bad:
+                where = f"funcshard/{path.relative_to(ROOT)}:{node.lineno}"
+                offenders.append(f"{where}: from {'.' * node.level}{node.module} import {', '.join(bad)}")
+    assert not offenders, "private names imported across modules:\n" + "\n".join(offenders)

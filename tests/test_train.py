@@ -13,8 +13,10 @@ import pytest
 import torch
 
 import funcshard as fs
-from funcshard import _cli, checkpoint, train
+from funcshard import checkpoint
 from funcshard.__main__ import main as cli_main
+from funcshard.job import cli as _cli
+from funcshard.job import train
 
 TINY = ["--dim", "32", "--layers", "2", "--heads", "4", "--kv-heads", "2", "--ffn", "64", "--seq", "32", "--batch", "4"]
 ROOT = Path(__file__).resolve().parents[1]

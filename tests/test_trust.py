@@ -24,8 +24,9 @@ import pytest
 import torch
 
 import funcshard as fs
-from funcshard import P, _cli, checkpoint
+from funcshard import P, checkpoint
 from funcshard.__main__ import main as cli_main
+from funcshard.job import cli as _cli
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["--dim", "32", "--layers", "1", "--heads", "4", "--kv-heads", "2", "--ffn", "64", "--seq", "32", "--batch", "4"]
@@ -233,7 +234,7 @@ def test_ctrl_c_in_sim_stops_every_device_before_it_goes_on() -> None:
 
 _MEASURE = r"""
 import resource, sys
-from funcshard._data import load_corpus
+from funcshard.job.data import load_corpus
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 corpus = load_corpus(sys.argv[1], max_bytes=int(sys.argv[2]), seq=32)
 grown = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before
@@ -265,7 +266,7 @@ def test_folder_skips_binary_and_special_files(tmp_path: Path) -> None:
     (d / "image.png").write_bytes(b"\x89PNG\r\n\x1a\n\0\0\0\rIHDR" * 10)
     (d / "noise.bin").write_bytes(bytes(range(1, 256)) * 40)  # no NUL byte, but not text
     os.mkfifo(d / "pipe")  # reading it would block for ever
-    from funcshard._data import load_corpus
+    from funcshard.job.data import load_corpus
 
     corpus = load_corpus(str(d), max_bytes=1_000_000, seq=32)
     assert corpus.n_files == 3

@@ -31,8 +31,9 @@ from typing import BinaryIO
 
 import torch
 
-from . import random as fsr
-from ._cli import UsageError
+from funcshard import random as fsr
+
+from .cli import UsageError
 
 __all__ = ["Corpus", "eval_batches", "load_corpus", "not_text", "train_batch"]
 

@@ -16,12 +16,12 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from . import _array, _mesh, _shard_map, _stats, _visualize, lax
-from ._cli import demo_parser, finite_positive, parse_mesh, run
-from ._errors import MeshError, ShardingError
-from ._spec import P
+import funcshard as fs
+from funcshard import P
 
-__all__ = ["parse_mesh", "run_demo"]  # parse_mesh lives in _cli
+from .cli import demo_parser, finite_positive, parse_mesh, run
+
+__all__ = ["parse_mesh", "run_demo"]  # parse_mesh lives in cli
 
 
 def _params(d: int, h: int, seed: int) -> dict[str, torch.Tensor]:
@@ -65,14 +65,16 @@ def run_demo(mesh_shape: dict[str, int], *, steps: int, lr: float, d: int = 32, 
     """
     from tqdm.auto import tqdm
 
-    mesh = _mesh.make_mesh(mesh_shape)
+    mesh = fs.make_mesh(mesh_shape)
     lead = mesh.backend == "sim" or int(os.environ.get("RANK", "0")) == 0
     axes = mesh.axis_names
     dp = tuple(a for a in axes if a in ("dp", "fsdp"))
     tp = "tp" if "tp" in axes else None
     for a in axes:
         if a not in ("dp", "fsdp", "tp"):
-            raise MeshError(f"demo: axis '{a}' is not used by the demo MLP; use dp and/or tp (e.g. --mesh dp=2,tp=2).")
+            raise fs.MeshError(
+                f"demo: axis '{a}' is not used by the demo MLP; use dp and/or tp (e.g. --mesh dp=2,tp=2)."
+            )
     specs = {"w1": P(tp, None), "w2": P(None, tp)}
     batch_spec = P(dp or None)
 
@@ -80,21 +82,21 @@ def run_demo(mesh_shape: dict[str, int], *, steps: int, lr: float, d: int = 32, 
         hid = F.gelu(F.linear(x, p["w1"]))  # [b/dp, d] @ [d, h/tp] -> [b/dp, h/tp]
         out = F.linear(hid, p["w2"])  # [b/dp, h/tp] @ [h/tp, d] -> [b/dp, d] (partial over tp)
         if tp:
-            out = lax.psum(out, tp)  # [b/dp, d] -> [b/dp, d]
+            out = fs.psum(out, tp)  # [b/dp, d] -> [b/dp, d]
         loss = ((out - y) ** 2).mean()
-        return lax.pmean(loss, dp) if dp else loss
+        return fs.pmean(loss, dp) if dp else loss
 
     def step(p: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor) -> tuple[Any, Any]:
         grads, loss = torch.func.grad_and_value(loss_local)(p, x, y)
         return loss, {k: p[k] - lr * grads[k] for k in p}
 
-    train_step = _shard_map.shard_map(step, mesh=mesh, in_specs=(specs, batch_spec, batch_spec), out_specs=(P(), specs))
+    train_step = fs.shard_map(step, mesh=mesh, in_specs=(specs, batch_spec, batch_spec), out_specs=(P(), specs))
     full = _params(d, h, seed=0)
-    params = _array.device_put(full, mesh, specs)
+    params = fs.device_put(full, mesh, specs)
     if lead:
         print(f"mesh {mesh}  ({mesh.size} devices)")
         print("w1 (column-parallel):")
-        _visualize.visualize(params["w1"])
+        fs.visualize(params["w1"])
     ref = {k: v.clone() for k, v in full.items()}
     bar = tqdm(range(steps), desc="demo", disable=not lead, file=sys.stdout)
     loss_v = float("nan")
@@ -102,11 +104,11 @@ def run_demo(mesh_shape: dict[str, int], *, steps: int, lr: float, d: int = 32, 
     for i in bar:
         x, y = _data(i, batch, d)
         if i == 0:
-            with _stats.comm_stats() as stats:
+            with fs.comm_stats() as stats:
                 loss, params = train_step(params, x, y)
         else:
             loss, params = train_step(params, x, y)
-        loss_v = float(_array.device_get(loss))
+        loss_v = float(fs.device_get(loss))
         # the same step without sharding, for the check at the end
         g, ref_l = torch.func.grad_and_value(_ref_loss)(ref, x, y)
         ref = {k: ref[k] - lr * g[k] for k in ref}
@@ -117,7 +119,7 @@ def run_demo(mesh_shape: dict[str, int], *, steps: int, lr: float, d: int = 32, 
         print(stats.table())
         print(f"final loss {loss_v:.6f}; unsharded reference {ref_loss:.6f}")
     if not math.isclose(loss_v, ref_loss, rel_tol=1e-4, abs_tol=1e-6):
-        raise ShardingError(f"demo: sharded loss {loss_v} differs from the unsharded {ref_loss}")
+        raise fs.ShardingError(f"demo: sharded loss {loss_v} differs from the unsharded {ref_loss}")
     return loss_v
 
 

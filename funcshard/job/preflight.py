@@ -1,7 +1,7 @@
 """What the train job checks before its first step: numbers, folders, and whether one step fits the machine.
 
 Everything here runs before the corpus is read and before any tensor is allocated, so bad input costs a
-second and gives one ``error: ...`` line (a :class:`~funcshard._cli.UsageError`), never a traceback after
+second and gives one ``error: ...`` line (a :class:`~funcshard.job.cli.UsageError`), never a traceback after
 minutes of training:
 
 - float options are finite and in range (``--lr inf`` / ``nan`` / ``-1``);
@@ -27,9 +27,10 @@ import re
 import tempfile
 from pathlib import Path
 
-from ._cli import UsageError, finite_positive, parse_mesh
-from .checkpoint import list_steps
-from .models import llama
+from funcshard.checkpoint import list_steps
+from funcshard.models import llama
+
+from .cli import UsageError, finite_positive, parse_mesh
 
 __all__ = [
     "MAX_STEP_SECONDS",
@@ -54,11 +55,11 @@ def check_numbers(args: argparse.Namespace) -> None:
         UsageError: naming the flag and the value.
 
     Example:
-        >>> from funcshard._cli import train_parser
+        >>> from funcshard.job.cli import train_parser
         >>> check_numbers(train_parser().parse_args(["--lr", "inf"]))
         Traceback (most recent call last):
         ...
-        funcshard._cli.UsageError: --lr must be a finite number > 0, found inf.
+        funcshard.job.cli.UsageError: --lr must be a finite number > 0, found inf.
     """
     finite_positive("--lr", args.lr)
     if args.final_lr is not None:
@@ -123,7 +124,7 @@ def check_writable(flag: str, folder: Path) -> None:
         >>> check_writable("--out", Path("/proc/funcshard"))
         Traceback (most recent call last):
         ...
-        funcshard._cli.UsageError: --out '/proc/funcshard' is not writable (No such file or directory); ...
+        funcshard.job.cli.UsageError: --out '/proc/funcshard' is not writable (No such file or directory); ...
     """
     try:
         folder.mkdir(parents=True, exist_ok=True)
@@ -210,14 +211,14 @@ def check_step_size(args: argparse.Namespace, cfg: llama.Config) -> None:
         UsageError: with the estimate, what it is measured against, and which flags to lower.
 
     Example:
-        >>> from funcshard._cli import train_parser
+        >>> from funcshard.job.cli import train_parser
         >>> args = train_parser().parse_args(["--batch", "100000000"])
         >>> cfg = llama.Config(vocab_size=256, dim=256, n_layers=4, n_heads=8, n_kv_heads=4, ffn_dim=704,
         ...                    max_seq_len=128)
         >>> check_step_size(args, cfg)
         Traceback (most recent call last):
         ...
-        funcshard._cli.UsageError: --batch 100000000 x --seq 128: one training step needs about ... PB of memory ...
+        funcshard.job.cli.UsageError: --batch 100000000 x --seq 128: one training step needs about ... PB of memory ...
     """
     flags = f"--batch {args.batch} x --seq {args.seq}"
     tp = parse_mesh(args.mesh).get("tp", 1)

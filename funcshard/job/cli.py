@@ -23,9 +23,9 @@ import time
 from collections.abc import Callable
 from typing import Any, NoReturn
 
-from ._backend.base import PeerError
-from ._errors import MeshError, ShardingError
-from .checkpoint import CheckpointError
+from funcshard import MeshError, ShardingError
+from funcshard.checkpoint import CheckpointError
+from funcshard.process import PeerError, abandoned_threads, shutdown
 
 __all__ = [
     "ENVIRONMENT",
@@ -285,7 +285,7 @@ def finite_positive(name: str, value: float, *, zero: bool = False) -> None:
         >>> finite_positive("--lr", float("inf"))
         Traceback (most recent call last):
         ...
-        funcshard._cli.UsageError: --lr must be a finite number > 0, found inf.
+        funcshard.job.cli.UsageError: --lr must be a finite number > 0, found inf.
     """
     ok = math.isfinite(value) and (value >= 0 if zero else value > 0)
     if not ok:
@@ -297,7 +297,7 @@ def run(parser: ArgumentParser, job: Callable[[argparse.Namespace], object], arg
     the user can act on; 130 with one line after Ctrl-C.
 
     Under torchrun every rank fails alike on bad input, so rank 0 alone prints; a peer that stopped answering
-    (:class:`~funcshard._backend.base.PeerError`) is seen differently by each rank, so each prints its own.
+    (:class:`~funcshard.process.PeerError`) is seen differently by each rank, so each prints its own.
 
     Example:
         >>> run(demo_parser(), lambda args: None, ["--steps", "0"])  # one error line on stderr
@@ -325,10 +325,7 @@ def run(parser: ArgumentParser, job: Callable[[argparse.Namespace], object], arg
         code = 0
     finally:
         if "RANK" in os.environ:  # under torchrun: leave the process group cleanly
-            from ._backend import dist as dist_backend
-
-            dist_backend.shutdown()
-    from ._backend.sim import abandoned_threads
+            shutdown()
 
     if code and abandoned_threads():  # a simulated device still runs torch code: leave without the teardown
         sys.stdout.flush()

@@ -10,13 +10,13 @@ estimate), held-out validation loss, checkpoints with exact resume; at the end a
 
 Nothing is lost and nothing hangs: a run refuses a ``--ckpt-dir`` holding an earlier run's checkpoints unless
 ``--resume`` or ``--overwrite`` says what to do with them; bad input is one ``error:`` line before the first step
-(:mod:`funcshard._preflight`); Ctrl-C stops after the running step, every device and process at the same step,
+(:mod:`funcshard.job.preflight`); Ctrl-C stops after the running step, every device and process at the same step,
 with one line naming the checkpoint that is intact (exit code 130).
 
 ``python -m funcshard generate`` samples bytes from the latest checkpoint with the unsharded ``llama.forward``.
 
 Example:
-    >>> from funcshard import train
+    >>> from funcshard.job import train
     >>> train.main(["--steps", "2", "--dim", "32", "--layers", "1", "--ffn", "64"])  # doctest: +SKIP
     0
 """
@@ -37,14 +37,16 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from . import _array, _grad, _mesh, _preflight, _shard_map, checkpoint, optim
-from . import random as fsr
-from ._backend.base import PeerError, default_timeout
-from ._cli import Interrupted, StopOnCtrlC, UsageError, finite_positive, generate_parser, parse_mesh, run, train_parser
-from ._data import eval_batches, load_corpus, train_batch
-from ._spec import P
-from .models import llama
-from .models.llama.sharding import param_shapes
+import funcshard as fs
+from funcshard import P, checkpoint, optim
+from funcshard import random as fsr
+from funcshard.models import llama
+from funcshard.models.llama.sharding import param_shapes
+from funcshard.process import PeerError, any_process, collective_timeout
+
+from . import preflight
+from .cli import Interrupted, StopOnCtrlC, UsageError, finite_positive, generate_parser, parse_mesh, run, train_parser
+from .data import eval_batches, load_corpus, train_batch
 
 __all__ = ["generate", "generate_main", "main", "train"]
 
@@ -71,7 +73,7 @@ def model_config(args: argparse.Namespace) -> llama.Config:
         The ``llama.Config``, with ``sequence_parallel`` set by ``--sp``.
 
     Example:
-        >>> from funcshard._cli import train_parser
+        >>> from funcshard.job.cli import train_parser
         >>> args = train_parser().parse_args(["--dim", "64", "--layers", "2", "--heads", "4", "--kv-heads", "2",
         ...                                   "--ffn", "128", "--seq", "32", "--sp"])
         >>> cfg = model_config(args)
@@ -90,7 +92,7 @@ def model_config(args: argparse.Namespace) -> llama.Config:
     return dataclasses.replace(cfg, sequence_parallel=True) if args.sp else cfg
 
 
-def _check_args(args: argparse.Namespace, mesh: _mesh.Mesh, cfg: llama.Config) -> int:
+def _check_args(args: argparse.Namespace, mesh: fs.Mesh, cfg: llama.Config) -> int:
     """Sizes the mesh cannot use -> UsageError; returns the warmup steps."""
     data = math.prod(mesh.shape.get(a, 1) for a in ("dp", "fsdp"))
     if args.batch % data:
@@ -110,7 +112,7 @@ def _optimizer(args: argparse.Namespace, warmup: int) -> optim.Optimizer:
     return optim.chain(optim.clip_by_global_norm(args.clip), optim.adamw(schedule, weight_decay=args.weight_decay))
 
 
-def _threads(args: argparse.Namespace, mesh: _mesh.Mesh) -> int:
+def _threads(args: argparse.Namespace, mesh: fs.Mesh) -> int:
     """Torch threads per process: this machine's cores shared by its processes (a simulated mesh's devices
     then share the process's threads: the sim backend gives each device thread its part)."""
     if args.threads:
@@ -168,11 +170,11 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     """Run the training job described by ``args`` (see ``funcshard train --help``); returns a summary.
 
     Before the first step it checks what can be checked (numbers, the checkpoint folder, that ``--out`` and
-    ``--ckpt-dir`` are writable, that one step fits memory and time: see :mod:`funcshard._preflight`). Ctrl-C
-    stops at the end of the running step (a second one at once) with :class:`~funcshard._cli.Interrupted`.
+    ``--ckpt-dir`` are writable, that one step fits memory and time: see :mod:`funcshard.job.preflight`). Ctrl-C
+    stops at the end of the running step (a second one at once) with :class:`~funcshard.job.cli.Interrupted`.
 
     Args:
-        args: parsed ``funcshard train`` options (``funcshard._cli.train_parser``).
+        args: parsed ``funcshard train`` options (``funcshard.job.cli.train_parser``).
 
     Returns:
         A summary: ``initial_val_loss`` and ``final_val_loss`` as ``(step, loss)``, ``tokens_per_s``, ``mfu``,
@@ -184,21 +186,21 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         Interrupted: Ctrl-C; the message names the last step done and the checkpoint that is intact.
 
     Example:
-        >>> from funcshard._cli import train_parser
+        >>> from funcshard.job.cli import train_parser
         >>> args = train_parser().parse_args(["--steps", "2", "--dim", "32", "--layers", "1", "--ffn", "64"])
         >>> summary = train(args)  # doctest: +SKIP
         >>> summary["steps"]  # doctest: +SKIP
         2
     """
     cfg = model_config(args)
-    _preflight.check_numbers(args)
+    preflight.check_numbers(args)
     mesh_shape = parse_mesh(args.mesh)
-    default_timeout()  # MeshError now, not at the first collective: a FUNCSHARD_TIMEOUT that is not a number
+    collective_timeout()  # MeshError now, not at the first collective: a FUNCSHARD_TIMEOUT that is not a number
     ckpt_dir, out = Path(args.ckpt_dir), Path(args.out)
-    saved = _preflight.check_ckpt_dir(ckpt_dir, resume=args.resume, overwrite=args.overwrite)
-    _preflight.check_writable("--ckpt-dir", ckpt_dir)
-    _preflight.check_writable("--out", out)
-    _preflight.check_step_size(args, cfg)
+    saved = preflight.check_ckpt_dir(ckpt_dir, resume=args.resume, overwrite=args.overwrite)
+    preflight.check_writable("--ckpt-dir", ckpt_dir)
+    preflight.check_writable("--out", out)
+    preflight.check_step_size(args, cfg)
     progress = {"step": None}  # the last step done, for the message after Ctrl-C
     stop = StopOnCtrlC()
     try:
@@ -223,6 +225,86 @@ def _stopped(step: int | None, ckpt_dir: Path, args: argparse.Namespace) -> str:
     )
 
 
+@dataclasses.dataclass
+class _Run:
+    """A train run's parts, built once by :func:`_setup`: the mesh, the data, and the sharded functions."""
+
+    args: argparse.Namespace
+    cfg: llama.Config
+    mesh: fs.Mesh
+    corpus: Any
+    ckpt_dir: Path
+    out: Path
+    n_threads: int
+    train_step: Any  # (params, opt_state, tokens, targets) -> (loss, params, opt_state)
+    eval_step: Any  # (params, tokens, targets) -> loss
+    init: Any  # key -> params
+    opt_init: Any  # params -> opt_state
+    vals: list[tuple[torch.Tensor, torch.Tensor]] = dataclasses.field(default_factory=list)
+
+    def evaluate(self, p: Any) -> float:
+        """The mean loss over the held-out batches."""
+        return sum(float(fs.device_get(self.eval_step(p, x, y))) for x, y in self.vals) / len(self.vals)
+
+
+def _setup(args: argparse.Namespace, cfg: llama.Config, mesh_shape: dict[str, int], ckpt_dir: Path, out: Path) -> _Run:
+    """Read the corpus, build the mesh and check the run fits it, and shard_map the step, eval and init."""
+    corpus = load_corpus(args.data, max_bytes=args.max_bytes, seq=args.seq)
+    mesh = fs.make_mesh(mesh_shape)
+    specs = llama.param_specs(cfg, mesh)  # ShardingError: an axis the model cannot use
+    bs = llama.batch_spec(mesh)
+    warmup = _check_args(args, mesh, cfg)
+    opt = _optimizer(args, warmup)
+    sspecs = opt.state_specs(specs)
+    if args.resume:
+        _check_same_model(ckpt_dir, cfg)
+
+    def step_fn(p: Any, s: Any, tokens: torch.Tensor, targets: torch.Tensor) -> tuple[Any, Any, Any]:
+        loss, grads = fs.value_and_grad(llama.loss)(p, tokens, targets, cfg)  # [], grads laid out like p
+        p, s = opt.update(grads, s, p)
+        return loss, p, s
+
+    def eval_fn(p: Any, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            return llama.loss(p, tokens, targets, cfg)
+
+    kw = {"mesh": mesh, "check_vma": args.check_vma}
+    return _Run(
+        args,
+        cfg,
+        mesh,
+        corpus,
+        ckpt_dir,
+        out,
+        n_threads=_threads(args, mesh),
+        train_step=fs.shard_map(step_fn, in_specs=(specs, sspecs, bs, bs), out_specs=(P(), specs, sspecs), **kw),
+        eval_step=fs.shard_map(eval_fn, in_specs=(specs, bs, bs), out_specs=P(), **kw),
+        init=fs.shard_map(lambda k: llama.init(k, cfg), in_specs=(P(),), out_specs=specs, **kw),
+        opt_init=fs.shard_map(opt.init, in_specs=(specs,), out_specs=sspecs, **kw),
+    )
+
+
+def _restore_or_init(run: _Run, saved: list[int]) -> tuple[Any, Any, torch.Tensor, int]:
+    """``(params, opt_state, data_key, start step)``: from the latest checkpoint with ``--resume``, else a fresh
+    sharded init (and, with ``--overwrite``, an earlier run's checkpoints removed)."""
+    args, ckpt_dir = run.args, run.ckpt_dir
+    key = fsr.key(args.seed)
+    params = run.init(fsr.fold_in(key, 0))  # sharded init: each device draws its own blocks
+    state, data_key, start = run.opt_init(params), fsr.fold_in(key, 1), 0
+    if args.resume:
+        path = checkpoint.step_path(ckpt_dir, saved[-1])
+        like = {"params": params, "opt_state": state, "step": 0, "data_key": data_key}
+        tree = checkpoint.load(path, like)
+        params, state, start, data_key = tree["params"], tree["opt_state"], tree["step"], tree["data_key"]
+        if start >= args.steps:
+            raise UsageError(f"--resume: the checkpoint is at step {start} already; raise --steps to train on.")
+    elif saved and _lead():  # --overwrite (check_ckpt_dir refused the rest): the old run's checkpoints go
+        for s in saved:
+            _remove_checkpoint(ckpt_dir, s)
+        print(f"--overwrite: removed {len(saved)} checkpoint(s) of an earlier run in {ckpt_dir}", flush=True)
+    return params, state, data_key, start
+
+
 def _train(
     args: argparse.Namespace,
     cfg: llama.Config,
@@ -233,114 +315,94 @@ def _train(
     stop: StopOnCtrlC,
     progress: dict[str, int | None],
 ) -> dict[str, Any]:
-    from tqdm.auto import tqdm
-
-    corpus = load_corpus(args.data, max_bytes=args.max_bytes, seq=args.seq)
-    mesh = _mesh.make_mesh(mesh_shape)
-    specs = llama.param_specs(cfg, mesh)  # ShardingError: an axis the model cannot use
-    bs = llama.batch_spec(mesh)
-    warmup = _check_args(args, mesh, cfg)
-    opt = _optimizer(args, warmup)
-    sspecs = opt.state_specs(specs)
-    if args.resume:
-        _check_same_model(ckpt_dir, cfg)
-
-    n_threads = _threads(args, mesh)
-
-    def step_fn(p: Any, s: Any, tokens: torch.Tensor, targets: torch.Tensor) -> tuple[Any, Any, Any]:
-        loss, grads = _grad.value_and_grad(llama.loss)(p, tokens, targets, cfg)  # [], grads laid out like p
-        p, s = opt.update(grads, s, p)
-        return loss, p, s
-
-    def eval_fn(p: Any, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        with torch.no_grad():
-            return llama.loss(p, tokens, targets, cfg)
-
-    kw = {"mesh": mesh, "check_vma": args.check_vma}
-    train_step = _shard_map.shard_map(step_fn, in_specs=(specs, sspecs, bs, bs), out_specs=(P(), specs, sspecs), **kw)
-    eval_step = _shard_map.shard_map(eval_fn, in_specs=(specs, bs, bs), out_specs=P(), **kw)
-    init = _shard_map.shard_map(lambda k: llama.init(k, cfg), in_specs=(P(),), out_specs=specs, **kw)
-    opt_init = _shard_map.shard_map(opt.init, in_specs=(specs,), out_specs=sspecs, **kw)
-
+    run = _setup(args, cfg, mesh_shape, ckpt_dir, out)
+    mesh = run.mesh
     threads = torch.get_num_threads()
-    torch.set_num_threads(n_threads)
+    torch.set_num_threads(run.n_threads)
     try:
-        key = fsr.key(args.seed)
-        params = init(fsr.fold_in(key, 0))  # sharded init: each device draws its own blocks
-        state, data_key, start = opt_init(params), fsr.fold_in(key, 1), 0
-        if args.resume:
-            path = checkpoint.step_path(ckpt_dir, saved[-1])
-            like = {"params": params, "opt_state": state, "step": 0, "data_key": data_key}
-            tree = checkpoint.load(path, like)
-            params, state, start, data_key = tree["params"], tree["opt_state"], tree["step"], tree["data_key"]
-            if start >= args.steps:
-                raise UsageError(f"--resume: the checkpoint is at step {start} already; raise --steps to train on.")
-        elif saved and _lead():  # --overwrite (check_ckpt_dir refused the rest): the old run's checkpoints go
-            for s in saved:
-                _remove_checkpoint(ckpt_dir, s)
-            print(f"--overwrite: removed {len(saved)} checkpoint(s) of an earlier run in {ckpt_dir}", flush=True)
+        params, state, data_key, start = _restore_or_init(run, saved)
         progress["step"] = start
         if _lead():
             meta = {"model": dataclasses.asdict(cfg), "args": vars(args), "mesh": mesh.shape}
-            (ckpt_dir / "config.json").write_text(json.dumps({**meta, "corpus": corpus.describe()}, indent=1))
-
-        vals = eval_batches(corpus.val, n=args.eval_batches, batch=args.batch, seq=args.seq)
-
-        def evaluate(p: Any) -> float:
-            return sum(float(_array.device_get(eval_step(p, x, y))) for x, y in vals) / len(vals)
-
-        n_params, tok_per_step = cfg.num_params(), args.batch * args.seq
+            (ckpt_dir / "config.json").write_text(json.dumps({**meta, "corpus": run.corpus.describe()}, indent=1))
+        run.vals = eval_batches(run.corpus.val, n=args.eval_batches, batch=args.batch, seq=args.seq)
         _say(f"mesh {mesh.shape} ({mesh.backend}, {mesh.size} devices){'  sequence parallel' if args.sp else ''}")
-        _say(f"model: Llama, {n_params / 1e6:.2f}M params, {cfg}")
-        _say(f"data: {corpus.describe()}")
-        _say(f"batch {args.batch} x {args.seq} = {tok_per_step} tokens/step; steps {start} -> {args.steps}")
+        _say(f"model: Llama, {cfg.num_params() / 1e6:.2f}M params, {cfg}")
+        _say(f"data: {run.corpus.describe()}")
+        _say(f"batch {args.batch} x {args.seq} = {args.batch * args.seq} tokens/step; steps {start} -> {args.steps}")
         rows: list[dict[str, Any]] = _read_rows(out / "metrics.csv", start) if start else []
         if start == 0:
-            rows.append({"step": 0, "train_loss": "", "val_loss": evaluate(params), "tokens_per_s": ""})
+            rows.append({"step": 0, "train_loss": "", "val_loss": run.evaluate(params), "tokens_per_s": ""})
             _say(f"step 0: val loss {rows[-1]['val_loss']:.4f} (ln 256 = {math.log(256):.4f})")
         end = args.steps if args.stop_after is None else min(args.steps, start + args.stop_after)
-        flops = cfg.flops_per_token(args.seq)
-        peak = args.peak_tflops * 1e12
-        times: list[float] = []
-        last_val = next((float(r["val_loss"]) for r in reversed(rows) if r["val_loss"] != ""), float("nan"))
-        bar = tqdm(total=end, initial=start, desc="train", disable=not _lead(), dynamic_ncols=True, mininterval=0.5)
         t_start = time.perf_counter()
-        with stop:
-            for i in range(start, end):
-                if _agree(stop.requested, mesh):  # every device and process stops after the same step
-                    bar.close()
-                    if _lead():
-                        _write_rows(out / "metrics.csv", rows)
-                    raise Interrupted(_stopped(i, ckpt_dir, args))
-                tokens, targets = train_batch(corpus.train, data_key, step=i, batch=args.batch, seq=args.seq)
-                t0 = time.perf_counter()
-                loss, params, state = train_step(params, state, tokens, targets)
-                loss_v = float(_array.device_get(loss))
-                times.append(time.perf_counter() - t0)
-                if not math.isfinite(loss_v):
-                    raise UsageError(f"the loss became {loss_v} at step {i + 1}; lower --lr (now {args.lr}).")
-                progress["step"] = i + 1
-                row: dict[str, Any] = {"step": i + 1, "train_loss": loss_v, "val_loss": ""}
-                row["tokens_per_s"] = tok_per_step / times[-1]
-                if (i + 1) % args.eval_every == 0 or i + 1 == end:
-                    row["val_loss"] = last_val = evaluate(params)
-                rows.append(row)
-                tps = tok_per_step * min(len(times), 10) / sum(times[-10:])
-                bar.set_postfix(
-                    loss=f"{loss_v:.3f}", val=f"{last_val:.3f}", tok_s=f"{tps:.0f}", mfu=f"{flops * tps / peak:.1%}"
-                )
-                bar.update(1)
-                if (i + 1) % args.ckpt_every == 0 or i + 1 == end:
-                    _save(ckpt_dir, i + 1, params, state, data_key, cfg)
-                    if _lead():
-                        _write_rows(out / "metrics.csv", rows)
-        bar.close()
+        params, times = _steps(run, (params, state, data_key), range(start, end), rows, stop, progress)
         wall = time.perf_counter() - t_start
     finally:
         torch.set_num_threads(threads)
+    return _summary(run, params, rows, start, end, times, wall)
 
+
+def _steps(
+    run: _Run,
+    carry: tuple[Any, Any, torch.Tensor],
+    steps: range,
+    rows: list[dict[str, Any]],
+    stop: StopOnCtrlC,
+    progress: dict[str, int | None],
+) -> tuple[Any, list[float]]:
+    """Train over ``steps`` (eval, checkpoint and metrics rows on their cadence; stop together after Ctrl-C);
+    the final params and each step's seconds."""
+    from tqdm.auto import tqdm
+
+    args, cfg, ckpt_dir, out = run.args, run.cfg, run.ckpt_dir, run.out
+    params, state, data_key = carry
+    start, end = steps.start, steps.stop
+    tok_per_step, flops, peak = args.batch * args.seq, cfg.flops_per_token(args.seq), args.peak_tflops * 1e12
+    times: list[float] = []
+    last_val = next((float(r["val_loss"]) for r in reversed(rows) if r["val_loss"] != ""), float("nan"))
+    bar = tqdm(total=end, initial=start, desc="train", disable=not _lead(), dynamic_ncols=True, mininterval=0.5)
+    with stop:
+        for i in steps:
+            if _agree(stop.requested, run.mesh):  # every device and process stops after the same step
+                bar.close()
+                if _lead():
+                    _write_rows(out / "metrics.csv", rows)
+                raise Interrupted(_stopped(i, ckpt_dir, args))
+            tokens, targets = train_batch(run.corpus.train, data_key, step=i, batch=args.batch, seq=args.seq)
+            t0 = time.perf_counter()
+            loss, params, state = run.train_step(params, state, tokens, targets)
+            loss_v = float(fs.device_get(loss))
+            times.append(time.perf_counter() - t0)
+            if not math.isfinite(loss_v):
+                raise UsageError(f"the loss became {loss_v} at step {i + 1}; lower --lr (now {args.lr}).")
+            progress["step"] = i + 1
+            row: dict[str, Any] = {"step": i + 1, "train_loss": loss_v, "val_loss": ""}
+            row["tokens_per_s"] = tok_per_step / times[-1]
+            if (i + 1) % args.eval_every == 0 or i + 1 == end:
+                row["val_loss"] = last_val = run.evaluate(params)
+            rows.append(row)
+            tps = tok_per_step * min(len(times), 10) / sum(times[-10:])
+            bar.set_postfix(
+                loss=f"{loss_v:.3f}", val=f"{last_val:.3f}", tok_s=f"{tps:.0f}", mfu=f"{flops * tps / peak:.1%}"
+            )
+            bar.update(1)
+            if (i + 1) % args.ckpt_every == 0 or i + 1 == end:
+                _save(ckpt_dir, i + 1, params, state, data_key, cfg)
+                if _lead():
+                    _write_rows(out / "metrics.csv", rows)
+    bar.close()
+    return params, times
+
+
+def _summary(
+    run: _Run, params: Any, rows: list[dict[str, Any]], start: int, end: int, times: list[float], wall: float
+) -> dict[str, Any]:
+    """The run's summary (val losses, throughput, MFU, the final params); the lead also writes the report."""
+    args, cfg = run.args, run.cfg
+    flops, peak = cfg.flops_per_token(args.seq), args.peak_tflops * 1e12
     steady = times[1:] or times
-    tps = tok_per_step * len(steady) / sum(steady) if steady else float("nan")
+    tps = args.batch * args.seq * len(steady) / sum(steady) if steady else float("nan")
     vals_seen = [(int(r["step"]), float(r["val_loss"])) for r in rows if r["val_loss"] != ""]
     summary = {
         "initial_val_loss": vals_seen[0],  # (step, loss)
@@ -353,17 +415,13 @@ def _train(
         "params": params,
     }
     if _lead():
-        _report(args, summary, rows, f"Llama {cfg.num_params() / 1e6:.1f}M on {mesh.shape}, byte-level", flops)
+        _report(args, summary, rows, f"Llama {cfg.num_params() / 1e6:.1f}M on {run.mesh.shape}, byte-level", flops)
     return summary
 
 
-def _agree(flag: bool, mesh: _mesh.Mesh) -> bool:
+def _agree(flag: bool, mesh: fs.Mesh) -> bool:
     """``flag`` on any process (under torchrun, a tiny all-reduce; simulated, the flag itself)."""
-    if mesh.backend != "dist":
-        return flag
-    from ._backend import dist as dist_backend
-
-    return dist_backend.any_process(flag)
+    return any_process(flag, mesh)
 
 
 def _report(
@@ -448,14 +506,14 @@ def load_model(ckpt_dir: str | os.PathLike[str]) -> tuple[llama.Config, Any, int
     except (OSError, ValueError, KeyError):
         raise UsageError(f"--ckpt-dir '{ckpt_dir}' has no readable config.json; it was not written by train.") from None
     cfg = llama.Config(**{**model, "sequence_parallel": False})
-    mesh = _mesh.make_mesh({"dp": 1}, backend="sim")
+    mesh = fs.make_mesh({"dp": 1}, backend="sim")
     zeros = {
         k: ({a: torch.zeros(s) for a, s in v.items()} if isinstance(v, dict) else torch.zeros(v))
         for k, v in param_shapes(cfg).items()
     }
-    like = _array.device_put(zeros, mesh, llama.param_specs(cfg, mesh))
+    like = fs.device_put(zeros, mesh, llama.param_specs(cfg, mesh))
     tree = checkpoint.load(checkpoint.step_path(ckpt_dir, steps[-1]), {"params": like}, strict=False)
-    return cfg, _array.device_get(tree["params"]), steps[-1]
+    return cfg, fs.device_get(tree["params"]), steps[-1]
 
 
 def generate(args: argparse.Namespace) -> str:
@@ -472,7 +530,7 @@ def generate(args: argparse.Namespace) -> str:
         UsageError: a negative temperature, or no checkpoint under ``args.ckpt_dir``.
 
     Example:
-        >>> from funcshard._cli import generate_parser
+        >>> from funcshard.job.cli import generate_parser
         >>> text = generate(generate_parser().parse_args(["--tokens", "20"]))  # doctest: +SKIP
     """
     finite_positive("--temperature", args.temperature, zero=True)
