@@ -158,7 +158,9 @@ class Gen:
         cats = [c for c in self.cats if not (self.depth and c in IN_SUB)]
         if self.depth >= MAX_DEPTH:
             cats = [c for c in cats if c != "transform"]
-        weighted = [c for c in cats for _ in range(self.weights[c])]
+        # inside a transformed function, collectives twice as often: their transposes and batching are the point
+        weight = {**self.weights, "collective": self.weights["collective"] * (2 if self.depth else 1)}
+        weighted = [c for c in cats for _ in range(weight[c])]
         for _ in range(12):
             if getattr(self, "op_" + self.rnd.choice(weighted))(first):
                 return True
