@@ -34,7 +34,7 @@ from ._mesh import Mesh
 from ._reshard import apply_reshard
 from ._shard_map_io import Inputs, OutPlan, device_args
 from ._sim_grad import SimState, run_differentiable
-from ._vma import VmaMode, set_vma
+from ._vma import VmaMode, get_vma, pvary_to, set_vma
 
 __all__ = ["DeviceBody", "DistExecutor", "Executor", "SimExecutor", "executor_for"]
 
@@ -72,8 +72,15 @@ class DeviceBody:
     """What one device runs for one call: own its blocks, reshard those laid out otherwise, tag them, and
     call ``f`` under the device's context (and the vma mode with ``check_vma``)."""
 
-    def __init__(self, f: Callable[..., Any], mesh: Mesh, check_vma: bool, inputs: Inputs) -> None:
-        self.f, self.mesh, self.check_vma, self.inputs = f, mesh, check_vma, inputs
+    def __init__(
+        self,
+        f: Callable[..., Any],
+        mesh: Mesh,
+        check_vma: bool,
+        inputs: Inputs,
+        plan: Callable[[Any, list[Any]], OutPlan] | None = None,
+    ) -> None:
+        self.f, self.mesh, self.check_vma, self.inputs, self.plan = f, mesh, check_vma, inputs, plan
         self.tagged: list[torch.Tensor] = []  # every tensor tagged during the call (cleared after it)
 
     def __call__(self, dev: Any, leaves: list[list[Any]]) -> Result:
@@ -93,7 +100,23 @@ class DeviceBody:
         with enter(DeviceContext(self.mesh, dev, self.check_vma)), VmaMode(dev) if self.check_vma else nullcontext():
             out = self.f(*args)
         out_leaves, out_def = optree.tree_flatten(out, is_leaf=is_array)
+        if self.check_vma and self.plan is not None:
+            out_leaves = self._vary_outputs(dev, out_leaves, out_def)
         return out_leaves, out_def
+
+    def _vary_outputs(self, dev: Any, leaves: list[Any], out_def: Any) -> list[Any]:
+        """An output whose spec names an axis it is invariant over stands for a different block on each
+        device of that axis (its copies, tiled): made varying over it (``pvary``), so the cotangents of
+        those blocks are summed into its gradient, as JAX does."""
+        specs = [spec for _, spec, _ in self.plan(out_def, leaves)]
+        out = []
+        for t, spec in zip(leaves, specs, strict=True):
+            if isinstance(t, torch.Tensor):
+                have = get_vma(t)
+                if not frozenset(spec.axes) <= have:
+                    t = pvary_to(t, have | frozenset(spec.axes), dev)
+            out.append(t)
+        return out
 
 
 class Executor(Protocol):

@@ -94,11 +94,15 @@ def _call(
         )
     inputs = cache.prepare(name, mesh, in_specs, args)
     executor = executor_for(mesh)
-    body = DeviceBody(f, mesh, check_vma, inputs)
 
     def plan(results: list[Any]) -> Any:
         out_def = check_structures(name, executor.coords, results)
         return cache.out_plan(name, mesh, out_specs, out_def, results[0][0])
+
+    def device_plan(out_def: Any, leaves: list[Any]) -> Any:  # one device's outputs: their specs
+        return cache.out_plan(name, mesh, out_specs, out_def, leaves)
+
+    body = DeviceBody(f, mesh, check_vma, inputs, device_plan)
 
     results = executor.run(body, plan)
     try:

@@ -15,6 +15,17 @@ jax = pytest.importorskip("jax")
 jnp = pytest.importorskip("jax.numpy")
 
 SEEDS = [0, 7, 1234, 2**31 + 9, 2**32 - 1]
+
+
+@pytest.fixture(autouse=True)
+def _jax_defaults():
+    """JAX's default configuration (x64 off), whatever another test module set."""
+    prev = jax.config.jax_enable_x64
+    jax.config.update("jax_enable_x64", False)
+    yield
+    jax.config.update("jax_enable_x64", prev)
+
+
 FLOATS = [
     (torch.float32, "float32", np.int32),
     (torch.float16, "float16", np.int16),

@@ -273,3 +273,20 @@ def test_scatter_of_a_number_is_a_sharding_error():
     f = fs.shard_map(lambda x: fs.psum_scatter(3.0, "tp") + x, mesh=mesh, in_specs=(P(),), out_specs=P())
     with pytest.raises(fs.ShardingError, match="psum_scatter"):
         f(torch.zeros(1))
+
+
+# -- found by the fuzzer: an invariant value returned under a spec that names an axis ------------------------
+
+
+def _invariant_under_tiled_spec(mesh):
+    f = fs.shard_map(lambda v0: v0 * 1.0, mesh=mesh, in_specs=(P(),), out_specs=P("a"))
+    v0 = torch.arange(4.0, requires_grad=True)
+    ct = torch.arange(8.0)
+    (fs.device_get(f(v0)) * ct).sum().backward()
+    return v0.grad
+
+
+def test_invariant_output_under_spec_naming_axis_sums_cotangents(run):
+    # the output is [v0; v0]: the gradient of v0 sums the cotangents of both blocks
+    for g in run(_invariant_under_tiled_spec, {"a": 2}):
+        assert torch.equal(g, torch.arange(4.0) + torch.arange(4.0, 8.0))
