@@ -22,8 +22,6 @@ import torch
 from _fuzz_program import Op, Program, axes_tuple, global_shape
 from jax.sharding import PartitionSpec
 
-jax.config.update("jax_enable_x64", True)
-
 
 class Unsupported(Exception):
     """The program uses something JAX cannot run the same way."""
@@ -151,12 +149,12 @@ def jax_result(prog: Program, xs: list[torch.Tensor], cts: list[torch.Tensor]) -
         in_specs=tuple(PartitionSpec(*i.spec) for i in prog.inputs),
         out_specs=tuple(PartitionSpec(*e) for _, e in prog.outputs),
     )
-    args = [jnp.asarray(x.numpy()) for x in xs]
-    c = [jnp.asarray(t.numpy()) for t in cts]
     wrt = [k for k, i in enumerate(prog.inputs) if i.grad]
     for (v, e), t in zip(prog.outputs, cts, strict=True):
         assert tuple(t.shape) == global_shape(v.shape, e, prog.mesh)
-    with jax.set_mesh(mesh):
+    with jax.enable_x64(True), jax.set_mesh(mesh):  # float64 here only: other users of jax keep their config
+        args = [jnp.asarray(x.numpy()) for x in xs]
+        c = [jnp.asarray(t.numpy()) for t in cts]
         outs = f(*args)
 
         def loss(*a: Any) -> Any:
