@@ -111,8 +111,8 @@ class AllReduce(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
-        if ctx.op == "sum":
-            return g, None, None, None, None
+        if ctx.op == "sum":  # the transpose is pvary: identity here, and a psum when this backward is differentiated
+            return call(Pvary, g, ctx.dev, ctx.axes), None, None, None, None  # [*s] -> [*s]
         x, y = ctx.saved_tensors
         mask = (x == y).to(g.dtype)
         count = call(AllReduce, mask, ctx.dev, ctx.axes, "sum", "psum")  # [*s] -> [*s]: devices at the extreme
@@ -426,7 +426,7 @@ class AllGatherInvariant(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
-        return g[ctx.index], None, None, None  # [n, *s] -> [*s]
+        return call(SplitInvariant, g, ctx.dev, ctx.axes, ctx.index), None, None, None  # [n, *s] -> [*s]
 
     @staticmethod
     def jvp(ctx: Any, t: torch.Tensor, *_: None) -> torch.Tensor:
