@@ -1,7 +1,8 @@
 """How one ``shard_map`` call runs on the devices: the per-device body, and one executor per backend.
 
-Every executor has the same small protocol: ``run(body, inputs, out_plan)`` runs ``body`` on each device
-this process holds and returns, per device in ``coords`` order, ``(output leaves, treedef)``.
+Every executor has the same small protocol: ``run(body, plan)`` runs ``body`` on each device this process
+holds and returns, per device in ``coords`` order, ``(output leaves, treedef)``; ``plan`` gives the outputs'
+specs from those results.
 
 - :class:`SimExecutor`: every device of the mesh in this process, one thread each. When an argument
   requires grad, the call is recorded as one autograd node whose backward replays every device's graph in
@@ -68,6 +69,13 @@ def _tag_args(leaves: list[list[Any]], specs: list[list[Any]], tagged: list[torc
                 tagged.append(t)
 
 
+def _differentiable(leaves: list[Any]) -> bool:
+    """Whether a cotangent can flow back into any of ``leaves`` (else an output's pvary would do nothing)."""
+    if torch._C._are_functorch_transforms_active():
+        return True
+    return any(isinstance(t, torch.Tensor) and t.requires_grad for t in leaves)
+
+
 class DeviceBody:
     """What one device runs for one call: own its blocks, reshard those laid out otherwise, tag them, and
     call ``f`` under the device's context (and the vma mode with ``check_vma``)."""
@@ -78,7 +86,7 @@ class DeviceBody:
         mesh: Mesh,
         check_vma: bool,
         inputs: Inputs,
-        plan: Callable[[Any, list[Any]], OutPlan] | None = None,
+        plan: Callable[[Any, list[Any]], OutPlan],
     ) -> None:
         self.f, self.mesh, self.check_vma, self.inputs, self.plan = f, mesh, check_vma, inputs, plan
         self.tagged: list[torch.Tensor] = []  # every tensor tagged during the call (cleared after it)
@@ -100,7 +108,7 @@ class DeviceBody:
         with enter(DeviceContext(self.mesh, dev, self.check_vma)), VmaMode(dev) if self.check_vma else nullcontext():
             out = self.f(*args)
         out_leaves, out_def = optree.tree_flatten(out, is_leaf=is_array)
-        if self.check_vma and self.plan is not None:
+        if self.check_vma and _differentiable(out_leaves):
             out_leaves = self._vary_outputs(dev, out_leaves, out_def)
         return out_leaves, out_def
 

@@ -158,6 +158,10 @@ def _is_inplace(func: Any) -> bool:
     return hit
 
 
+def _is_tensor(a: Any) -> bool:
+    return isinstance(a, torch.Tensor)
+
+
 def _tensors(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:
     out = []
     for a in (*args, *kwargs.values()):
@@ -188,20 +192,26 @@ class VmaMode(TorchFunctionMode):
         _active.mode = self._prev
         super().__exit__(*exc)
 
+    def _agree(self, tree: Any, union: frozenset[str], skip: torch.Tensor | None = None) -> Any:
+        """``tree`` with every tensor (but ``skip``) made varying over ``union`` (``Pvary`` where it lacks axes)."""
+
+        def fix(a: Any) -> Any:
+            return pvary_to(a, union, self.dev) if isinstance(a, torch.Tensor) and a is not skip else a
+
+        return optree.tree_map(fix, tree, is_leaf=_is_tensor)
+
     def custom_function(self, apply: Callable[..., Any], cls: type, args: tuple[Any, ...], kwargs: Any) -> Any:
         """``cls.apply(*args, **kwargs)`` of a user's ``torch.autograd.Function``: its operands made to agree
         (``Pvary`` over the axes some of them lack, so the backward sums what the user's backward returns for
         an invariant operand), its outputs tagged (as computed inside, else with the operands' union)."""
-        is_t = lambda a: isinstance(a, torch.Tensor)  # noqa: E731
         union = EMPTY
-        for t in optree.tree_leaves((args, kwargs), is_leaf=is_t):
+        for t in optree.tree_leaves((args, kwargs), is_leaf=_is_tensor):
             if isinstance(t, torch.Tensor):
                 union = union | get_vma(t)
         if union:
-            fix = lambda a: pvary_to(a, union, self.dev) if isinstance(a, torch.Tensor) else a  # noqa: E731
-            args, kwargs = optree.tree_map(fix, (args, kwargs), is_leaf=is_t)
+            args, kwargs = self._agree((args, kwargs), union)
         out = apply(cls, *args, **kwargs)
-        for o in optree.tree_leaves(out, is_leaf=is_t):
+        for o in optree.tree_leaves(out, is_leaf=_is_tensor):
             if isinstance(o, torch.Tensor):
                 inner = find_vma(o)
                 _tag_through(o, union if inner is None else inner)
@@ -229,13 +239,7 @@ class VmaMode(TorchFunctionMode):
             target = args[0] if _is_inplace(func) and args and isinstance(args[0], torch.Tensor) else None
             if target is not None and get_vma(target) != union:
                 self._widen_inplace(func, target, union)
-
-            def fix(a: Any) -> Any:
-                if isinstance(a, torch.Tensor) and a is not target:
-                    return pvary_to(a, union, self.dev)
-                return a
-
-            args, kwargs = optree.tree_map(fix, (args, kwargs), is_leaf=lambda a: isinstance(a, torch.Tensor))
+            args, kwargs = self._agree((args, kwargs), union, skip=target)
         out = func(*args, **kwargs)
         if isinstance(out, torch.Tensor):
             _tag_through(out, union)
@@ -261,11 +265,8 @@ class VmaMode(TorchFunctionMode):
         inputs = kwargs.get("inputs", args[1] if len(args) > 1 else None)
         if isinstance(inputs, torch.Tensor):
             inputs = (inputs,)
-        if inputs is not None:
-            for g, x in zip(out, inputs, strict=False):
-                if isinstance(g, torch.Tensor) and isinstance(x, torch.Tensor):
-                    # torch.func.grad / vjp hand back the tensor this wraps: tag it too
-                    _tag_through(g, get_vma(x))
+        if inputs is not None:  # torch.func.grad / vjp hand back the tensors these wrap: tag_like tags those too
+            tag_like(tuple(out), tuple(inputs))
         return out
 
 
@@ -285,7 +286,9 @@ def tag_leaves(tree: Any, tags: list[frozenset[str] | None]) -> None:
 def tag_like(grads: Any, inputs: Any) -> None:
     """Tag each tensor leaf of ``grads`` with the axes of the matching leaf of ``inputs`` (a cotangent varies
     over what its primal varies over)."""
-    for g, x in zip(optree.tree_leaves(grads), optree.tree_leaves(inputs), strict=False):
+    # None leaves kept, so an unused input's None gradient keeps the others aligned with their inputs
+    g_leaves = optree.tree_leaves(grads, none_is_leaf=True)
+    for g, x in zip(g_leaves, optree.tree_leaves(inputs, none_is_leaf=True), strict=False):
         if isinstance(g, torch.Tensor) and isinstance(x, torch.Tensor):
             _tag_through(g, get_vma(x))
 

@@ -33,7 +33,7 @@ import torch
 from . import _prims
 from ._context import DeviceContext, axes_of, current
 from ._errors import ShardingError
-from ._vma import EMPTY, bind_operand, bind_result, known_vma, set_vma
+from ._vma import EMPTY, bind_operand, bind_result, get_vma, known_vma, set_vma
 
 __all__ = [
     "all_gather",
@@ -249,7 +249,7 @@ def split_invariant(x: PyTree, axis: _Axis, *, dim: int = 0) -> PyTree:
                 f"size {n} of {axes}; pad it to a multiple of {n}."
             )
         # under check_vma=False the value is taken to be invariant (its tag may say otherwise: an argument)
-        have = known_vma(t, True) if ctx.check_vma else EMPTY
+        have = get_vma(t) if ctx.check_vma else EMPTY
         with torch._C.DisableTorchFunction():
             if frozenset(axes) <= have:  # already one block per member: slice it, no transpose needed
                 size = t.shape[d] // n
