@@ -50,7 +50,8 @@ def threefry2x32(key: torch.Tensor, c0: torch.Tensor, c1: torch.Tensor) -> tuple
 
     Args:
         key: int64 ``[2]``, two uint32 words.
-        c0, c1: int64 tensors of one shape with values in ``[0, 2**32)``, the counter's two words.
+        c0: int64 tensor with values in ``[0, 2**32)``, the counter's first word.
+        c1: int64 tensor of ``c0``'s shape with values in ``[0, 2**32)``, the counter's second word.
 
     Returns:
         Two int64 tensors of that shape, the output words, each in ``[0, 2**32)``.
