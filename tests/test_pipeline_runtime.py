@@ -13,8 +13,8 @@ import torch
 
 import funcshard as fs
 from funcshard import P
-from funcshard.pipeline import by_name, gpipe, interleaved_1f1b, one_f_one_b, run, zero_bubble_h1
-from funcshard.pipeline.runtime import ticks, virtual_stage_order
+from funcshard.pipeline import PipelineGrads, by_name, gpipe, interleaved_1f1b, one_f_one_b, run, zero_bubble_h1
+from funcshard.pipeline.runtime import stage_order, ticks, virtual_stage_order
 
 D, H, MB = 4, 6, 3  # feature dim, hidden dim, rows per microbatch
 DT = torch.float64
@@ -58,6 +58,8 @@ def _schedule(name: str, p: int, m: int):
         return interleaved_1f1b(p, m, 2)
     if name in ("interleaved_zb", "looped_bfs"):
         return by_name(name, p, m, n_virtual=2)
+    if name in ("zbv", "dualpipev"):
+        return by_name(name, p, m)
     return zero_bubble_h1(p, m)
 
 
@@ -67,7 +69,7 @@ def _pipeline_body(mesh: fs.Mesh, name: str, m: int, check_vma: bool) -> str:
     v = sched.n_virtual
     w1, w2, x, t = _data(p * v, m * MB)
     ref_loss, ref_g1, ref_g2 = _reference(w1, w2, x, t)
-    order = virtual_stage_order(p, v)  # global stacked index -> layer
+    order = stage_order(sched)  # global stacked index -> layer
     params = (w1[order], w2[order])  # [p * v, D, H], [p * v, H, D]
 
     def step(params, xs, ts):
@@ -84,26 +86,13 @@ def _pipeline_body(mesh: fs.Mesh, name: str, m: int, check_vma: bool) -> str:
 
 CASES = [
     (name, p, m)
-    for name in ("gpipe", "1f1b", "interleaved", "zb_h1", "interleaved_zb", "looped_bfs")
+    for name in ("gpipe", "1f1b", "interleaved", "zb_h1", "interleaved_zb", "looped_bfs", "zbv", "dualpipev")
     for p in (2, 4)
     for m in (4, 8)
-    if not (name == "interleaved" and m % p) and not (name == "interleaved_zb" and m < p)
+    if not (name == "interleaved" and m % p)
+    and not (name == "interleaved_zb" and m < p)
+    and not (name == "dualpipev" and m < 2 * p)
 ]
-
-
-@pytest.mark.parametrize("name", ["zbv", "dualpipev"])
-def test_v_shaped_schedules_refused_for_now(name: str) -> None:
-    mesh = fs.make_mesh({"pp": 2}, backend="sim")
-    sched = by_name(name, 2, 4)
-    f = fs.shard_map(
-        lambda w, xs, ts: run(sched, _layer, w, xs, targets=ts, loss_fn=_mse),
-        mesh=mesh,
-        in_specs=(P("pp"), P(), P()),
-        out_specs=(P(), P("pp")),
-    )
-    w1, w2, x, t = _data(4, 4 * MB)
-    with pytest.raises(fs.ShardingError, match="V"):
-        f((w1, w2), x.reshape(4, MB, D), t.reshape(4, MB, D))
 
 
 @pytest.mark.parametrize("check_vma", [True, False], ids=["vma", "novma"])
@@ -115,7 +104,7 @@ def test_pipeline_matches_plain_model_sim(name: str, p: int, m: int, check_vma: 
 
 
 def _all_schedules_body(mesh: fs.Mesh) -> str:
-    for name in ("gpipe", "1f1b", "interleaved", "zb_h1"):
+    for name in ("gpipe", "1f1b", "interleaved", "zb_h1", "zbv", "dualpipev"):
         _pipeline_body(mesh, name, 8, True)
     _pipeline_body(mesh, "1f1b", 4, False)
     return "ok"
@@ -136,7 +125,7 @@ def _dp_pp_body(mesh: fs.Mesh, name: str, check_vma: bool, explicit: bool = True
     v = sched.n_virtual
     w1, w2, x, t = _data(p * v, dp * m * MB, seed=1)
     ref_loss, ref_g1, ref_g2 = _reference(w1, w2, x, t)
-    order = virtual_stage_order(p, v)
+    order = stage_order(sched)
 
     def layer(params, x):
         # the weights are replicated over dp: pvary's backward psums their grads over dp
@@ -162,7 +151,7 @@ def _dp_pp_body(mesh: fs.Mesh, name: str, check_vma: bool, explicit: bool = True
 @pytest.mark.parametrize(
     ("check_vma", "explicit"), [(True, True), (True, False), (False, True)], ids=["vma", "vma-auto", "novma"]
 )
-@pytest.mark.parametrize("name", ["1f1b", "interleaved", "zb_h1"])
+@pytest.mark.parametrize("name", ["1f1b", "interleaved", "zb_h1", "dualpipev"])
 def test_pipeline_dp_pp_sim(name: str, check_vma: bool, explicit: bool) -> None:
     from _dist_pool import run_body
 
@@ -170,7 +159,7 @@ def test_pipeline_dp_pp_sim(name: str, check_vma: bool, explicit: bool) -> None:
 
 
 def _dp_pp_all_body(mesh: fs.Mesh) -> str:
-    for name in ("1f1b", "interleaved", "zb_h1"):
+    for name in ("1f1b", "interleaved", "zb_h1", "zbv"):
         _dp_pp_body(mesh, name, True)
     _dp_pp_body(mesh, "zb_h1", True, False)
     _dp_pp_body(mesh, "1f1b", False)
@@ -226,21 +215,26 @@ def test_ppermute_count(name: str) -> None:
         assert expected == 15 + 17
 
 
-def test_ticks_one_action_per_stage_and_deps() -> None:
-    sched = interleaved_1f1b(4, 8, 2)
-    p, last = 4, 7
+@pytest.mark.parametrize("name", ["interleaved", "zbv", "dualpipev"])
+def test_ticks_one_action_per_stage_and_deps(name: str) -> None:
+    sched = by_name(name, 4, 8)
+    last = 7
     done: dict[tuple[str, int, int], int] = {}
     for i, tick in enumerate(ticks(sched)):
-        for s, a in enumerate(tick.actions):
-            if a is None:
-                continue
-            vs = a.chunk * p + s
-            if a.kind == "F" and vs > 0:
-                assert done[("F", a.microbatch, vs - 1)] < i
-            if a.kind == "B" and vs < last:
-                assert done[("B", a.microbatch, vs + 1)] < i
-            done[(a.kind, a.microbatch, vs)] = i
-    assert len(done) == 2 * 8 * 8
+        for s, acts in enumerate(tick.actions):
+            assert len(acts) <= 1 or (len(acts) == 2 and acts[1].overlap)  # one action, or an F&B pair
+            for a in acts:
+                vs = sched.virtual_stage(s, a.chunk)
+                if a.kind == "F" and vs > 0:
+                    assert done[("F", a.microbatch, vs - 1)] < i
+                if a.kind == "B" and vs < last:
+                    assert done[("B", a.microbatch, vs + 1)] < i
+                done[(a.kind, a.microbatch, vs)] = i
+        for shift in tick.shifts:  # each shift is a permutation between distinct stages
+            assert len({x.src for x in shift}) == len({x.dst for x in shift}) == len(shift)
+            assert all(x.src != x.dst for x in shift)
+        assert all(x.src == x.dst for x in tick.local)
+    assert len([k for k in done if k[0] != "W"]) == 2 * 8 * 8
 
 
 def _no_targets_fp32_body(mesh: fs.Mesh, check_vma: bool) -> str:
@@ -328,3 +322,167 @@ def test_stage_fn_must_keep_shape() -> None:
     )
     with pytest.raises(fs.ShardingError, match="must keep the activation's shape and dtype"):
         f((w1, w2), x.reshape(4, MB, D), t.reshape(4, MB, D))
+
+
+VOCAB = 11
+
+
+def _embed_model(n_layers: int, batch: int, tied: bool, seed: int = 3):
+    """Token ids -> embedding -> residual-MLP layers -> head -> cross-entropy, in float64."""
+    w1, w2, _, _ = _data(n_layers, batch, seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    shared = {"emb": torch.randn(VOCAB, D, generator=g, dtype=DT)}
+    if not tied:
+        shared["head"] = torch.randn(VOCAB, D, generator=g, dtype=DT)
+    tok = torch.randint(0, VOCAB, (batch,), generator=g)
+    tgt = torch.randint(0, VOCAB, (batch,), generator=g)
+    return w1, w2, shared, tok, tgt
+
+
+def _first(sh, tok):
+    return sh["emb"][tok]  # [MB] -> [MB, D]: the first stage changes shape and dtype
+
+
+def _head_loss(sh, y, t):
+    head = sh.get("head", sh["emb"])
+    return torch.nn.functional.cross_entropy(y @ head.T, t)  # [MB, D] @ [D, V] -> [MB, V]
+
+
+def _embed_reference(w1, w2, shared, tok, tgt):
+    w1, w2 = w1.clone().requires_grad_(), w2.clone().requires_grad_()
+    sh = {k: v.clone().requires_grad_() for k, v in shared.items()}
+    y = _first(sh, tok)
+    for i in range(w1.shape[0]):
+        y = _layer((w1[i], w2[i]), y)
+    loss = _head_loss(sh, y, tgt)
+    grads = torch.autograd.grad(loss, (w1, w2, *sh.values()))
+    return loss.detach(), grads[0], grads[1], dict(zip(sh, grads[2:]))
+
+
+def _embed_body(mesh: fs.Mesh, name: str, m: int, tied: bool, check_vma: bool) -> str:
+    p = mesh.shape["pp"]
+    sched = _schedule(name, p, m)
+    w1, w2, shared, tok, tgt = _embed_model(p * sched.n_virtual, m * MB, tied)
+    ref_loss, ref_g1, ref_g2, ref_sh = _embed_reference(w1, w2, shared, tok, tgt)
+    order = stage_order(sched)
+
+    def step(params, sh, toks, ts):
+        loss, g = run(sched, _layer, params, toks, targets=ts, loss_fn=_head_loss, first_fn=_first, shared_params=sh)
+        assert isinstance(g, PipelineGrads) and g.input is None
+        return loss, g.stage, g.shared
+
+    f = fs.shard_map(
+        step, mesh=mesh, in_specs=(P("pp"), P(), P(), P()), out_specs=(P(), P("pp"), P()), check_vma=check_vma
+    )
+    loss, (g1, g2), g_sh = f((w1[order], w2[order]), shared, tok.reshape(m, MB), tgt.reshape(m, MB))
+    torch.testing.assert_close(fs.device_get(loss), ref_loss, rtol=1e-5, atol=1e-12)
+    inv = torch.tensor(order).argsort()
+    torch.testing.assert_close(fs.device_get(g1)[inv], ref_g1, rtol=1e-5, atol=1e-12)
+    torch.testing.assert_close(fs.device_get(g2)[inv], ref_g2, rtol=1e-5, atol=1e-12)
+    for k, r in ref_sh.items():  # tied: the embedding's gradient sums the first and the last stage's parts
+        torch.testing.assert_close(fs.device_get(g_sh[k]), r, rtol=1e-5, atol=1e-12, msg=k)
+    return "ok"
+
+
+EMBED_CASES = [("1f1b", 2, False), ("interleaved", 2, True), ("zb_h1", 4, False), ("zbv", 2, True)]
+EMBED_CASES += [("dualpipev", 4, False), ("looped_bfs", 4, True)]
+
+
+@pytest.mark.parametrize("check_vma", [True, False], ids=["vma", "novma"])
+@pytest.mark.parametrize(("name", "p", "tied"), EMBED_CASES, ids=[f"{n}-p{p}-tied{t}" for n, p, t in EMBED_CASES])
+def test_first_stage_embeds_last_has_head(name: str, p: int, tied: bool, check_vma: bool) -> None:
+    from _dist_pool import run_body
+
+    assert run_body("sim", _embed_body, {"pp": p}, name, 2 * p, tied, check_vma) == ["ok"]
+
+
+def _input_grad_body(mesh: fs.Mesh, name: str) -> str:
+    p, m = mesh.shape["pp"], 4
+    sched = _schedule(name, p, m)
+    w1, w2, x, t = _data(p * sched.n_virtual, m * MB, seed=5)
+    xr = x.clone().requires_grad_()
+    y = xr
+    for i in range(w1.shape[0]):
+        y = _layer((w1[i], w2[i]), y)
+    ref_gx = torch.autograd.grad(_mse(y, t), xr)[0]
+    order = stage_order(sched)
+
+    def step(params, xs, ts):
+        _, g = run(sched, _layer, params, xs, targets=ts, loss_fn=_mse, input_grad=True)
+        return g.input
+
+    f = fs.shard_map(step, mesh=mesh, in_specs=(P("pp"), P(), P()), out_specs=P())
+    gx = f((w1[order], w2[order]), x.reshape(m, MB, D), t.reshape(m, MB, D))
+    torch.testing.assert_close(fs.device_get(gx).reshape(m * MB, D), ref_gx, rtol=1e-5, atol=1e-12)
+    return "ok"
+
+
+@pytest.mark.parametrize("name", ["1f1b", "zb_h1", "zbv"])
+def test_input_gradient_of_the_first_stage(name: str) -> None:
+    from _dist_pool import run_body
+
+    assert run_body("sim", _input_grad_body, {"pp": 2}, name) == ["ok"]
+
+
+def test_input_grad_needs_float_microbatches() -> None:
+    mesh = fs.make_mesh({"pp": 2}, backend="sim")
+    w1, w2, shared, tok, tgt = _embed_model(2, 4 * MB, True)
+    f = fs.shard_map(
+        lambda w, sh, xs, ts: run(
+            one_f_one_b(2, 4),
+            _layer,
+            w,
+            xs,
+            targets=ts,
+            loss_fn=_head_loss,
+            first_fn=_first,
+            shared_params=sh,
+            input_grad=True,
+        )[0],
+        mesh=mesh,
+        in_specs=(P("pp"), P(), P(), P()),
+        out_specs=P(),
+    )
+    with pytest.raises(fs.ShardingError, match="input_grad=True needs floating-point microbatches"):
+        f((w1, w2), shared, tok.reshape(4, MB), tgt.reshape(4, MB))
+
+
+def test_v_schedules_hand_off_the_turn_locally() -> None:
+    """ZB-V on p=4: no block crosses from stage 3 to itself; every shift is a permutation; forward sends
+    go down on chunk 0 and up on chunk 1."""
+    sched = by_name("zbv", 4, 8)
+    ts = ticks(sched)
+    assert sum(len(t.local) for t in ts) == 2 * 8  # F and B of each microbatch at the turn
+    assert all(x.src == 3 for t in ts for x in t.local)
+    mesh = fs.make_mesh({"pp": 4}, backend="sim")
+    w1, w2, x, t = _data(8, 8 * MB)
+    order = stage_order(sched)
+    f = fs.shard_map(
+        lambda params, xs, ts: run(sched, _layer, params, xs, targets=ts, loss_fn=_mse),
+        mesh=mesh,
+        in_specs=(P("pp"), P(), P()),
+        out_specs=(P(), P("pp")),
+    )
+    with fs.comm_stats() as st:
+        f((w1[order], w2[order]), x.reshape(8, MB, D), t.reshape(8, MB, D))
+    assert st.calls("ppermute", "pp") == sum(len(t.shifts) for t in ts)
+    sends = sum(len(s) for t in ts for s in t.shifts)
+    assert sends == 2 * 8 * (2 * 4 - 2)  # each microbatch crosses 2p - 2 stage boundaries, each way
+
+
+@pytest.mark.parametrize("name", ["1f1b", "interleaved", "looped_bfs", "zbv", "dualpipev"])
+def test_to_chunks_and_back(name: str) -> None:
+    """Natural layer order (spec P("pp")) -> each stage's chunks as the placement says, and back."""
+    from funcshard.pipeline import from_chunks, to_chunks
+
+    p = 4
+    sched = by_name(name, p, 8)
+    n = p * sched.n_virtual * 2  # two layers per chunk
+    layers = torch.arange(float(n)).repeat_interleave(3).reshape(n, 3)  # row i holds layer i
+    mesh = fs.make_mesh({"pp": p}, backend="sim")
+    chunks = fs.shard_map(lambda w: to_chunks(w, sched), mesh=mesh, in_specs=(P("pp"),), out_specs=P("pp"))(layers)
+    got = fs.device_get(chunks)  # [p * v, 2, 3]: global index s * v + c holds virtual stage placement[s][c]
+    for g, vs in enumerate(stage_order(sched)):
+        assert got[g, :, 0].tolist() == [2.0 * vs, 2.0 * vs + 1]
+    back = fs.shard_map(lambda c: from_chunks(c, sched), mesh=mesh, in_specs=(P("pp"),), out_specs=P("pp"))(chunks)
+    assert torch.equal(fs.device_get(back), layers)

@@ -12,7 +12,11 @@ Example:
     0.111
 """
 
+from .layout import from_chunks as from_chunks
+from .layout import to_chunks as to_chunks
+from .runtime import PipelineGrads as PipelineGrads
 from .runtime import run as run
+from .runtime import stage_order as stage_order
 from .schedules import SCHEDULE_NAMES as SCHEDULE_NAMES
 from .schedules import Action as Action
 from .schedules import Schedule as Schedule
@@ -35,11 +39,13 @@ from .visualize import text as text
 __all__ = [
     "SCHEDULE_NAMES",
     "Action",
+    "PipelineGrads",
     "Schedule",
     "ScheduleError",
     "Timeline",
     "by_name",
     "dualpipev",
+    "from_chunks",
     "gpipe",
     "interleaved_1f1b",
     "interleaved_zero_bubble",
@@ -48,7 +54,9 @@ __all__ = [
     "one_f_one_b",
     "plot",
     "run",
+    "stage_order",
     "text",
+    "to_chunks",
     "v_placement",
     "zbv",
     "zero_bubble_h1",
