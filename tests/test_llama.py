@@ -100,7 +100,6 @@ def test_layers_are_stacked() -> None:
         ({"tp": 3}, "n_heads=8 is not divisible by tp=3"),
         ({"tp": 8}, "n_kv_heads=4 is not divisible by tp=8"),
         ({"fsdp": 3}, "dim=32 is not divisible by fsdp=3"),
-        ({"pp": 2}, "axis 'pp' of size 2, which the Llama does not use"),
         ({"ep": 2}, "axis 'ep' of size 2, which the Llama does not use"),
     ],
 )

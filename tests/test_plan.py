@@ -206,8 +206,8 @@ def test_llama_plan_errors() -> None:
         llama.param_specs(CFG, fs.make_mesh({"data": 4}, backend="sim"), plan)
     with pytest.raises(fs.ConfigError, match="the plan was built for mesh"):
         llama.batch_spec(fs.make_mesh({"dp": 2, "tp": 2}, backend="sim"), plan)
-    with pytest.raises(fs.ConfigError, match="role 'pp' to axis 'model' of size 2, but the Llama runs no pipeline"):
-        llama.param_specs(CFG, mesh, plan_from_mesh(mesh, {"dp": "data", "pp": "model"}))
+    piped = llama.param_specs(CFG, mesh, plan_from_mesh(mesh, {"dp": "data", "pp": "model"}))  # layers over pp
+    assert piped["layers"]["wq"] == P("model", None, None)
     sp_cfg = dataclasses.replace(CFG, sequence_parallel=True)
     with pytest.raises(fs.ConfigError, match="sequence_parallel=True but the plan has no sequence parallelism"):
         llama.param_specs(sp_cfg, mesh, plan)

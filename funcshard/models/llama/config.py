@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from dataclasses import KW_ONLY, dataclass
 
-from ..._errors import ShardingError
+from ..._errors import ConfigError, ShardingError
+from ...pipeline.schedules import SCHEDULE_NAMES
 
 __all__ = ["Config"]
 
@@ -26,6 +27,12 @@ class Config:
         tie_embeddings: use the embedding table as the output head.
         sequence_parallel: with a ``tp`` axis, keep activations split along the sequence between blocks.
         init_std: standard deviation of the weight init.
+        pp_schedule: with a ``pp`` axis, the pipeline schedule, a name of
+            :data:`funcshard.pipeline.SCHEDULE_NAMES` (``"gpipe"``, ``"1f1b"``, ``"interleaved"``, ``"zb"``,
+            ``"zbv"``, ``"dualpipev"``, ``"interleaved_zb"``, ``"looped_bfs"``; the interleaved and V ones run
+            two layer chunks per stage).
+        pp_microbatches: with a ``pp`` axis, microbatches per step (the local batch is split into them);
+            ``None``: twice the ``pp`` size.
 
     Example:
         >>> Config(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, max_seq_len=32).head_dim
@@ -45,6 +52,8 @@ class Config:
     tie_embeddings: bool = False
     sequence_parallel: bool = False
     init_std: float = 0.02
+    pp_schedule: str = "1f1b"
+    pp_microbatches: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "max_seq_len"):
@@ -57,8 +66,24 @@ class Config:
             raise ShardingError(
                 f"llama.Config: n_heads {self.n_heads} is not divisible by n_kv_heads {self.n_kv_heads}."
             )
+        if self.pp_schedule not in SCHEDULE_NAMES:
+            raise ConfigError(
+                f"llama.Config: pp_schedule={self.pp_schedule!r} is not a schedule; use one of {SCHEDULE_NAMES}."
+            )
+        m = self.pp_microbatches
+        if m is not None and (not isinstance(m, int) or isinstance(m, bool) or m < 1):
+            raise ConfigError(f"llama.Config: pp_microbatches must be a positive int or None, found {m!r}.")
         if (self.dim // self.n_heads) % 2:
             raise ShardingError(f"llama.Config: the head dim {self.dim // self.n_heads} must be even for RoPE.")
+
+    def microbatches(self, pp: int) -> int:
+        """The microbatches per step on a ``pp`` axis of size ``pp``: ``pp_microbatches``, or ``2 * pp``.
+
+        Example:
+            >>> Config(pp_microbatches=None).microbatches(4), Config(pp_microbatches=3).microbatches(4)
+            (8, 3)
+        """
+        return 2 * pp if self.pp_microbatches is None else self.pp_microbatches
 
     @property
     def head_dim(self) -> int:

@@ -42,28 +42,42 @@ from ..._context import maybe_current
 from ..._errors import ConfigError
 from ..._spec import P, is_spec, shard_shape
 from ...ops import column_parallel_linear, vocab_parallel_cross_entropy, vocab_parallel_embedding
+from ...pipeline import Schedule
 from ..plan import ParallelPlan
 from ..transformer import causal_attention, rms_norm, transformer_block, use_params
 from .config import Config
-from .sharding import model_plan, param_shapes, specs_for
+from .sharding import model_plan, param_shapes, pipeline_schedule, specs_for
 
-__all__ = ["attention_fn", "forward", "init", "layer", "loss"]
+__all__ = [
+    "Layout",
+    "attention_fn",
+    "embed_tokens",
+    "forward",
+    "head_logits",
+    "init",
+    "layer",
+    "layout",
+    "loss",
+    "run_layers",
+]
 
 PyTree = Any
 
 
 @dataclass(frozen=True)
-class _Layout:
-    """What the model derives from a plan, once: the plan, the parameters' specs, one layer's specs."""
+class Layout:
+    """What the model derives from a plan, once: the plan, the parameters' specs, one layer's specs, and the
+    pipeline schedule (None without a ``pp`` axis)."""
 
     plan: ParallelPlan
     specs: dict[str, Any]
     layer_specs: dict[str, P]
     mesh: Any
+    schedule: Schedule | None = None
 
 
 @functools.lru_cache(maxsize=64)
-def _layout_on(cfg: Config, plan: ParallelPlan | None, mesh: Any) -> _Layout:
+def _layout_on(cfg: Config, plan: ParallelPlan | None, mesh: Any) -> Layout:
     if mesh is None:  # outside shard_map: the unsharded model
         if plan is not None and plan.roles:
             raise ConfigError(
@@ -75,10 +89,11 @@ def _layout_on(cfg: Config, plan: ParallelPlan | None, mesh: Any) -> _Layout:
         plan = model_plan(cfg, mesh, plan)
     specs = specs_for(cfg, plan, mesh)
     layer_specs = {k: P(*v.entries[1:]) for k, v in specs["layers"].items()}  # without the stacked layer dim
-    return _Layout(plan, specs, layer_specs, mesh)
+    schedule = pipeline_schedule(cfg, plan) if plan.pp is not None else None
+    return Layout(plan, specs, layer_specs, mesh, schedule)
 
 
-def _layout(cfg: Config, plan: ParallelPlan | None) -> _Layout:
+def layout(cfg: Config, plan: ParallelPlan | None) -> Layout:
     """The (cached) layout for the running ``shard_map``'s mesh, or the unsharded one outside."""
     ctx = maybe_current()
     return _layout_on(cfg, plan, None if ctx is None else ctx.mesh)
@@ -136,20 +151,64 @@ def layer(x: torch.Tensor, p: dict[str, torch.Tensor], cfg: Config, plan: Parall
     )  # [b, s(/tp), d] -> [b, s(/tp), d]
 
 
-def _forward(params: PyTree, tokens: torch.Tensor, cfg: Config, lay: _Layout) -> torch.Tensor:
+def embed_tokens(table: torch.Tensor, tokens: torch.Tensor, lay: Layout) -> torch.Tensor:
+    """The hidden states of ``tokens [b, s]``: ``[b, s(/tp), d]`` (split by sequence under SP), from the
+    embedding ``table`` as :func:`~funcshard.models.transformer.use_params` gives it (``[V/tp, d]``)."""
+    plan = lay.plan
+    return vocab_parallel_embedding(tokens, table, axis=plan.tp, scatter_dim=1 if plan.sp else None)
+
+
+def run_layers(x: torch.Tensor, layers: dict[str, torch.Tensor], cfg: Config, lay: Layout) -> torch.Tensor:
+    """The decoder layers stacked on the leading dim of ``layers``' leaves, in order, on ``x [b, s(/tp), d]``."""
+    stacked = {k: torch.unbind(v, 0) for k, v in layers.items()}  # [n, ...] -> n x [...]
+    for i in range(len(next(iter(stacked.values())))):
+        x = layer(x, use_params({k: v[i] for k, v in stacked.items()}, lay.layer_specs, lay.plan), cfg, lay.plan)
+    return x
+
+
+def head_logits(
+    params: PyTree, x: torch.Tensor, cfg: Config, lay: Layout, table: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Final norm and output head on ``x [b, s(/tp), d]``: vocab-parallel logits ``[b, s, V/tp]``. ``params``
+    holds ``norm`` and ``head`` (``embed`` with tied embeddings; ``table``: that one already gathered)."""
     plan, specs = lay.plan, lay.specs
-    sp = 1 if plan.sp else None  # the sequence dim of the hidden states under sequence parallelism
-    embed = use_params(params["embed"], specs["embed"], plan)  # [V/tp, d/fsdp] -> [V/tp, d]
-    x = vocab_parallel_embedding(tokens, embed, axis=plan.tp, scatter_dim=sp)  # [b, s] -> [b, s(/tp), d]
-    stacked = {k: torch.unbind(v, 0) for k, v in params["layers"].items()}  # [n, ...] -> n x [...]
-    for i in range(cfg.n_layers):
-        x = layer(x, use_params({k: v[i] for k, v in stacked.items()}, lay.layer_specs, plan), cfg, plan)
     norm = use_params(params["norm"], specs["norm"], plan)  # [d/fsdp] -> [d]
     if plan.sp_axis is not None:  # a replicated weight meets sequence shards: its gradient is summed over tp
         norm = lax.pvary(norm, plan.sp_axis)
     h = rms_norm(x, norm, cfg.norm_eps)  # [b, s(/tp), d]
-    head = embed if cfg.tie_embeddings else use_params(params["head"], specs["head"], plan)  # [V/tp, d]
-    return column_parallel_linear(h, head, axis=plan.tp, gather_dim=sp)  # [b, s(/tp), d] @ [d, V/tp] -> [b, s, V/tp]
+    name = "embed" if cfg.tie_embeddings else "head"
+    head = table if table is not None else use_params(params[name], specs[name], plan)  # [V/tp, d/fsdp] -> [V/tp, d]
+    gather = 1 if plan.sp else None
+    return column_parallel_linear(h, head, axis=plan.tp, gather_dim=gather)  # [b, s(/tp), d] @ [d, V/tp]
+
+
+def _stages_in_turn(params: PyTree, x: torch.Tensor, cfg: Config, lay: Layout) -> torch.Tensor:
+    """The layers on a ``pp`` axis without a schedule (``forward`` / ``loss``): each stage's block of layers
+    (natural order) in turn, the activation passed on with a ``ppermute``, the last stage's output summed
+    over ``pp`` (the others add zeros) so every stage has it. Differentiable, with no overlap."""
+    pp = lay.plan.pp
+    if pp is None:
+        raise ConfigError("llama: the layers run in stages only on a mesh with a pp axis.")
+    p, me = lax.axis_size(pp), lax.axis_index_int(pp)
+    x = lax.pvary(x, pp)  # [b, s, d]: each stage's copy; the gradient sums the one that is used
+    for r in range(p):
+        if me == r:
+            x = run_layers(x, params["layers"], cfg, lay)  # layers [r L/p, (r+1) L/p)
+        if r + 1 < p:
+            x = lax.ppermute(x, pp, [(r, r + 1)])  # [b, s, d] -> [b, s, d], to the next stage
+    # x * 0, not zeros: every stage keeps its chain of ppermutes in the graph, so all make the same backward
+    return lax.psum(x if me == p - 1 else x * 0, pp)  # [b, s, d] -> [b, s, d], from the last stage
+
+
+def _forward(params: PyTree, tokens: torch.Tensor, cfg: Config, lay: Layout) -> torch.Tensor:
+    table = use_params(params["embed"], lay.specs["embed"], lay.plan)  # [V/tp, d/fsdp] -> [V/tp, d]
+    x = embed_tokens(table, tokens, lay)  # [b, s] -> [b, s(/tp), d]
+    if lay.plan.pp is None:
+        x = run_layers(x, params["layers"], cfg, lay)
+    else:
+        x = _stages_in_turn(params, x, cfg, lay)
+    tied = table if cfg.tie_embeddings else None
+    return head_logits(params, x, cfg, lay, tied)  # [b, s(/tp), d] -> [b, s, V/tp]
 
 
 def forward(params: PyTree, tokens: torch.Tensor, cfg: Config, plan: ParallelPlan | None = None) -> torch.Tensor:
@@ -183,7 +242,7 @@ def forward(params: PyTree, tokens: torch.Tensor, cfg: Config, plan: ParallelPla
         ...                forward(params, tokens, cfg), atol=1e-5)
         True
     """
-    return _forward(params, tokens, cfg, _layout(cfg, plan))
+    return _forward(params, tokens, cfg, layout(cfg, plan))
 
 
 def loss(
@@ -211,7 +270,7 @@ def loss(
         >>> abs(value - 5.545) < 0.2  # about ln(256) = 5.545 at init
         True
     """
-    lay = _layout(cfg, plan)
+    lay = layout(cfg, plan)
     logits = _forward(params, tokens, cfg, lay)  # [b, s(/cp), V/tp]
     total = vocab_parallel_cross_entropy(logits, targets, axis=lay.plan.tp, reduction="sum")  # [] (local tokens)
     count = (targets != -100).sum().to(total.dtype)
@@ -247,7 +306,7 @@ def init(key: torch.Tensor, cfg: Config, plan: ParallelPlan | None = None) -> Py
         >>> torch.equal(fs.device_get(sharded)["layers"]["wq"], params["layers"]["wq"])
         True
     """
-    lay = _layout(cfg, plan)
+    lay = layout(cfg, plan)
     shapes = param_shapes(cfg)
     paths, leaves, treedef = optree.tree_flatten_with_path(shapes, is_leaf=lambda x: isinstance(x, torch.Size))
     sharded = lay.mesh is not None

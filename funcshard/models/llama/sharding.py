@@ -2,7 +2,9 @@
 
 Rules (t5x / MaxText style, regex on the leaf path) are written with role names as axis names: vocab and
 the output features of q/k/v/gate/up are split over ``tp`` (column-parallel), the input features of o/down
-over ``tp`` (row-parallel); the other weight dim, and the norms, over ``fsdp``. The batch dim goes over
+over ``tp`` (row-parallel); the other weight dim, and the norms, over ``fsdp``; the stacked layer dim over
+``pp`` (natural layer order, so stage ``r`` holds a contiguous block of layers and a checkpoint loads into a
+mesh with or without ``pp``; embedding, final norm and head are replicated over ``pp``). The batch dim goes over
 ``dp`` and ``fsdp``, the sequence over ``cp``. A :class:`~funcshard.models.ParallelPlan` turns each role
 into the mesh axis that plays it (``logical_to_mesh``), dropping the roles that are off, so one rule set
 serves every mesh, whatever its axes are called. Without a plan, each role is played by the mesh axis of
@@ -29,21 +31,31 @@ import torch
 from ... import _rules
 from ..._errors import ConfigError, ShardingError
 from ..._spec import P
+from ...pipeline.schedules import Schedule, ScheduleError, by_name
 from ..plan import ParallelPlan, plan_from_mesh
 from .config import Config
 
-__all__ = ["RULES", "batch_spec", "check_mesh", "model_plan", "param_shapes", "param_specs", "specs_for"]
+__all__ = [
+    "RULES",
+    "batch_spec",
+    "check_mesh",
+    "model_plan",
+    "param_shapes",
+    "param_specs",
+    "pipeline_schedule",
+    "specs_for",
+]
 
-KNOWN_AXES = ("dp", "fsdp", "tp", "cp")  # the roles the Llama plays (and, without a plan, the axes' names)
+KNOWN_AXES = ("dp", "fsdp", "tp", "cp", "pp")  # the roles the Llama plays (and, without a plan, the axes' names)
 BATCH = P(("dp", "fsdp"), "cp")  # a [batch, seq] token tensor, in role names
 
 RULES = [
     (r"embed", P("tp", "fsdp")),
     (r"head", P("tp", "fsdp")),
     (r"norm", P("fsdp")),
-    (r"layers/(attn|mlp)_norm", P(None, "fsdp")),
-    (r"layers/(wq|wk|wv|w1|w3)", P(None, "tp", "fsdp")),
-    (r"layers/(wo|w2)", P(None, "fsdp", "tp")),
+    (r"layers/(attn|mlp)_norm", P("pp", "fsdp")),
+    (r"layers/(wq|wk|wv|w1|w3)", P("pp", "tp", "fsdp")),
+    (r"layers/(wo|w2)", P("pp", "fsdp", "tp")),
 ]
 
 
@@ -114,14 +126,15 @@ def check_mesh(cfg: Config, mesh: Any, plan: ParallelPlan | None = None) -> None
 
     Args:
         cfg: the model config.
-        mesh: the mesh to check (without a plan, its axes among ``dp``, ``fsdp``, ``tp``, ``cp``).
+        mesh: the mesh to check (without a plan, its axes among ``dp``, ``fsdp``, ``tp``, ``cp``, ``pp``).
         plan: the parallel plan, from :func:`~funcshard.models.plan_from_mesh`; ``None``: each role played
             by the axis of its own name.
 
     Raises:
         ShardingError: an axis the model does not use (no plan), or a size that does not divide the model.
-        ConfigError: a plan built for another mesh, a ``pp`` role (the Llama runs no pipeline yet), or a
-            plan without sequence parallelism for a config that asks for it.
+        ConfigError: a plan built for another mesh, a ``pp`` size the layers or the schedule cannot use
+            (see :func:`pipeline_schedule`), or a plan without sequence parallelism for a config that asks
+            for it.
 
     Example:
         >>> import funcshard as fs
@@ -145,17 +158,52 @@ def check_mesh(cfg: Config, mesh: Any, plan: ParallelPlan | None = None) -> None
         plan = ParallelPlan(**_default_roles(mesh), mesh_shape=tuple(shape.items()))
     else:
         plan.check_mesh(mesh, "llama")
-        if plan.size("pp") > 1:
-            raise ConfigError(
-                f"llama: the plan gives role 'pp' to axis {plan.pp!r} of size {plan.size('pp')}, but the Llama "
-                f"runs no pipeline yet; map 'pp' to None and give the axis another role."
-            )
         if cfg.sequence_parallel and plan.tp is not None and not plan.sp:
             raise ConfigError(
                 "llama: the config has sequence_parallel=True but the plan has no sequence parallelism; build it "
                 "with plan_from_mesh(mesh, roles, sequence_parallel=True), or set the config's to False."
             )
     _check_sizes(cfg, plan)
+    if plan.pp is not None:
+        pipeline_schedule(cfg, plan)
+
+
+def pipeline_schedule(cfg: Config, plan: ParallelPlan) -> Schedule:
+    """The schedule the Llama runs on the plan's ``pp`` axis: ``cfg.pp_schedule`` over ``plan.size("pp")``
+    stages and ``cfg.microbatches(pp)`` microbatches, checked against the number of layers.
+
+    Layers stay stacked in natural order, sharded ``P("pp", ...)`` on the layer dim, so stage ``r`` holds
+    layers ``[r L/p, (r+1) L/p)``; a schedule with ``v`` chunks per stage needs ``n_layers`` divisible by
+    ``p v`` (:func:`funcshard.pipeline.to_chunks` gives each stage its chunks).
+
+    Raises:
+        ConfigError: ``n_layers`` not divisible by ``pp * n_virtual``, or a microbatch count the schedule
+            cannot run.
+
+    Example:
+        >>> import funcshard as fs
+        >>> from funcshard.models import plan_from_mesh
+        >>> cfg = Config(vocab_size=256, dim=64, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=128, max_seq_len=32,
+        ...              pp_schedule="interleaved")
+        >>> pipeline_schedule(cfg, plan_from_mesh(fs.make_mesh({"pp": 2}, backend="sim")))
+        Schedule('interleaved_1f1b', n_stages=2, n_microbatches=4, n_virtual=2)
+    """
+    p = plan.size("pp")
+    m = cfg.microbatches(p)
+    try:
+        sched = by_name(cfg.pp_schedule, p, m)
+    except ScheduleError as e:
+        raise ConfigError(
+            f"llama: pp_schedule={cfg.pp_schedule!r} cannot run pp_microbatches={m} on pp={p}: {e}"
+        ) from None
+    if cfg.n_layers % (p * sched.n_virtual):
+        v = sched.n_virtual
+        raise ConfigError(
+            f"llama: n_layers={cfg.n_layers} is not divisible by pp={p} x {v} chunk(s) per stage of "
+            f"pp_schedule={cfg.pp_schedule!r}; use n_layers a multiple of {p * v}"
+            + (", or a schedule with one chunk per stage (1f1b, gpipe, zb)." if v > 1 else ", or another pp size.")
+        )
+    return sched
 
 
 def model_plan(cfg: Config, mesh: Any, plan: ParallelPlan | None = None) -> ParallelPlan:
