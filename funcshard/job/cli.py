@@ -192,8 +192,16 @@ def train_parser() -> ArgumentParser:
         "running step (a second Ctrl-C, at once); --resume continues from the last checkpoint.",
     )
     g = ap.add_argument_group("mesh")
-    g.add_argument("--mesh", default="dp=2,tp=2", help="axis=size pairs over dp, fsdp, tp, cp")
+    g.add_argument("--mesh", default="dp=2,tp=2", help="axis=size pairs over dp, fsdp, tp, cp, pp")
     g.add_argument("--sp", action="store_true", help="sequence parallelism over tp (activations split by sequence)")
+    g.add_argument(
+        "--schedule",
+        default="1f1b",
+        help="pipeline schedule on a pp axis: gpipe, 1f1b, interleaved, zb, zbv, dualpipev, interleaved_zb, looped_bfs",
+    )
+    g.add_argument(
+        "--microbatches", type=positive_int, default=None, help="microbatches per step on a pp axis (default: 2 x pp)"
+    )
     g.add_argument("--no-check-vma", dest="check_vma", action="store_false", help="turn varying-axes tracking off")
     g.add_argument("--threads", type=nonneg_int, default=0, help="torch threads per process (0: cores / processes)")
     g = ap.add_argument_group("model")

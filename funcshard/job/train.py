@@ -88,6 +88,8 @@ def model_config(args: argparse.Namespace) -> llama.Config:
         n_kv_heads=args.kv_heads,
         ffn_dim=args.ffn,
         max_seq_len=args.seq,
+        pp_schedule=getattr(args, "schedule", "1f1b"),
+        pp_microbatches=getattr(args, "microbatches", None),
     )
     return dataclasses.replace(cfg, sequence_parallel=True) if args.sp else cfg
 
@@ -97,6 +99,13 @@ def _check_args(args: argparse.Namespace, mesh: fs.Mesh, cfg: llama.Config) -> i
     data = math.prod(mesh.shape.get(a, 1) for a in ("dp", "fsdp"))
     if args.batch % data:
         raise UsageError(f"--batch {args.batch} is not divisible by the data-parallel size (dp x fsdp = {data}).")
+    pp = mesh.shape.get("pp", 1)
+    if pp > 1 and (args.batch // data) % cfg.microbatches(pp):
+        raise UsageError(
+            f"--batch {args.batch} gives {args.batch // data} sequences per pipeline (dp x fsdp = {data}), not "
+            f"divisible by --microbatches {cfg.microbatches(pp)}; use a --batch that is a multiple of "
+            f"{data * cfg.microbatches(pp)}."
+        )
     tp = mesh.shape.get("tp", 1)
     if args.sp and args.seq % tp:
         raise UsageError(f"--sp needs --seq divisible by tp={tp}; found --seq {args.seq}.")
@@ -260,7 +269,7 @@ def _setup(args: argparse.Namespace, cfg: llama.Config, mesh_shape: dict[str, in
         _check_same_model(ckpt_dir, cfg)
 
     def step_fn(p: Any, s: Any, tokens: torch.Tensor, targets: torch.Tensor) -> tuple[Any, Any, Any]:
-        loss, grads = fs.value_and_grad(llama.loss)(p, tokens, targets, cfg)  # [], grads laid out like p
+        loss, grads = llama.value_and_grad(p, tokens, targets, cfg)  # [], grads like p; pipelined on a pp axis
         p, s = opt.update(grads, s, p)
         return loss, p, s
 
@@ -448,7 +457,8 @@ def _check_same_model(ckpt_dir: Path, cfg: llama.Config) -> None:
         saved = json.loads((ckpt_dir / "config.json").read_text())["model"]
     except (OSError, ValueError, KeyError):
         return  # nothing to compare with: loading checks the shapes
-    now = {k: v for k, v in dataclasses.asdict(cfg).items() if k != "sequence_parallel"}
+    layout_only = ("sequence_parallel", "pp_schedule", "pp_microbatches")  # how it runs, not which model
+    now = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in layout_only}
     diff = [f"{k}={saved.get(k)!r} (now {v!r})" for k, v in now.items() if saved.get(k) != v]
     if diff:
         raise UsageError(
