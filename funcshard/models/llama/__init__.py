@@ -13,6 +13,8 @@ Example:
 """
 
 from .config import Config as Config
+from .hf import from_hf as from_hf
+from .hf import to_hf as to_hf
 from .model import forward as forward
 from .model import init as init
 from .model import layer as layer
@@ -21,4 +23,15 @@ from .pipelined import value_and_grad as value_and_grad
 from .sharding import batch_spec as batch_spec
 from .sharding import param_specs as param_specs
 
-__all__ = ["Config", "batch_spec", "forward", "init", "layer", "loss", "param_specs", "value_and_grad"]
+__all__ = [
+    "Config",
+    "batch_spec",
+    "forward",
+    "from_hf",
+    "init",
+    "layer",
+    "loss",
+    "param_specs",
+    "to_hf",
+    "value_and_grad",
+]
