@@ -211,6 +211,14 @@ def train_parser() -> ArgumentParser:
     g.add_argument("--kv-heads", type=positive_int, default=4, help="key / value heads (grouped-query attention)")
     g.add_argument("--ffn", type=positive_int, default=704, help="SwiGLU hidden size")
     g.add_argument("--seq", type=positive_int, default=128, help="tokens (bytes) per sequence: the model's context")
+    g.add_argument(
+        "--init-from",
+        default=None,
+        metavar="PATH",
+        help="fine-tune a Hugging Face Llama folder (config.json + safetensors): the model's shape and weights come "
+        "from it, and its tokenizer.json when it has one (pip install tokenizers); without one, byte tokens "
+        "(default: a random init of the shape above)",
+    )
     g = ap.add_argument_group("training")
     g.add_argument("--steps", type=positive_int, default=200, help="total optimiser steps (the schedule's length)")
     g.add_argument("--batch", type=positive_int, default=16, help="global batch, in sequences")

@@ -44,7 +44,7 @@ from funcshard.models import llama
 from funcshard.models.llama.sharding import param_shapes
 from funcshard.process import PeerError, any_process, collective_timeout
 
-from . import preflight
+from . import init_from, preflight
 from .cli import Interrupted, StopOnCtrlC, UsageError, finite_positive, generate_parser, parse_mesh, run, train_parser
 from .data import eval_batches, load_corpus, train_batch
 
@@ -91,7 +91,8 @@ def model_config(args: argparse.Namespace) -> llama.Config:
         pp_schedule=getattr(args, "schedule", "1f1b"),
         pp_microbatches=getattr(args, "microbatches", None),
     )
-    return dataclasses.replace(cfg, sequence_parallel=True) if args.sp else cfg
+    cfg = dataclasses.replace(cfg, sequence_parallel=True) if args.sp else cfg
+    return init_from.model_config(args, cfg) if getattr(args, "init_from", None) else cfg  # a Hugging Face folder's
 
 
 def _check_args(args: argparse.Namespace, mesh: fs.Mesh, cfg: llama.Config) -> int:
@@ -259,6 +260,9 @@ class _Run:
 def _setup(args: argparse.Namespace, cfg: llama.Config, mesh_shape: dict[str, int], ckpt_dir: Path, out: Path) -> _Run:
     """Read the corpus, build the mesh and check the run fits it, and shard_map the step, eval and init."""
     corpus = load_corpus(args.data, max_bytes=args.max_bytes, seq=args.seq)
+    tokenizer = init_from.run_tokenizer(args)
+    if tokenizer is not None:  # --init-from a folder with a tokenizer.json: its tokens, not bytes
+        corpus = init_from.tokenize_corpus(corpus, tokenizer, vocab_size=cfg.vocab_size, seq=args.seq)
     mesh = fs.make_mesh(mesh_shape)
     specs = llama.param_specs(cfg, mesh)  # ShardingError: an axis the model cannot use
     bs = llama.batch_spec(mesh)
@@ -278,6 +282,9 @@ def _setup(args: argparse.Namespace, cfg: llama.Config, mesh_shape: dict[str, in
             return llama.loss(p, tokens, targets, cfg)
 
     kw = {"mesh": mesh, "check_vma": args.check_vma}
+    init = fs.shard_map(lambda k: llama.init(k, cfg), in_specs=(P(),), out_specs=specs, **kw)
+    if getattr(args, "init_from", None) and not args.resume:  # the folder's weights (a resume loads its own)
+        init = lambda k: init_from.load_params(args.init_from, mesh, specs)  # noqa: E731
     return _Run(
         args,
         cfg,
@@ -288,7 +295,7 @@ def _setup(args: argparse.Namespace, cfg: llama.Config, mesh_shape: dict[str, in
         n_threads=_threads(args, mesh),
         train_step=fs.shard_map(step_fn, in_specs=(specs, sspecs, bs, bs), out_specs=(P(), specs, sspecs), **kw),
         eval_step=fs.shard_map(eval_fn, in_specs=(specs, bs, bs), out_specs=P(), **kw),
-        init=fs.shard_map(lambda k: llama.init(k, cfg), in_specs=(P(),), out_specs=specs, **kw),
+        init=init,
         opt_init=fs.shard_map(opt.init, in_specs=(specs,), out_specs=sspecs, **kw),
     )
 
@@ -333,6 +340,8 @@ def _train(
         progress["step"] = start
         if _lead():
             meta = {"model": dataclasses.asdict(cfg), "args": vars(args), "mesh": mesh.shape}
+            tok = init_from.run_tokenizer(args)
+            meta["tokenizer"] = None if tok is None else str(tok)  # generate decodes with it
             (ckpt_dir / "config.json").write_text(json.dumps({**meta, "corpus": run.corpus.describe()}, indent=1))
         run.vals = eval_batches(run.corpus.val, n=args.eval_batches, batch=args.batch, seq=args.seq)
         _say(f"mesh {mesh.shape} ({mesh.backend}, {mesh.size} devices){'  sequence parallel' if args.sp else ''}")
@@ -342,7 +351,8 @@ def _train(
         rows: list[dict[str, Any]] = _read_rows(out / "metrics.csv", start) if start else []
         if start == 0:
             rows.append({"step": 0, "train_loss": "", "val_loss": run.evaluate(params), "tokens_per_s": ""})
-            _say(f"step 0: val loss {rows[-1]['val_loss']:.4f} (ln 256 = {math.log(256):.4f})")
+            v = cfg.vocab_size
+            _say(f"step 0: val loss {rows[-1]['val_loss']:.4f} (ln {v} = {math.log(v):.4f})")
         end = args.steps if args.stop_after is None else min(args.steps, start + args.stop_after)
         t_start = time.perf_counter()
         params, times = _steps(run, (params, state, data_key), range(start, end), rows, stop, progress)
@@ -545,7 +555,8 @@ def generate(args: argparse.Namespace) -> str:
     """
     finite_positive("--temperature", args.temperature, zero=True)
     cfg, params, _ = load_model(args.ckpt_dir)
-    ids = list(args.prompt.encode("utf-8")) or [ord("\n")]
+    encode, decode = init_from.checkpoint_codec(args.ckpt_dir)  # bytes, or the run's tokenizer
+    ids = encode(args.prompt) or encode("\n")
     key = fsr.key(args.seed)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # one token at a time: ops too small to split, and spinning threads cost more
@@ -553,7 +564,7 @@ def generate(args: argparse.Namespace) -> str:
         ids = _sample(params, cfg, ids, key, args.tokens, args.temperature)
     finally:
         torch.set_num_threads(threads)
-    text = bytes(ids).decode("utf-8", errors="replace")
+    text = decode(ids)
     print(text)
     return text
 
