@@ -32,6 +32,9 @@ from ._errors import ShardingError as ShardingError
 from ._grad import value_and_grad as value_and_grad
 from ._mesh import Mesh as Mesh
 from ._mesh import make_mesh as make_mesh
+from ._remat import checkpoint_name as checkpoint_name
+from ._remat import remat as remat
+from ._remat import remat_policies as remat_policies
 from ._rules import logical_to_mesh as logical_to_mesh
 from ._rules import spec_rules as spec_rules
 from ._shard_map import shard_map as shard_map
@@ -87,6 +90,7 @@ __all__ = [
     "axis_index",
     "axis_size",
     "checkpoint",
+    "checkpoint_name",
     "comm_stats",
     "device_get",
     "device_put",
@@ -107,6 +111,8 @@ __all__ = [
     "pvary",
     "pytree",
     "random",
+    "remat",
+    "remat_policies",
     "reshard",
     "shard_map",
     "spec_rules",

@@ -1,4 +1,18 @@
-"""``value_and_grad``: JAX's ``(value, grads)`` on top of ``torch.func.grad_and_value``, keeping vma tags.
+"""``value_and_grad``: JAX's ``(value, grads)``, keeping vma tags, with no memory spent on a graph nobody asks for.
+
+Two paths compute the same numbers:
+
+- **Plain autograd** (the common case: the train step): the differentiated inputs are detached leaves that
+  require grad, ``f`` runs once and ``torch.autograd.grad`` (no ``create_graph``) frees each saved tensor as
+  soon as the backward has used it. ``torch.func.grad_and_value`` always differentiates with
+  ``create_graph=True`` (to compose with other transforms), which keeps the backward's own intermediates alive
+  until it returns: about 2.5x the activation memory of the step (``bench/memory.py``).
+- **torch.func** (the fallback, exactly as before): when a higher derivative may be asked for, that is when
+  a torch.func transform is active (``grad``, ``vjp``, ``jvp``, ``vmap`` around this call), a forward-mode AD
+  level is open, or an argument requires grad under an enabled outer autograd. A value closed over by ``f``
+  that requires grad is found by walking ``f``'s graph after the forward: then the gradients are computed
+  with ``create_graph=True`` and the value keeps its graph, so an outer ``backward`` sees through them as it
+  does through ``torch.func``.
 
 Inside ``shard_map`` every value carries the set of mesh axes it varies over (see ``_vma``). The tensors
 ``torch.func`` hands back are fresh, untagged ones, so this wrapper tags them again: each gradient leaf with
@@ -24,9 +38,9 @@ import optree
 import torch
 
 from ._errors import ConfigError
-from ._vma import tag_leaves, tag_like, tags_of
+from ._vma import find_vma, set_vma, tag_leaves, tag_like, tags_of
 
-__all__ = ["value_and_grad"]
+__all__ = ["has_tangent", "value_and_grad"]
 
 PyTree = Any
 
@@ -51,11 +65,16 @@ def value_and_grad(
 ) -> Callable[..., tuple[Any, PyTree]]:
     """The function computing ``f``'s value and its gradient with respect to the arguments ``argnums``.
 
-    Built on ``torch.func.grad_and_value`` but in JAX's order: ``(value, grads)``, or
+    ``torch.func.grad_and_value`` in JAX's order: ``(value, grads)``, or
     ``((value, aux), grads)`` with ``has_aux=True``. ``grads`` has the structure of ``args[argnums]`` (a tuple
     of such trees when ``argnums`` is a tuple). Inside ``shard_map`` the gradients are those of the global
     function (the collectives' backwards do the reductions), and each gradient leaf is tagged as varying over
     the same mesh axes as its input leaf, so ``fs.optim`` can tell sharded from replicated gradients.
+
+    Outside other transforms the gradients come from ``torch.autograd.grad`` without ``create_graph`` (each
+    activation freed as soon as the backward has used it, as ``loss.backward()`` does); nested in a torch.func
+    transform, under forward-mode AD, or with an argument that requires grad, ``torch.func.grad_and_value``
+    (higher derivatives work). The numbers are the same either way.
 
     Args:
         f: a function returning a scalar tensor (or ``(scalar, aux)`` with ``has_aux``).
@@ -120,12 +139,75 @@ class _GradCall:
                     f"{self.name}: argnums={self.argnums!r} names positional argument {i}, but the function was "
                     f"called with {len(args)} positional arguments."
                 )
+        if _plain_autograd_ok(args, kwargs, self.nums):
+            return self._plain(args, kwargs)
+        return self._func(args, kwargs)
+
+    def _plain(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, PyTree]:
+        """Gradients by ``torch.autograd.grad`` on detached leaf copies of the differentiated arguments."""
+        args = list(args)
+        leaves: list[torch.Tensor] = []
+        with torch._C.DisableTorchFunction():
+            for i in self.nums:
+                flat, treedef = optree.tree_flatten(args[i], none_is_leaf=True)
+                copies = []
+                for x in flat:
+                    c = x.detach().requires_grad_()
+                    v = find_vma(x)
+                    if v is not None:  # the tag the argument had (untagged stays untagged: check_vma=False)
+                        set_vma(c, v)
+                    copies.append(c)
+                leaves.extend(copies)
+                args[i] = optree.tree_unflatten(treedef, copies)
+        outer = torch.is_grad_enabled()
+        with torch.enable_grad():  # like torch.func.grad, an outer no_grad does not stop the differentiation
+            out = self.inner(*args, **kwargs)
+            value, aux = (out[0], out[1]) if self.has_aux else (out, None)
+            _check_scalar(self.name, value)
+            # a value f closed over that requires grad: keep the graph to it (an outer backward may follow)
+            keep = outer and value.requires_grad and _reaches_other_leaf(value, leaves)
+            if value.requires_grad:
+                found = torch.autograd.grad(value, leaves, allow_unused=True, create_graph=keep)
+            else:  # f does not depend on its inputs: zero gradients, as torch.func gives
+                found = (None,) * len(leaves)
+        grads_flat = [torch.zeros_like(x) if g is None else g for g, x in zip(found, leaves, strict=True)]
+        if not keep:
+            value = value.detach()
+            aux = optree.tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, aux)
+        if self.has_aux:  # inner passed only aux's tensors: put them back among the other leaves
+            assert self.aux is not None  # set by inner
+            treedef, aux_leaves = self.aux
+            it_aux = iter(aux)
+            aux = optree.tree_unflatten(
+                treedef, [next(it_aux) if isinstance(x, torch.Tensor) else x for x in aux_leaves]
+            )
+        it = iter(grads_flat)
+        per_arg = []
+        for i in self.nums:
+            treedef = optree.tree_structure(args[i], none_is_leaf=True)
+            per_arg.append(optree.tree_unflatten(treedef, [next(it) for _ in range(treedef.num_leaves)]))
+        grads = per_arg[0] if isinstance(self.argnums, int) else tuple(per_arg)
+        return self._finish(args, value, aux, grads)
+
+    def _func(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, PyTree]:
+        """Gradients by ``torch.func.grad_and_value`` (composes with an enclosing transform)."""
         single = isinstance(self.argnums, int)
         grad_fn = torch.func.grad_and_value(
             self.inner, argnums=self.nums[0] if single else self.nums, has_aux=self.has_aux
         )
         grads, out = grad_fn(*args, **kwargs)
         value = out[0] if self.has_aux else out
+        aux = None
+        if self.has_aux:
+            assert self.aux is not None  # set by inner, which grad_and_value has called
+            treedef, leaves = self.aux
+            it = iter(out[1])
+            aux = optree.tree_unflatten(treedef, [next(it) if isinstance(x, torch.Tensor) else x for x in leaves])
+        return self._finish(args, value, aux, grads)
+
+    def _finish(self, args: Any, value: Any, aux: Any, grads: PyTree) -> tuple[Any, PyTree]:
+        """The tags put back (value and aux as inside ``f``, gradients like their inputs); JAX's order."""
+        single = isinstance(self.argnums, int)
         tag_leaves(value, self.tags.get("value", []))
         if single:
             tag_like(grads, args[self.nums[0]])
@@ -134,9 +216,68 @@ class _GradCall:
                 tag_like(g, args[i])
         if not self.has_aux:
             return value, grads
-        assert self.aux is not None  # set by inner, which grad_and_value has called
-        treedef, leaves = self.aux
-        it = iter(out[1])
-        aux = optree.tree_unflatten(treedef, [next(it) if isinstance(x, torch.Tensor) else x for x in leaves])
         tag_leaves(aux, self.tags.get("aux", []))
         return (value, aux), grads
+
+
+def _plain_autograd_ok(args: tuple[Any, ...], kwargs: dict[str, Any], nums: tuple[int, ...]) -> bool:
+    """Whether plain ``torch.autograd.grad`` gives what ``torch.func.grad_and_value`` would, at less memory:
+    no torch.func transform around the call, no forward-mode AD tangent on an argument, floating-point
+    tensors to differentiate, and no argument that requires grad under an enabled outer autograd (which may want the gradients' graph)."""
+    if torch._C._are_functorch_transforms_active() or has_tangent((args, kwargs)):
+        return False
+    for i in nums:
+        for x in optree.tree_leaves(args[i], none_is_leaf=True):
+            if not isinstance(x, torch.Tensor) or not (x.is_floating_point() or x.is_complex()):
+                return False  # torch.func raises its own error for these
+    if torch.is_grad_enabled():
+        for x in optree.tree_leaves((args, kwargs)):
+            if isinstance(x, torch.Tensor) and x.requires_grad:
+                return False
+    return True
+
+
+def has_tangent(tree: Any) -> bool:
+    """Whether a tensor leaf of ``tree`` is a forward-mode AD dual tensor (``torch.autograd.forward_ad``; the
+    sim backend keeps a level open around its devices, so the level alone says nothing)."""
+    if torch.autograd.forward_ad._current_level < 0:
+        return False
+    return any(
+        isinstance(x, torch.Tensor) and torch.autograd.forward_ad.unpack_dual(x).tangent is not None
+        for x in optree.tree_leaves(tree)
+    )
+
+
+def _is_tensor(x: Any) -> bool:
+    return isinstance(x, torch.Tensor)
+
+
+def _check_scalar(name: str, value: Any) -> None:
+    if not isinstance(value, torch.Tensor) or value.dim() != 0:
+        found = (
+            type(value).__name__ if not isinstance(value, torch.Tensor) else f"a tensor of shape {tuple(value.shape)}"
+        )
+        raise ConfigError(
+            f"{name}: f must return a scalar (0-dim) tensor to be differentiated, found {found}; reduce it first "
+            f"(e.g. loss.mean()), or return (value, aux) with has_aux=True."
+        )
+
+
+def _reaches_other_leaf(value: torch.Tensor, leaves: list[torch.Tensor]) -> bool:
+    """Whether ``value``'s graph reaches a leaf that requires grad other than ``leaves`` (a value ``f`` closed
+    over): a walk over the graph's nodes, stopping at the first such leaf."""
+    own = {id(x) for x in leaves}
+    if value.grad_fn is None:  # f returned a leaf itself
+        return id(value) not in own
+    seen: set[int] = set()
+    stack = [value.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        var = getattr(node, "variable", None)
+        if var is not None and id(var) not in own:
+            return True
+        stack.extend(n for n, _ in node.next_functions)
+    return False

@@ -34,6 +34,7 @@ FLOORS = {
     "random": 5,
     "optim": 5,
     "_grad": 5,
+    "_remat": 5,
     "checkpoint": 5,
     "ops": 6,
     "pipeline": 7,

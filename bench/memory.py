@@ -1,0 +1,130 @@
+"""Peak memory of one Llama gradient step: ``fs.value_and_grad`` (and ``fs.remat``) against plain torch autograd.
+
+Each variant runs in a fresh process (``resource.getrusage``'s peak RSS cannot be reset), which builds the
+same model, parameters and batch, measures its RSS, takes ONE gradient step and reports the peak RSS minus
+the RSS before the step: the memory the step itself needed (activations, saved tensors, gradients).
+
+Variants:
+
+- ``torch``: ``torch.autograd.grad(loss, params)`` (the baseline: what a hand-written torch step costs);
+- ``torch_create_graph``: the same with ``create_graph=True`` (what keeping the backward's graph costs);
+- ``torch_func``: ``torch.func.grad_and_value`` (what ``fs.value_and_grad`` was built on before);
+- ``funcshard``: ``fs.value_and_grad(llama.loss)`` (plain autograd where no higher derivative can be asked);
+- ``remat_full`` / ``remat_selective``: the same with each decoder layer under ``fs.remat`` (``Config(remat=...)``).
+
+The table prints each variant's step memory and its ratio to ``torch`` (tracemalloc does not see torch's
+tensors; RSS does, on CPU).
+
+Usage:
+    python bench/memory.py                      # ~1 minute on 2 cores
+    python bench/memory.py --dim 512 --layers 8 --batch 8 --seq 256
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import resource
+import subprocess
+import sys
+
+VARIANTS = ("torch", "torch_create_graph", "torch_func", "funcshard", "remat_full", "remat_selective")
+
+
+def _rss_mib() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def _peak_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+
+
+def _one(variant: str, args: argparse.Namespace) -> dict[str, float]:
+    """Run one step of ``variant`` in this process; its memory numbers."""
+    import optree
+    import torch
+
+    import funcshard as fs
+    from funcshard.models import llama
+
+    torch.manual_seed(0)
+    torch.set_num_threads(args.threads)
+    remat = {"remat_full": "full", "remat_selective": "selective"}.get(variant, "none")
+    cfg = llama.Config(
+        vocab_size=256,
+        dim=args.dim,
+        n_layers=args.layers,
+        n_heads=args.heads,
+        n_kv_heads=args.heads // 2,
+        ffn_dim=args.ffn,
+        max_seq_len=args.seq,
+    )
+    if remat != "none":
+        cfg = dataclasses.replace(cfg, remat=remat)
+    params = llama.init(fs.random.key(0), cfg)
+    tokens = torch.randint(0, 256, (args.batch, args.seq))
+    targets = tokens.roll(-1, dims=1)
+    leaves, treedef = optree.tree_flatten(params)
+
+    def loss_of(flat: list[torch.Tensor]) -> torch.Tensor:
+        return llama.loss(optree.tree_unflatten(treedef, flat), tokens, targets, cfg)
+
+    before = _rss_mib()
+    if variant in ("torch", "torch_create_graph"):
+        req = [x.detach().requires_grad_() for x in leaves]
+        loss = loss_of(req)
+        grads = torch.autograd.grad(loss, req, create_graph=variant == "torch_create_graph")
+    elif variant == "torch_func":
+        grads, loss = torch.func.grad_and_value(loss_of)(leaves)
+    else:
+        loss, grads = fs.value_and_grad(loss_of)(leaves)
+    peak = _peak_mib()
+    return {"step_mib": peak - before, "loss": float(loss), "grad0": float(grads[0].double().sum())}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--dim", type=int, default=384)
+    ap.add_argument("--layers", type=int, default=6)
+    ap.add_argument("--heads", type=int, default=6)
+    ap.add_argument("--ffn", type=int, default=1024)
+    ap.add_argument("--seq", type=int, default=256)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset of " + ", ".join(VARIANTS))
+    ap.add_argument("--one", default=None, help=argparse.SUPPRESS)  # internal: run one variant, print JSON
+    args = ap.parse_args(argv)
+    if args.one:
+        print(json.dumps(_one(args.one, args)))
+        return 0
+    rows = {}
+    sizes = ("dim", "layers", "heads", "ffn", "seq", "batch", "threads")
+    passthrough = [x for k in sizes for x in (f"--{k}", str(getattr(args, k)))]
+    for v in args.variants.split(","):
+        # a fixed mmap threshold: every tensor over 64 KiB gets its own mapping, returned to the OS when freed, so
+        # the peak RSS follows the live tensors (glibc's moving threshold would keep freed blocks in the heap)
+        env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
+        out = subprocess.run(
+            [sys.executable, __file__, "--one", v, *passthrough], capture_output=True, text=True, check=False, env=env
+        )
+        if out.returncode:
+            print(f"{v}: failed\n{out.stderr[-2000:]}", file=sys.stderr)
+            continue
+        rows[v] = json.loads(out.stdout.strip().splitlines()[-1])
+    base = rows.get("torch", {}).get("step_mib")
+    print(
+        f"Llama dim={args.dim} layers={args.layers} ffn={args.ffn}, batch {args.batch} x seq {args.seq}: peak RSS of "
+        f"one gradient step (MiB over the RSS before it)"
+    )
+    print(f"{'variant':<20} {'step MiB':>9} {'vs torch':>9} {'loss':>10}")
+    for v, r in rows.items():
+        ratio = f"{r['step_mib'] / base:.2f}x" if base else "-"
+        print(f"{v:<20} {r['step_mib']:>9.0f} {ratio:>9} {r['loss']:>10.5f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
