@@ -13,7 +13,8 @@ that are sharded over the same mesh axes (read from the vma tags ``shard_map`` p
 leaf is replicated on.
 
 Files: ``_base.py`` (:class:`Optimizer`, the states, :func:`apply_updates`), ``_norm.py`` (:func:`global_norm`,
-:func:`clip_by_global_norm`), ``_adamw.py``, ``_sgd.py``, ``_chain.py``, ``schedules.py``.
+:func:`clip_by_global_norm`), ``_adamw.py``, ``_sgd.py``, ``_chain.py``, ``_multi_steps.py`` (gradient
+accumulation), ``schedules.py``.
 
 Example:
     >>> import torch, funcshard as fs
@@ -36,6 +37,8 @@ from ._base import Optimizer as Optimizer
 from ._base import SgdState as SgdState
 from ._base import apply_updates as apply_updates
 from ._chain import chain as chain
+from ._multi_steps import MultiStepsState as MultiStepsState
+from ._multi_steps import multi_steps as multi_steps
 from ._norm import clip_by_global_norm as clip_by_global_norm
 from ._norm import global_norm as global_norm
 from ._sgd import sgd as sgd
@@ -48,6 +51,7 @@ __all__ = [
     "AdamWState",
     "ClipByGlobalNormState",
     "LrSchedule",
+    "MultiStepsState",
     "Optimizer",
     "SgdState",
     "adamw",
@@ -57,6 +61,7 @@ __all__ = [
     "constant",
     "global_norm",
     "linear_warmup",
+    "multi_steps",
     "sgd",
     "warmup_cosine",
 ]
