@@ -97,3 +97,31 @@ def test_grad_accumulation_equals_big_batch_llama() -> None:
     torch.testing.assert_close(sum(losses) / k, fs.device_get(big_loss), rtol=1e-5, atol=0)
     for a, b in zip(optree.tree_leaves(fs.device_get(p)), optree.tree_leaves(fs.device_get(big_params)), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_train_job_grad_accum_and_remat_flags(tmp_path: Any) -> None:
+    """``--grad-accum 2`` (and ``--remat``) train the same model as one step on the whole batch."""
+    from funcshard.job import cli, train
+
+    data = tmp_path / "data"
+    data.mkdir()
+    for i in range(16):
+        (data / f"m{i}.py").write_text("".join(f"def f_{i}_{j}(x):\n    return x * {j} - {i}\n\n" for j in range(12)))
+    tiny = ["--dim", "32", "--layers", "2", "--heads", "4", "--kv-heads", "2", "--ffn", "64", "--seq", "32"]
+    common = [*tiny, "--batch", "8", "--steps", "3", "--eval-every", "3", "--data", str(data), "--lr", "1e-3"]
+
+    def run(name: str, *extra: str) -> dict[str, Any]:
+        out = tmp_path / name
+        args = [*common, "--ckpt-dir", str(out / "ckpt"), "--out", str(out), *extra]
+        return train.train(cli.train_parser().parse_args(args))
+
+    whole, accum = run("whole"), run("accum", "--grad-accum", "2", "--remat", "selective")
+    np.testing.assert_allclose(accum["losses"], whole["losses"], rtol=1e-5)
+    for a, b in zip(
+        optree.tree_leaves(fs.device_get(accum["params"])),
+        optree.tree_leaves(fs.device_get(whole["params"])),
+        strict=True,
+    ):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    with pytest.raises(cli.UsageError, match="multiple of 6"):
+        run("bad", "--grad-accum", "3", "--mesh", "dp=2")

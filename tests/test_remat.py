@@ -220,3 +220,46 @@ def test_tags_of_outputs_follow_the_computation() -> None:
         torch.randn(6, 4), torch.randn(8, 6)
     )
     assert optree.tree_leaves(fs.device_get(out))
+
+
+# ---------------------------------------------------------------------------------- the Llama
+
+
+def _llama_body(mesh: fs.Mesh, sp: bool) -> list[Any]:
+    import dataclasses
+
+    from funcshard.models import llama
+
+    base = llama.Config(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=16)
+    base = dataclasses.replace(base, sequence_parallel=sp)
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, 64, (4, 16), generator=g)
+    params = llama.init(fs.random.key(0), base)
+    out = []
+    for remat in ("none", "full", "selective"):
+        cfg = dataclasses.replace(base, remat=remat)
+        specs, bs = llama.param_specs(cfg, mesh), llama.batch_spec(mesh)
+        step = fs.shard_map(
+            lambda p, t, y, cfg=cfg: fs.value_and_grad(llama.loss)(p, t, y, cfg),
+            mesh=mesh,
+            in_specs=(specs, bs, bs),
+            out_specs=(P(), specs),
+        )
+        out.append(fs.device_get(step(params, tokens, tokens.roll(-1, dims=1))))
+    return out
+
+
+@pytest.mark.parametrize("sp", [False, True], ids=["tp", "tp_sp"])
+def test_llama_remat_equals_plain(run, sp: bool) -> None:
+    for (v0, g0), *rest in run(_llama_body, {"dp": 2, "tp": 2}, sp):
+        for v, g in rest:
+            assert torch.equal(v, v0)
+            for a, b in zip(optree.tree_leaves(g), optree.tree_leaves(g0), strict=True):
+                assert torch.equal(a, b)  # the same ops on the same numbers: bitwise
+
+
+def test_llama_config_rejects_unknown_remat() -> None:
+    from funcshard.models import llama
+
+    with pytest.raises(fs.ConfigError, match="remat='some'"):
+        llama.Config(remat="some")

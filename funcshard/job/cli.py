@@ -212,6 +212,13 @@ def train_parser() -> ArgumentParser:
     g.add_argument("--ffn", type=positive_int, default=704, help="SwiGLU hidden size")
     g.add_argument("--seq", type=positive_int, default=128, help="tokens (bytes) per sequence: the model's context")
     g.add_argument(
+        "--remat",
+        choices=("none", "full", "selective"),
+        default="none",
+        help="recompute each layer's activations in the backward (fs.remat): full keeps only the layer's input, "
+        "selective also its matmul and attention outputs; the same numbers, less memory",
+    )
+    g.add_argument(
         "--init-from",
         default=None,
         metavar="PATH",
@@ -222,6 +229,13 @@ def train_parser() -> ArgumentParser:
     g = ap.add_argument_group("training")
     g.add_argument("--steps", type=positive_int, default=200, help="total optimiser steps (the schedule's length)")
     g.add_argument("--batch", type=positive_int, default=16, help="global batch, in sequences")
+    g.add_argument(
+        "--grad-accum",
+        type=positive_int,
+        default=1,
+        help="split each step's batch into K microbatches whose gradients are averaged before the update "
+        "(optim.multi_steps): the same step as the whole batch at once, at 1/K of its activation memory",
+    )
     g.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
     g.add_argument("--final-lr", type=float, default=None, help="learning rate at the last step (default: lr / 10)")
     g.add_argument("--warmup", type=nonneg_int, default=None, help="warmup steps (default: min(20, steps / 10))")

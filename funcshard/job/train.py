@@ -90,6 +90,7 @@ def model_config(args: argparse.Namespace) -> llama.Config:
         max_seq_len=args.seq,
         pp_schedule=getattr(args, "schedule", "1f1b"),
         pp_microbatches=getattr(args, "microbatches", None),
+        remat=getattr(args, "remat", "none"),
     )
     cfg = dataclasses.replace(cfg, sequence_parallel=True) if args.sp else cfg
     return init_from.model_config(args, cfg) if getattr(args, "init_from", None) else cfg  # a Hugging Face folder's
@@ -100,6 +101,12 @@ def _check_args(args: argparse.Namespace, mesh: fs.Mesh, cfg: llama.Config) -> i
     data = math.prod(mesh.shape.get(a, 1) for a in ("dp", "fsdp"))
     if args.batch % data:
         raise UsageError(f"--batch {args.batch} is not divisible by the data-parallel size (dp x fsdp = {data}).")
+    accum = getattr(args, "grad_accum", 1)
+    if args.batch % (data * accum):
+        raise UsageError(
+            f"--grad-accum {accum} splits --batch {args.batch} into {accum} microbatches, each divisible by the "
+            f"data-parallel size {data}: use a --batch that is a multiple of {data * accum}."
+        )
     pp = mesh.shape.get("pp", 1)
     if pp > 1 and (args.batch // data) % cfg.microbatches(pp):
         raise UsageError(
@@ -268,6 +275,9 @@ def _setup(args: argparse.Namespace, cfg: llama.Config, mesh_shape: dict[str, in
     bs = llama.batch_spec(mesh)
     warmup = _check_args(args, mesh, cfg)
     opt = _optimizer(args, warmup)
+    accum = getattr(args, "grad_accum", 1)
+    if accum > 1:  # the update every accum microbatches, on their mean gradient
+        opt = optim.multi_steps(opt, accum)
     sspecs = opt.state_specs(specs)
     if args.resume:
         _check_same_model(ckpt_dir, cfg)
@@ -293,11 +303,29 @@ def _setup(args: argparse.Namespace, cfg: llama.Config, mesh_shape: dict[str, in
         ckpt_dir,
         out,
         n_threads=_threads(args, mesh),
-        train_step=fs.shard_map(step_fn, in_specs=(specs, sspecs, bs, bs), out_specs=(P(), specs, sspecs), **kw),
+        train_step=_accumulating(
+            fs.shard_map(step_fn, in_specs=(specs, sspecs, bs, bs), out_specs=(P(), specs, sspecs), **kw), accum
+        ),
         eval_step=fs.shard_map(eval_fn, in_specs=(specs, bs, bs), out_specs=P(), **kw),
         init=init,
         opt_init=fs.shard_map(opt.init, in_specs=(specs,), out_specs=sspecs, **kw),
     )
+
+
+def _accumulating(step: Any, k: int) -> Any:
+    """``step`` on a whole batch as ``k`` calls on its ``k`` microbatches (the optimiser, ``multi_steps(opt, k)``,
+    updates on the last); the loss is their mean, as the whole batch's."""
+    if k == 1:
+        return step
+
+    def run(p: Any, s: Any, tokens: torch.Tensor, targets: torch.Tensor) -> tuple[Any, Any, Any]:
+        losses = []
+        for x, y in zip(tokens.chunk(k), targets.chunk(k), strict=True):  # [b, s] -> k x [b/k, s]
+            loss, p, s = step(p, s, x, y)
+            losses.append(fs.device_get(loss))
+        return torch.stack(losses).mean(), p, s
+
+    return run
 
 
 def _restore_or_init(run: _Run, saved: list[int]) -> tuple[Any, Any, torch.Tensor, int]:
@@ -467,7 +495,7 @@ def _check_same_model(ckpt_dir: Path, cfg: llama.Config) -> None:
         saved = json.loads((ckpt_dir / "config.json").read_text())["model"]
     except (OSError, ValueError, KeyError):
         return  # nothing to compare with: loading checks the shapes
-    layout_only = ("sequence_parallel", "pp_schedule", "pp_microbatches")  # how it runs, not which model
+    layout_only = ("sequence_parallel", "pp_schedule", "pp_microbatches", "remat")  # how it runs, not which model
     now = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in layout_only}
     diff = [f"{k}={saved.get(k)!r} (now {v!r})" for k, v in now.items() if saved.get(k) != v]
     if diff:

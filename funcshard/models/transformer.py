@@ -29,10 +29,12 @@ import torch.nn.functional as F
 
 from .. import lax
 from .._errors import ConfigError
+from .._remat import checkpoint_name, remat_policies
+from .._remat import remat as rematerialize
 from ..ops import column_parallel_linear, fsdp_gather, ring_attention, row_parallel_linear
 from .plan import ParallelPlan
 
-__all__ = ["MLPS", "causal_attention", "rms_norm", "rope", "transformer_block", "use_params"]
+__all__ = ["MLPS", "REMAT", "causal_attention", "rms_norm", "rope", "transformer_block", "use_params"]
 
 PyTree = Any
 
@@ -45,6 +47,19 @@ def _swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 MLPS: dict[str, tuple[tuple[str, ...], Callable[..., torch.Tensor]]] = {
     "swiglu": (("w1", "w3"), _swiglu),
     "gelu": (("w1",), F.gelu),
+}
+
+
+# rematerialisation of a block (``transformer_block(..., remat=...)``, the Llama's ``Config.remat``) -> its policy:
+# "full" keeps only the block's inputs; "selective" also keeps the weight matmuls' outputs and the attention output
+# (named "attn_out") and recomputes the attention core (scores, softmax: the large, cheap part), as Megatron's
+# selective recomputation does
+REMAT = {
+    "none": None,
+    "full": remat_policies.nothing_saveable,
+    "selective": remat_policies.save_from_both_policies(
+        remat_policies.dots_with_no_batch_dims_saveable, remat_policies.save_only_these_names("attn_out")
+    ),
 }
 
 
@@ -124,6 +139,7 @@ def transformer_block(
     norm_eps: float,
     rope_theta: float | None = None,
     mlp: str = "swiglu",
+    remat: str = "none",
 ) -> torch.Tensor:
     """A pre-norm transformer block on its (gathered) parameters, for any plan.
 
@@ -137,18 +153,41 @@ def transformer_block(
         norm_eps: RMSNorm's epsilon.
         rope_theta: the RoPE base; ``None``: no rotary embedding.
         mlp: a kind of :data:`MLPS`: ``"swiglu"`` or ``"gelu"``.
+        remat: a key of :data:`REMAT`: ``"none"`` keeps the activations for the backward, ``"full"`` recomputes
+            the block in the backward from its input (``fs.remat``, ``nothing_saveable``), ``"selective"`` keeps
+            the weight matmuls' outputs and the attention output and recomputes the rest. Same numbers either way.
 
     Returns:
         The block's output, the shape of ``x``.
 
     Raises:
-        ConfigError: an unknown ``mlp``.
+        ConfigError: an unknown ``mlp`` or ``remat``.
 
     Example:
-        >>> # y = transformer_block(x, layer_params, plan, head_dim=64, norm_eps=1e-5, rope_theta=5e5)
+        >>> # y = transformer_block(x, layer_params, plan, head_dim=64, norm_eps=1e-5, rope_theta=5e5, remat="full")
     """
     if mlp not in MLPS:
         raise ConfigError(f"transformer_block: unknown mlp {mlp!r}; use one of {sorted(MLPS)}.")
+    if remat not in REMAT:
+        raise ConfigError(f"transformer_block: unknown remat {remat!r}; use one of {sorted(REMAT)}.")
+
+    def block(x: torch.Tensor, p: dict[str, torch.Tensor]) -> torch.Tensor:
+        return _block(x, p, plan, head_dim=head_dim, norm_eps=norm_eps, rope_theta=rope_theta, mlp=mlp)
+
+    policy = REMAT[remat]
+    return block(x, p) if policy is None else rematerialize(block, policy)(x, p)  # (recomputed in the backward)
+
+
+def _block(
+    x: torch.Tensor,
+    p: dict[str, torch.Tensor],
+    plan: ParallelPlan,
+    *,
+    head_dim: int,
+    norm_eps: float,
+    rope_theta: float | None,
+    mlp: str,
+) -> torch.Tensor:
     up_names, act = MLPS[mlp]
     sp = 1 if plan.sp else None  # the sequence dim of x under sequence parallelism
     # replicated norm weights meet sequence shards under SP: their gradients are summed over tp
@@ -161,7 +200,7 @@ def transformer_block(
         offset = 0 if plan.cp is None else lax.axis_index(plan.cp) * s  # this device's first position
         q, k = rope(q, rope_theta, offset), rope(k, rope_theta, offset)
     o = causal_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), plan)  # [b, heads(/tp), s, hd]
-    o = o.transpose(1, 2).reshape(b, s, -1)  # -> [b, s, heads(/tp)*hd]
+    o = checkpoint_name(o.transpose(1, 2).reshape(b, s, -1), "attn_out")  # -> [b, s, heads(/tp)*hd]
     x = x + row_parallel_linear(o, p["wo"], axis=plan.tp, scatter_dim=sp)  # [b, s, h*hd(/tp)] -> [b, s(/tp), d]
     h = rms_norm(x, mlp_norm, norm_eps)  # [b, s(/tp), d]
     up = column_parallel_linear(h, [p[n] for n in up_names], axis=plan.tp, gather_dim=sp)  # -> [b, s, f(/tp)] each

@@ -33,6 +33,9 @@ class Config:
             two layer chunks per stage).
         pp_microbatches: with a ``pp`` axis, microbatches per step (the local batch is split into them);
             ``None``: twice the ``pp`` size.
+        remat: rematerialisation of each decoder layer (``fs.remat``): ``"none"``, ``"full"`` (recompute the
+            layer in the backward from its input) or ``"selective"`` (keep the weight matmuls' and attention's
+            outputs, recompute the rest); the same numbers, less activation memory.
 
     Example:
         >>> Config(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, max_seq_len=32).head_dim
@@ -54,6 +57,7 @@ class Config:
     init_std: float = 0.02
     pp_schedule: str = "1f1b"
     pp_microbatches: int | None = None
+    remat: str = "none"
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "max_seq_len"):
@@ -70,6 +74,8 @@ class Config:
             raise ConfigError(
                 f"llama.Config: pp_schedule={self.pp_schedule!r} is not a schedule; use one of {SCHEDULE_NAMES}."
             )
+        if self.remat not in ("none", "full", "selective"):
+            raise ConfigError(f"llama.Config: remat={self.remat!r}; use 'none', 'full' or 'selective'.")
         m = self.pp_microbatches
         if m is not None and (not isinstance(m, int) or isinstance(m, bool) or m < 1):
             raise ConfigError(f"llama.Config: pp_microbatches must be a positive int or None, found {m!r}.")

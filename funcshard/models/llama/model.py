@@ -146,8 +146,8 @@ def layer(x: torch.Tensor, p: dict[str, torch.Tensor], cfg: Config, plan: Parall
         >>> layer(torch.randn(2, 16, 64), p0, cfg, ParallelPlan()).shape
         torch.Size([2, 16, 64])
     """
-    return transformer_block(
-        x, p, plan, head_dim=cfg.head_dim, norm_eps=cfg.norm_eps, rope_theta=cfg.rope_theta, mlp="swiglu"
+    return transformer_block(  # SwiGLU (the default mlp)
+        x, p, plan, head_dim=cfg.head_dim, norm_eps=cfg.norm_eps, rope_theta=cfg.rope_theta, remat=cfg.remat
     )  # [b, s(/tp), d] -> [b, s(/tp), d]
 
 
