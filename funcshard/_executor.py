@@ -20,6 +20,7 @@ Example:
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Callable
 from contextlib import nullcontext
@@ -35,7 +36,7 @@ from ._mesh import Mesh
 from ._reshard import apply_reshard
 from ._shard_map_io import Inputs, OutPlan, device_args
 from ._sim_grad import SimState, run_differentiable
-from ._vma import VmaMode, get_vma, pvary_to, set_vma
+from ._vma import VmaMode, set_vma, vary_output
 
 __all__ = ["DeviceBody", "DistExecutor", "Executor", "SimExecutor", "executor_for"]
 
@@ -89,6 +90,9 @@ class DeviceBody:
         plan: Callable[[Any, list[Any]], OutPlan],
     ) -> None:
         self.f, self.mesh, self.check_vma, self.inputs, self.plan = f, mesh, check_vma, inputs, plan
+        # check_vma=False under sim: the vma mode audits the program (see _vma.Audited); dist with
+        # FUNCSHARD_AUDIT=1 too
+        self.audit = not check_vma and (mesh.backend == "sim" or os.environ.get("FUNCSHARD_AUDIT") == "1")
         self.tagged: list[torch.Tensor] = []  # every tensor tagged during the call (cleared after it)
 
     def __call__(self, dev: Any, leaves: list[list[Any]]) -> Result:
@@ -105,24 +109,21 @@ class DeviceBody:
                             arg[k] = apply_reshard(arg[k], st)
         _tag_args(leaves, inputs.specs, self.tagged)
         args = [optree.tree_unflatten(td, lv) for td, lv in zip(inputs.treedefs, leaves, strict=True)]
-        with enter(DeviceContext(self.mesh, dev, self.check_vma)), VmaMode(dev) if self.check_vma else nullcontext():
+        mode = VmaMode(dev, audit=not self.check_vma) if self.check_vma or self.audit else nullcontext()
+        with enter(DeviceContext(self.mesh, dev, self.check_vma)), mode:
             out = self.f(*args)
-        out_leaves, out_def = optree.tree_flatten(out, is_leaf=is_array)
-        if self.check_vma and _differentiable(out_leaves):
-            out_leaves = self._vary_outputs(dev, out_leaves, out_def)
+            out_leaves, out_def = optree.tree_flatten(out, is_leaf=is_array)
+            if _differentiable(out_leaves):
+                out_leaves = self._vary_outputs(dev, out_leaves, out_def)
         return out_leaves, out_def
 
     def _vary_outputs(self, dev: Any, leaves: list[Any], out_def: Any) -> list[Any]:
-        """An output whose spec names an axis it is invariant over stands for a different block on each
-        device of that axis (its copies, tiled): made varying over it (``pvary``), so the cotangents of
-        those blocks are summed into its gradient, as JAX does."""
-        specs = [spec for _, spec, _ in self.plan(out_def, leaves)]
+        """Each output made varying over the axes its spec names (``vary_output``)."""
+        plan = self.plan(out_def, leaves)
         out = []
-        for t, spec in zip(leaves, specs, strict=True):
-            if isinstance(t, torch.Tensor):
-                have = get_vma(t)
-                if not frozenset(spec.axes) <= have:
-                    t = pvary_to(t, have | frozenset(spec.axes), dev)
+        for t, (path, spec, _) in zip(leaves, plan, strict=True):
+            if isinstance(t, torch.Tensor) and spec.axes:
+                t = vary_output(t, frozenset(spec.axes), dev, self.check_vma, path)
             out.append(t)
         return out
 

@@ -223,7 +223,8 @@ class _GradCall:
 def _plain_autograd_ok(args: tuple[Any, ...], kwargs: dict[str, Any], nums: tuple[int, ...]) -> bool:
     """Whether plain ``torch.autograd.grad`` gives what ``torch.func.grad_and_value`` would, at less memory:
     no torch.func transform around the call, no forward-mode AD tangent on an argument, floating-point
-    tensors to differentiate, and no argument that requires grad under an enabled outer autograd (which may want the gradients' graph)."""
+    tensors to differentiate, and no argument that requires grad under an enabled outer autograd (which may
+    want the gradients' graph)."""
     if torch._C._are_functorch_transforms_active() or has_tangent((args, kwargs)):
         return False
     for i in nums:

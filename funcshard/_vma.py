@@ -19,6 +19,8 @@ from typing import Any
 
 import optree
 import torch
+import torch._functorch.eager_transforms as _eager
+import torch._functorch.vmap as _vmap_impl
 from torch.overrides import TorchFunctionMode
 
 from ._errors import ShardingError
@@ -26,23 +28,36 @@ from ._prims import Pvary, call
 
 __all__ = [
     "EMPTY",
+    "Audited",
     "VmaMode",
+    "auditing",
     "bind_operand",
     "bind_result",
     "find_vma",
     "get_vma",
     "known_vma",
+    "official_vma",
     "pvary_to",
     "set_vma",
     "tag_leaves",
     "tag_like",
     "tags_of",
+    "vary_output",
 ]
 
 EMPTY: frozenset[str] = frozenset()
 _ATTR = "_fs_vma"
 _unwrap = torch._C._functorch.get_unwrapped
 _is_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
+
+
+class Audited(frozenset):
+    """Axes known only to the audit of a ``check_vma=False`` call under sim: the vma mode runs there as well,
+    tagging every value, but without changing what the program computes. Such a tag is never acted on (no
+    ``pvary`` is inserted for it, as dist, which tracks nothing, would not); it serves to raise where the
+    program's gradient would be wrong without tracking."""
+
+    __slots__ = ()
 
 
 def find_vma(t: torch.Tensor) -> frozenset[str] | None:
@@ -104,33 +119,98 @@ def pvary_to(x: torch.Tensor, want: frozenset[str], dev: Any) -> torch.Tensor:
     return set_vma(y, have | missing)
 
 
+def official_vma(t: torch.Tensor) -> frozenset[str] | None:
+    """The axes of ``t`` where shard_map itself knows them, in both vma modes and both backends (an argument,
+    a collective's result, a tracked value): None for none, or for axes that only the audit knows."""
+    v = find_vma(t)
+    return None if isinstance(v, Audited) else v
+
+
+def auditing() -> bool:
+    """Whether this thread runs a ``check_vma=False`` body under the audit (see :class:`Audited`)."""
+    mode = getattr(_active, "mode", None)
+    return mode is not None and mode.audit
+
+
 def known_vma(t: torch.Tensor, tracked: bool) -> frozenset[str] | None:
     """The axes ``t`` varies over; None where nothing is known. With tracking (``check_vma=True``) every value
     has its axes (untagged means invariant: a constant); without it only the arguments of shard_map and the
-    results of collectives carry tags."""
-    return get_vma(t) if tracked else find_vma(t)
+    results of collectives carry tags, and the audit (sim) knows the rest as :class:`Audited` axes."""
+    if tracked:
+        return get_vma(t)
+    v = find_vma(t)
+    if v is not None and not isinstance(v, Audited):
+        return v
+    if auditing():  # every value is tagged: untagged means invariant
+        return v if v is not None else Audited()
+    return None
+
+
+def _grad_flows(t: torch.Tensor) -> bool:
+    """Whether a gradient flows into ``t`` at any autograd level (through torch.func wrappers)."""
+    while True:
+        if t.requires_grad:
+            return True
+        if not _is_wrapped(t):
+            return False
+        t = _unwrap(t)
+
+
+def _unvaried(name: str, missing: list[str], what: str) -> ShardingError:
+    axes = ", ".join(repr(a) for a in missing)
+    arg = repr(missing[0]) if len(missing) == 1 else repr(tuple(missing))
+    return ShardingError(
+        f"{name} (check_vma=False): {what} is the same on every device of {axes} (it is computed only from "
+        f"values that do not vary over {axes}) and a gradient flows through it. Untracked, its gradient would "
+        f"miss the sum over its copies on {axes}: a wrong number under dist (this sim run checks for it). "
+        f"Write fs.pvary(x, {arg}) on it first, or use check_vma=True."
+    )
 
 
 def bind_operand(
-    prim: Any, x: torch.Tensor, axes: tuple[str, ...], dev: Any, tracked: bool
+    prim: Any, x: torch.Tensor, axes: tuple[str, ...], dev: Any, tracked: bool, name: str = ""
 ) -> tuple[torch.Tensor, frozenset[str] | None]:
     """The operand of collective ``prim`` over ``axes``, and the axes it then varies over (None: unknown).
 
     Where ``prim.operand_varies``, an operand invariant over some of ``axes`` stands for equal copies on
     their members and is made varying first (``Pvary``: its cotangent is summed over them), as JAX does.
-    An operand whose axes are unknown (``check_vma=False``, an op's result) is taken as it is.
+    An operand whose axes are unknown (``check_vma=False``, an op's result) is taken as it is; under sim the
+    audit raises where that would give a wrong gradient.
     """
     have = known_vma(x, tracked)
-    if have is not None and prim.operand_varies:
-        want = have | frozenset(axes)
-        x, have = pvary_to(x, want, dev), want
-    return x, have
+    if have is None or not prim.operand_varies:
+        return x, have
+    if isinstance(have, Audited):  # check_vma=False under sim: raise where dist would be silently wrong
+        missing = [a for a in axes if a not in have]
+        if missing and _grad_flows(x):
+            raise _unvaried(name or prim.__name__, missing, "its operand")
+        return x, have
+    want = have | frozenset(axes)
+    return pvary_to(x, want, dev), want
 
 
 def bind_result(prim: Any, y: torch.Tensor, have: frozenset[str] | None, axes: tuple[str, ...]) -> torch.Tensor:
     """``y``, the result of ``prim`` over ``axes`` of an operand varying over ``have``, tagged by ``prim``'s
     vma rule (left untagged where ``have`` is unknown)."""
-    return y if have is None else set_vma(y, prim.vma(have, frozenset(axes)))
+    if have is None:
+        return y
+    v = prim.vma(have, frozenset(axes))
+    return set_vma(y, Audited(v) if isinstance(have, Audited) else v)
+
+
+def vary_output(t: torch.Tensor, axes: frozenset[str], dev: Any, tracked: bool, path: str) -> torch.Tensor:
+    """An output whose out_spec names ``axes``: made varying over those it is invariant over (``pvary``), as
+    it stands for a different block on each device of them (its copies, tiled), so the cotangents of those
+    blocks are summed into its gradient, as JAX does. Under ``check_vma=False`` only where its axes are known
+    (an argument, a collective's result); where only the audit knows them, raise if a gradient flows."""
+    have = known_vma(t, tracked)
+    if have is None or axes <= have:
+        return t
+    if isinstance(have, Audited):
+        if _grad_flows(t):
+            raise _unvaried("shard_map", sorted(axes - have), f"the output at '{path}', whose out_spec names them,")
+        return t
+    return pvary_to(t, have | axes, dev)
 
 
 _PASS = {
@@ -175,12 +255,22 @@ def _tensors(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor
 _active = threading.local()  # .mode: the VmaMode this thread runs under, if any
 
 
-class VmaMode(TorchFunctionMode):
-    """Tags op outputs with the union of their inputs' varying axes; inserts ``Pvary`` where they differ."""
+def _tag_audited(t: torch.Tensor, axes: frozenset[str]) -> None:
+    _tag_through(t, axes if isinstance(axes, Audited) else Audited(axes))
 
-    def __init__(self, dev: Any) -> None:
+
+class VmaMode(TorchFunctionMode):
+    """Tags op outputs with the union of their inputs' varying axes; inserts ``Pvary`` where they differ.
+
+    With ``audit`` (``check_vma=False`` under sim) it tags as :class:`Audited` and inserts nothing: the program
+    computes what it would under dist, and the collectives and outputs raise where that is wrong.
+    """
+
+    def __init__(self, dev: Any, audit: bool = False) -> None:
         super().__init__()
         self.dev = dev
+        self.audit = audit
+        self._tag = _tag_audited if audit else _tag_through
         self._prev: VmaMode | None = None
 
     def __enter__(self) -> VmaMode:
@@ -208,13 +298,13 @@ class VmaMode(TorchFunctionMode):
         for t in optree.tree_leaves((args, kwargs), is_leaf=_is_tensor):
             if isinstance(t, torch.Tensor):
                 union = union | get_vma(t)
-        if union:
+        if union and not self.audit:
             args, kwargs = self._agree((args, kwargs), union)
         out = apply(cls, *args, **kwargs)
         for o in optree.tree_leaves(out, is_leaf=_is_tensor):
             if isinstance(o, torch.Tensor):
                 inner = find_vma(o)
-                _tag_through(o, union if inner is None else inner)
+                self._tag(o, union if inner is None else inner)
         return out
 
     def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
@@ -239,17 +329,24 @@ class VmaMode(TorchFunctionMode):
             target = args[0] if _is_inplace(func) and args and isinstance(args[0], torch.Tensor) else None
             if target is not None and get_vma(target) != union:
                 self._widen_inplace(func, target, union)
-            args, kwargs = self._agree((args, kwargs), union, skip=target)
+            if not self.audit:
+                args, kwargs = self._agree((args, kwargs), union, skip=target)
         out = func(*args, **kwargs)
         if isinstance(out, torch.Tensor):
-            _tag_through(out, union)
+            self._tag(out, union)
         elif isinstance(out, (tuple, list)):
             for o in out:
                 if isinstance(o, torch.Tensor):
-                    _tag_through(o, union)
+                    self._tag(o, union)
         return out
 
     def _widen_inplace(self, func: Any, target: torch.Tensor, union: frozenset[str]) -> None:
+        if self.audit:
+            missing = sorted(union - get_vma(target))
+            if _grad_flows(target):
+                raise _unvaried(getattr(func, "__name__", str(func)), missing, "the tensor it writes in place")
+            self._tag(target, union)
+            return
         if target.requires_grad:
             missing = sorted(union - get_vma(target))
             raise ShardingError(
@@ -266,7 +363,7 @@ class VmaMode(TorchFunctionMode):
         if isinstance(inputs, torch.Tensor):
             inputs = (inputs,)
         if inputs is not None:  # torch.func.grad / vjp hand back the tensors these wrap: tag_like tags those too
-            tag_like(tuple(out), tuple(inputs))
+            tag_like(tuple(out), tuple(inputs), audited=self.audit)
         return out
 
 
@@ -283,14 +380,15 @@ def tag_leaves(tree: Any, tags: list[frozenset[str] | None]) -> None:
             _tag_through(t, vma)
 
 
-def tag_like(grads: Any, inputs: Any) -> None:
+def tag_like(grads: Any, inputs: Any, audited: bool = False) -> None:
     """Tag each tensor leaf of ``grads`` with the axes of the matching leaf of ``inputs`` (a cotangent varies
-    over what its primal varies over)."""
+    over what its primal varies over); as :class:`Audited` with ``audited``."""
+    tag = _tag_audited if audited else _tag_through
     # None leaves kept, so an unused input's None gradient keeps the others aligned with their inputs
     g_leaves = optree.tree_leaves(grads, none_is_leaf=True)
     for g, x in zip(g_leaves, optree.tree_leaves(inputs, none_is_leaf=True), strict=False):
         if isinstance(g, torch.Tensor) and isinstance(x, torch.Tensor):
-            _tag_through(g, get_vma(x))
+            tag(g, get_vma(x))
 
 
 # -- user autograd Functions -------------------------------------------------------------------------------
@@ -317,3 +415,29 @@ def _apply(cls: type, *args: Any, **kwargs: Any) -> Any:
 if not getattr(torch.autograd.Function.apply, "_funcshard", False):
     _apply._funcshard = True  # type: ignore[attr-defined]
     torch.autograd.Function.apply = classmethod(_apply)  # type: ignore[method-assign, assignment]
+
+
+# -- torch.func transform boundaries -------------------------------------------------------------------------
+# A transform hands its results back unwrapped from its level: ``torch.vmap`` as a fresh view of the batched
+# value (whose ``_base`` is the root of the storage, perhaps a differently tagged argument), ``vjp`` / ``jvp`` /
+# ``grad_and_value`` their primal outputs unwrapped from the grad level. These two functions are where that
+# happens, inside torch itself; each result takes the axes of the value it unwraps, so no transform's output is
+# left untagged (and so taken as invariant) inside shard_map.
+
+
+def _keeping_tag(unwrap: Any) -> Any:
+    def unwrap_tagged(x: Any, *args: Any) -> Any:
+        y = unwrap(x, *args)
+        if getattr(_active, "mode", None) is not None and isinstance(x, torch.Tensor) and y is not x:
+            v = find_vma(x)
+            if v is not None:
+                set_vma(y, v)
+        return y
+
+    unwrap_tagged._funcshard = True  # type: ignore[attr-defined]
+    return unwrap_tagged
+
+
+for _mod, _name in ((_vmap_impl, "_remove_batch_dim"), (_eager, "_unwrap_for_grad")):
+    if not getattr(getattr(_mod, _name), "_funcshard", False):
+        setattr(_mod, _name, _keeping_tag(getattr(_mod, _name)))

@@ -33,7 +33,7 @@ import torch
 from . import _prims
 from ._context import DeviceContext, axes_of, current
 from ._errors import ShardingError
-from ._vma import EMPTY, bind_operand, bind_result, get_vma, known_vma, set_vma
+from ._vma import EMPTY, Audited, bind_operand, bind_result, get_vma, known_vma, set_vma
 
 __all__ = [
     "all_gather",
@@ -81,7 +81,7 @@ def _reduce(x: PyTree, axis: _Axis, op: str, name: str) -> PyTree:
         if not isinstance(t, torch.Tensor):  # a number is the same on every device: n copies of it
             return t * n if name == "psum" else t
         with torch._C.DisableTorchFunction():
-            t, have = bind_operand(_prims.AllReduce, t, axes, ctx.device, ctx.check_vma)
+            t, have = bind_operand(_prims.AllReduce, t, axes, ctx.device, ctx.check_vma, name)
             y = _prims.call(_prims.AllReduce, t, ctx.device, axes, op, name)  # [*s] -> [*s], invariant over axes
             if name == "pmean":
                 y = y / n
@@ -149,7 +149,8 @@ def pvary(x: PyTree, axis: _Axis) -> PyTree:
     for i, t in enumerate(leaves):
         if isinstance(t, torch.Tensor):
             have = known_vma(t, ctx.check_vma)
-            todo = tuple(a for a in axes if have is None or a not in have)
+            # unknown or audited axes: pvary them all, as dist (which knows none) does
+            todo = tuple(a for a in axes if have is None or isinstance(have, Audited) or a not in have)
             if todo:
                 groups.setdefault((todo, t.dtype, t.device, have), []).append(i)
         elif isinstance(t, (int, float)) and not isinstance(t, bool):
@@ -187,7 +188,7 @@ def _gather(x: PyTree, axis: _Axis, dim: int, tiled: bool, name: str) -> PyTree:
     def one(t: torch.Tensor) -> torch.Tensor:
         d = _dim(dim, max(t.dim() + (0 if tiled else 1), 1), name, "dim", t.shape)
         with torch._C.DisableTorchFunction():
-            t, have = bind_operand(prim, t, axes, ctx.device, ctx.check_vma)
+            t, have = bind_operand(prim, t, axes, ctx.device, ctx.check_vma, name)
             if invariant:
                 y = _prims.call(prim, t, ctx.device, axes, axis_index_int(axes))  # [*s] -> [n, *s]
             else:
@@ -248,10 +249,11 @@ def split_invariant(x: PyTree, axis: _Axis, *, dim: int = 0) -> PyTree:
                 f"split_invariant: dim {d} of shape {tuple(t.shape)} has size {t.shape[d]}, not divisible by the "
                 f"size {n} of {axes}; pad it to a multiple of {n}."
             )
-        # under check_vma=False the value is taken to be invariant (its tag may say otherwise: an argument)
-        have = get_vma(t) if ctx.check_vma else EMPTY
+        # under check_vma=False the value is taken to be invariant over axes (its tag may say otherwise: an
+        # argument); its other axes are kept where known
+        have = get_vma(t) if ctx.check_vma else known_vma(t, False)
         with torch._C.DisableTorchFunction():
-            if frozenset(axes) <= have:  # already one block per member: slice it, no transpose needed
+            if ctx.check_vma and frozenset(axes) <= have:  # one block per member: slice it, no transpose needed
                 size = t.shape[d] // n
                 y = t.narrow(d, idx * size, size)  # [.., s_d, ..] -> [.., s_d/n, ..]
             else:
@@ -288,7 +290,7 @@ def psum_scatter(x: PyTree, axis: _Axis, *, dim: int = 0, tiled: bool = False) -
                 f"use tiled=True to split a longer dim into {n} blocks."
             )
         with torch._C.DisableTorchFunction():
-            t, have = bind_operand(_prims.ReduceScatter, t, axes, ctx.device, ctx.check_vma)
+            t, have = bind_operand(_prims.ReduceScatter, t, axes, ctx.device, ctx.check_vma, "psum_scatter")
             xs = t.unflatten(d, (n, -1)).movedim(d, 0) if tiled else t.movedim(d, 0)  # -> [n, ...]
             y = _prims.call(_prims.ReduceScatter, xs, ctx.device, axes)  # [n, *s] -> [*s]
         return bind_result(_prims.ReduceScatter, y, have, axes)
@@ -321,7 +323,7 @@ def all_to_all(x: PyTree, axis: _Axis, split_dim: int, concat_dim: int, *, tiled
             )
         cd = _dim(concat_dim, t.dim(), "all_to_all", "concat_dim", t.shape)
         with torch._C.DisableTorchFunction():
-            t, have = bind_operand(_prims.AllToAll, t, axes, ctx.device, ctx.check_vma)
+            t, have = bind_operand(_prims.AllToAll, t, axes, ctx.device, ctx.check_vma, "all_to_all")
             xs = t.unflatten(sd, (n, -1)).movedim(sd, 0) if tiled else t.movedim(sd, 0)  # -> [n, ...]
             ys = _prims.call(_prims.AllToAll, xs, ctx.device, axes)  # [n, *s] -> [n, *s]
             y = ys.movedim(0, cd)
@@ -359,7 +361,7 @@ def ppermute(x: PyTree, axis: _Axis, perm: Sequence[tuple[int, int]]) -> PyTree:
 
     def one(t: torch.Tensor) -> torch.Tensor:
         with torch._C.DisableTorchFunction():
-            t, have = bind_operand(_prims.Ppermute, t, axes, ctx.device, ctx.check_vma)
+            t, have = bind_operand(_prims.Ppermute, t, axes, ctx.device, ctx.check_vma, "ppermute")
             y = _prims.call(_prims.Ppermute, t, ctx.device, axes, pairs)  # [*s] -> [*s]
         return bind_result(_prims.Ppermute, y, have, axes)
 

@@ -237,15 +237,15 @@ def bits(key: torch.Tensor, shape: _Shape, *, spec: P | None = None) -> torch.Te
 
 
 def _scale(u: torch.Tensor, low: float, high: float, dtype: torch.dtype) -> torch.Tensor:
-    """``max(low, u * (high - low) + low)`` in ``dtype`` as XLA computes it: the multiply-add fused (one
-    rounding) for float16 / float32 / float64, two bfloat16 ops for bfloat16."""
+    """``max(low, u * (high - low) + low)`` in ``dtype`` as XLA (jaxlib 0.10) computes it: the multiply-add
+    fused (one rounding) for float32 / float64, two ops each rounded to ``dtype`` for float16 / bfloat16."""
     lo, hi = torch.tensor(low, dtype=dtype), torch.tensor(high, dtype=dtype)
     span = hi - lo
-    if dtype == torch.bfloat16:
+    if dtype in (torch.float16, torch.bfloat16):
         y = u * span + lo
     elif dtype == torch.float64:  # torch's CPU addcmul fuses (vector and scalar paths alike)
         y = torch.addcmul(lo.expand_as(u), u, span.expand_as(u))
-    else:  # the product of two float32 values is exact in float64: one rounding there, one to dtype
+    else:  # float32: the product of two float32 values is exact in float64: one rounding there, one to float32
         y = (u.double() * span.double() + lo.double()).to(dtype)
     return torch.maximum(lo, y)
 

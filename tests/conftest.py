@@ -8,6 +8,9 @@ import pytest
 import torch
 
 os.environ.setdefault("FUNCSHARD_TIMEOUT", "60")
+# before any test module imports jax (optax, transformers and the docs do): the fuzzer's JAX oracle runs on
+# 8 host devices, which XLA reads once, at jax's first import
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 torch.set_num_threads(2)
 
 BACKENDS = ["sim", "dist"]

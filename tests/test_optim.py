@@ -17,7 +17,7 @@ import torch
 import funcshard as fs
 from funcshard import P, optim
 from funcshard._grad import value_and_grad
-from funcshard._vma import get_vma
+from funcshard._vma import get_vma, official_vma
 
 MESH = {"dp": 2, "tp": 2}
 
@@ -227,8 +227,10 @@ def test_clip_specs_argument_for_untagged_values() -> None:
     full = torch.sqrt(sum((g**2).sum() for g in optree.tree_leaves(grads)))
 
     def norms(g: Tree) -> tuple[torch.Tensor, torch.Tensor]:
-        fresh = optree.tree_map(lambda t: t * 1.0, g)  # untagged
-        assert all(get_vma(t) == frozenset() for t in optree.tree_leaves(fresh))
+        fresh = optree.tree_map(lambda t: t * 1.0, g)  # axes unknown without tracking
+        assert all(official_vma(t) is None for t in optree.tree_leaves(fresh))
+        with pytest.raises(fs.ShardingError, match=r"axes leaf .* are unknown"):
+            optim.global_norm(fresh)  # never this shard's norm, silently
         _, state = optim.clip_by_global_norm(1.0, specs=CLIP_SPECS).transform(fresh, optim.ClipByGlobalNormState(0))
         return state.norm, optim.global_norm(fresh, specs=CLIP_SPECS)
 

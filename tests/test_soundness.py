@@ -168,6 +168,32 @@ def test_vmap_out_dims_result_keeps_its_axes():
         f(torch.ones(4, 3))
 
 
+def _pvary_through_transform(mesh, how):
+    def body(x):
+        if how == "vmap":  # the batched result is handed back as a view of the P() argument's storage
+            return torch.vmap(lambda r: fs.pvary(r, "a"))(x)
+        if how == "vjp":
+            return torch.func.vjp(lambda r: fs.pvary(r, "a") * 2, x)[0]
+        return torch.func.jvp(lambda r: fs.pvary(r, "a") * 2, (x,), (torch.ones_like(x),))[0]
+
+    x = torch.ones(2, 3, requires_grad=True)
+    fs.device_get(fs.shard_map(body, mesh=mesh, in_specs=(P(),), out_specs=P("a"))(x)).sum().backward()
+    return x.grad
+
+
+@pytest.mark.parametrize("how", ["vmap", "vjp", "jvp"])
+def test_transform_outputs_keep_their_axes(run, how):
+    # out = [f(x); f(x)] over a=2: the gradient is the sum of the two copies, counted once (it was 2x with vmap)
+    k = 2.0 if how == "vmap" else 4.0
+    for grad in run(_pvary_through_transform, {"a": 2}, how):
+        assert torch.equal(grad, torch.full((2, 3), k))
+    mesh = fs.make_mesh({"a": 2}, backend="sim")
+    with pytest.raises(fs.ShardingError, match="varies over axis 'a'"):  # was returned silently: device 0's value
+        fs.shard_map(lambda x: torch.vmap(lambda r: fs.pvary(r, "a"))(x), mesh=mesh, in_specs=(P(),), out_specs=P())(
+            torch.ones(2, 3)
+        )
+
+
 # -- hole 5: check_vma=False and a replicated operand of a reduction -----------------------------------------
 
 
@@ -201,6 +227,37 @@ def test_check_vma_false_collective_result_is_known_invariant(run):
     # under dist each process holds the gradient of the block it owns (zeros elsewhere): combine them
     g = torch.stack(run(_chained_psum_no_vma, {"a": 2, "b": 2})).amax(0)
     assert torch.equal(g, torch.full((4,), 2.0))  # psum over b of a value invariant over b: 2 copies
+
+
+def _derived_replicated(mesh, fix):
+    def body(x):
+        y = x * 2  # computed from a replicated argument: the same on every device of 'tp'
+        if fix:
+            y = fs.pvary(y, "tp")
+        return fs.psum(y, "tp")
+
+    f = fs.shard_map(body, mesh=mesh, in_specs=(P(),), out_specs=P(), check_vma=False)
+    x = torch.arange(3.0, requires_grad=True)
+    fs.device_get(f(x)).sum().backward()
+    return x.grad
+
+
+def test_check_vma_false_derived_replicated_value_raises_in_sim():
+    # untracked (dist), psum's transpose would give 2 where the global function gives 2 * n: the sim audit raises
+    mesh = fs.make_mesh({"tp": 2}, backend="sim")
+    with pytest.raises(fs.ShardingError, match=r"psum \(check_vma=False\).*fs.pvary\(x, 'tp'\)"):
+        _derived_replicated(mesh, fix=False)
+
+
+def test_check_vma_false_derived_replicated_value_with_pvary(run):
+    for grad in run(_derived_replicated, {"tp": 2}, True):
+        assert torch.equal(grad, torch.full((3,), 4.0))  # d/dx of sum(2 * 2 x)
+
+
+def test_check_vma_false_derived_value_without_gradient_passes():
+    mesh = fs.make_mesh({"tp": 2}, backend="sim")
+    f = fs.shard_map(lambda x: fs.psum(x * 2, "tp"), mesh=mesh, in_specs=(P(),), out_specs=P(), check_vma=False)
+    assert torch.equal(fs.device_get(f(torch.arange(3.0))), torch.arange(3.0) * 4)  # no gradient: nothing wrong
 
 
 # -- hole 6: each device owns what it writes; the caller's arguments are never written ------------------------

@@ -149,6 +149,8 @@ ENVIRONMENT = """environment:
   FUNCSHARD_TIMEOUT  seconds a collective waits for its peers before it fails
                      with an error naming the axis and the rank it waited for
                      (default 300; sim and torchrun alike)
+  FUNCSHARD_AUDIT    1: check --no-check-vma steps under torchrun as sim does
+                     (raise where the untracked gradient would be wrong)
   RANK, WORLD_SIZE   set by torchrun: with both set, the mesh runs one device
                      per process ("dist"); without, every device is simulated
                      in this process ("sim")

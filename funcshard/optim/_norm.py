@@ -12,7 +12,7 @@ from .._arraytype import Array
 from .._context import maybe_current
 from .._errors import ConfigError, ShardingError
 from .._spec import P, is_spec
-from .._vma import find_vma, get_vma
+from .._vma import get_vma, official_vma
 from ._base import (
     ClipByGlobalNormState,
     Optimizer,
@@ -48,7 +48,8 @@ def global_norm(tree: PyTree, *, specs: PyTree = None, params: PyTree = None) ->
         A 0-dim tensor (float32, or float64 for float64 leaves), invariant over every mesh axis.
 
     Raises:
-        ShardingError: ``specs`` or ``params`` do not fit ``tree``, or ``specs`` names an axis the mesh lacks.
+        ShardingError: ``specs`` or ``params`` do not fit ``tree``, or ``specs`` names an axis the mesh lacks, or
+            (``check_vma=False``) a leaf's axes are not known from either.
 
     Example:
         >>> global_norm({"a": torch.tensor([3.0]), "b": torch.tensor([4.0])})
@@ -78,8 +79,16 @@ def global_norm(tree: PyTree, *, specs: PyTree = None, params: PyTree = None) ->
             p_leaves = check_like("global_norm", "params", params, tree, "tree") if params is not None else None
             raw = []
             for k, g in enumerate(leaves):
-                tag = find_vma(p_leaves[k]) if p_leaves is not None else None
-                raw.append(tag if tag is not None else get_vma(g))
+                tag = official_vma(p_leaves[k]) if p_leaves is not None else None
+                if tag is None:
+                    tag = get_vma(g) if ctx.check_vma else official_vma(g)
+                if tag is None:  # never taken as invariant: that would give this shard's norm, silently
+                    raise ShardingError(
+                        f"global_norm: the axes leaf '{names[k]}' is sharded over are unknown: with check_vma=False "
+                        f"only shard_map's arguments, the results of collectives and fs.value_and_grad's gradients "
+                        f"carry them. Pass specs= (the param specs) or params=, or use check_vma=True."
+                    )
+                raw.append(tag)
         axis_sets = [tuple(a for a in mesh.axis_names if a in r and mesh.shape[a] > 1) for r in raw]
     groups: dict[tuple[str, ...], torch.Tensor] = {}
     for g, axes in zip(leaves, axis_sets, strict=True):
