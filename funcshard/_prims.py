@@ -81,7 +81,7 @@ class AllReduce(torch.autograd.Function):
     collective it stands for, for the communication counts).
 
     - forward: ``y = reduce_op over the group of x``.
-    - backward: sum: ``g`` (identity per device: the transpose ``pvary``); max / min: ``g * m / psum(m)``
+    - backward: sum: ``g`` (identity per device: the transpose ``pvary``); max / min: ``pvary(g) * m / psum(m)``
       with ``m = (x == y)``, the cotangent split evenly between the devices holding the extreme.
     - jvp: sum: ``psum(t)``; max / min: ``psum(t * m) / psum(m)``, the tangent of the arg-extreme averaged
       over ties (one all-reduce of both stacked).
@@ -116,6 +116,9 @@ class AllReduce(torch.autograd.Function):
         x, y = ctx.saved_tensors
         mask = (x == y).to(g.dtype)
         count = call(AllReduce, mask, ctx.dev, ctx.axes, "sum", "psum")  # [*s] -> [*s]: devices at the extreme
+        # g is invariant and meets the varying mask: pvary'd (identity here), so that differentiating this
+        # backward sums the partial cotangents of g's copies (without it a second derivative is 1/n of the truth)
+        g = call(Pvary, g, ctx.dev, ctx.axes)  # [*s] -> [*s]
         return g * mask / count, None, None, None, None
 
     @staticmethod
