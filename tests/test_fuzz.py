@@ -43,7 +43,7 @@ from _fuzz import (
 from _fuzz_gen import FEATURES, generate
 from _fuzz_program import Input, Op, Program, Sub, Var
 from _fuzz_ref import run_reference
-from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import HealthCheck, assume, given, reject, settings
 from hypothesis import strategies as st
 
 import funcshard as fs
@@ -86,6 +86,11 @@ def sim_result(prog: Program) -> Result:
     return ISOLATED.run(prog)
 
 
+# torch's own limits, met by plain torch on the same tensors (not funcshard's): torch.func.jvp of a primal
+# that is an expanded view (a vmap output that does not depend on the batch) fails in make_dual
+TORCH_LIMITS = ("more than one element of the written-to tensor refers to a single memory location",)
+
+
 def check(prog: Program) -> None:
     """``prog`` under sim equals the reference (or, where the program allows it, raises ShardingError)."""
     want = reference_result(prog)
@@ -95,6 +100,10 @@ def check(prog: Program) -> None:
     except fs.ShardingError:
         if prog.may_raise:
             return
+        raise
+    except (AssertionError, RuntimeError) as e:
+        if any(m in str(e) for m in TORCH_LIMITS):
+            reject()
         raise
     problems = differences(prog, want, got)
     assert not problems, "\n".join(problems)
@@ -110,29 +119,17 @@ def test_vma(focus, data):
     check(data.draw(programs("vma", focus), label="prog"))
 
 
-# check_vma=False tracks no op under dist, so a value computed from a replicated one and then reduced over an
-# axis it does not vary over would get psum's transpose without the sum over its copies (JAX's answer is n
-# times larger). The sim backend audits such a body (the vma mode runs, tagging but changing nothing) and
-# raises there; the lazy programs below check that every such program raises or equals the reference.
-# Known open (see the closing note of issue #7): nested torch.func transforms around manual fs.pvary can lose
-# a psum, found only now and then, so it runs in the slow profile (FUNCSHARD_FUZZ_EXAMPLES=5000).
-CAREFUL_OPEN = {"transform"}
-
-
-@pytest.mark.parametrize("focus", [f for f in FOCUS if f not in CAREFUL_OPEN], ids=lambda f: f or "all")
+@pytest.mark.parametrize("focus", FOCUS, ids=lambda f: f or "all")
 @given(data=st.data())
 @fuzz_settings("careful")
 def test_careful_pvary(focus, data):
     check(data.draw(programs("careful", focus), label="prog"))
 
 
-@pytest.mark.skipif(not SLOW, reason="known open, found only now and then: run with FUNCSHARD_FUZZ_EXAMPLES")
-@given(data=st.data())
-@fuzz_settings("careful")
-def test_careful_pvary_nested_transforms_known_open(data):
-    check(data.draw(programs("careful", "transform"), label="prog"))
-
-
+# check_vma=False tracks no op under dist, so a value computed from a replicated one and then reduced over an
+# axis it does not vary over would get psum's transpose without the sum over its copies (JAX's answer is n
+# times larger). The sim backend audits such a body (the vma mode runs, tagging but changing nothing) and
+# raises there; the lazy programs below check that every such program raises or equals the reference.
 @given(prog=programs("lazy", "core"))
 @fuzz_settings("lazy")
 def test_lazy_no_pvary(prog):
