@@ -5,6 +5,11 @@ Every case runs on cp=2 and cp=4, MHA and GQA, under sim with check_vma on and o
 (zigzag) and Ulysses also runs under dist (gloo workers) on {"cp": 4} and {"dp": 2, "cp": 2}. The backward
 check differentiates sum(out * r) inside shard_map with torch.autograd.grad and compares the gradients of
 q, k and v with those of the unsharded computation.
+
+Ring attention's hand-written backward is checked on its own as well: both layouts, causal or not, through
+``torch.autograd.grad``, ``torch.func.grad`` and ``fs.value_and_grad``, check_vma on and off, in float32 and
+float64, on cp=2, cp=4 and dp=2 x cp=2, under sim and dist; its grad of grad; the transforms it hands to
+autograd (vmap, jvp); what it saves for the backward (O(s/n), whatever n) and what it sends.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from funcshard.ops import (
     zigzag_positions,
     zigzag_split,
 )
+from funcshard.ops._ring_kernel import ring_through_autograd
 
 B, S, D = 2, 16, 8
 HEADS = {"mha": (4, 4), "gqa": (8, 2)}  # (q heads, kv heads); gqa on cp=4 repeats kv heads for Ulysses
@@ -95,6 +101,185 @@ def test_context_parallel_backends(run, shape: dict[str, int]) -> None:
     assert set(run(_dist_body, shape)) == {"ok"}
 
 
+# --- ring attention's hand-written backward ------------------------------------------------------------------
+
+TOL = {torch.float32: 1e-5, torch.float64: 1e-12}
+
+
+def _grads_inside(how: str, f, args):
+    """The gradients of the scalar ``f(*args)`` w.r.t. all of ``args``, inside shard_map, by ``how``."""
+    if how == "autograd":
+        args = [a.detach().requires_grad_(True) for a in args]
+        return list(torch.autograd.grad(f(*args), args))
+    if how == "func":
+        return list(torch.func.grad(f, argnums=tuple(range(len(args))))(*args))
+    return list(fs.value_and_grad(f, argnums=tuple(range(len(args))))(*args)[1])
+
+
+def _ring_grad_body(mesh: fs.Mesh, dtype: torch.dtype) -> str:
+    """Ring attention vs ``attention`` on the whole sequence, out and dq, dk, dv: both layouts, causal or not,
+    three ways to differentiate, check_vma on and off (GQA: 8 query heads on 2 kv heads)."""
+    n = mesh.shape["cp"]
+    h, hkv = HEADS["gqa"]
+    q, k, v = (_rand(B, hh, S, D, seed=i).to(dtype) for i, hh in ((1, h), (2, hkv), (3, hkv)))
+    r = _rand(B, h, S, D, seed=4).to(dtype)
+    spec = P("dp" if "dp" in mesh.shape else None, None, "cp")
+    tol = TOL[dtype]
+    for layout in ("zigzag", "contiguous"):
+        zig = layout == "zigzag"
+        fwd = zigzag_indices(S, n) if zig else torch.arange(S)
+        inv = zigzag_inverse_indices(S, n) if zig else torch.arange(S)
+        for causal in (True, False):
+            ref = [t.clone().requires_grad_(True) for t in (q, k, v)]
+            out_ref = attention(*ref, causal=causal)
+            ref_grads = torch.autograd.grad((out_ref * r).sum(), ref)
+            for how in ("autograd", "func", "value_and_grad"):
+                for check_vma in (True, False):
+
+                    def inner(r_l, q_l, k_l, v_l, how=how, causal=causal, layout=layout):
+                        def loss(q_l, k_l, v_l):
+                            out = ring_attention(q_l, k_l, v_l, causal=causal, layout=layout)
+                            return fs.psum((out * r_l).sum(), spec.axes)
+
+                        out = ring_attention(q_l, k_l, v_l, causal=causal, layout=layout)
+                        return out, _grads_inside(how, loss, [q_l, k_l, v_l])
+
+                    f = fs.shard_map(
+                        inner, mesh=mesh, in_specs=(spec,) * 4, out_specs=(spec, [spec] * 3), check_vma=check_vma
+                    )
+                    out, grads = f(*(t.index_select(2, fwd) for t in (r, q, k, v)))
+                    tag = f"{layout} causal={causal} {how} vma={check_vma} {dtype} {dict(mesh.shape)}"
+                    got = fs.device_get(out).index_select(2, inv)
+                    torch.testing.assert_close(got, out_ref.detach(), rtol=tol, atol=tol, msg=tag)
+                    for name, g, want in zip("qkv", grads, ref_grads):
+                        got = fs.device_get(g).index_select(2, inv)
+                        torch.testing.assert_close(got, want, rtol=tol, atol=tol, msg=f"{tag} d{name}")
+    return "ok"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["fp32", "fp64"])
+@pytest.mark.parametrize("shape", [{"cp": 2}, {"cp": 4}, {"dp": 2, "cp": 2}], ids=["cp2", "cp4", "dp2cp2"])
+def test_ring_backward(run, shape: dict[str, int], dtype: torch.dtype) -> None:
+    assert set(run(_ring_grad_body, shape, dtype)) == {"ok"}
+
+
+def _attention_softmax(q, k, v, causal):
+    """Plain softmax attention in q's dtype (twice differentiable, unlike SDPA's fused CPU kernel)."""
+    g = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
+    s = q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5  # [b, h, s, d] @ [b, h, d, s] -> [b, h, s, s]
+    if causal:
+        s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool).triu(1), float("-inf"))
+    return s.softmax(-1) @ v  # [b, h, s, s] @ [b, h, s, d] -> [b, h, s, d]
+
+
+@pytest.mark.parametrize("check_vma", [True, False], ids=["vma", "novma"])
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
+def test_ring_grad_of_grad(layout: str, check_vma: bool) -> None:
+    """The hand-written backward is made of differentiable ops and collectives (and takes the log-sum-exp's
+    cotangent): the gradient of ``|dL/dk|^2`` matches the unsharded one, in float64."""
+    n = 4
+    mesh = fs.make_mesh({"cp": n}, backend="sim")
+    h, hkv = HEADS["gqa"]
+    q, k, v = (_rand(B, hh, S, D, seed=i).double() for i, hh in ((1, h), (2, hkv), (3, hkv)))
+    r = _rand(B, h, S, D, seed=4).double()
+    fwd = zigzag_indices(S, n) if layout == "zigzag" else torch.arange(S)
+    inv = zigzag_inverse_indices(S, n) if layout == "zigzag" else torch.arange(S)
+
+    def ref(q, k, v):
+        dk = torch.func.grad(lambda k: (_attention_softmax(q, k, v, True) * r).sum())(k)
+        return (dk**2).sum()
+
+    want = torch.func.grad(ref, argnums=(0, 1, 2))(q, k, v)
+    spec = P(None, None, "cp")
+
+    def inner(r_l, q, k, v):
+        def loss(q, k, v):
+            return fs.psum((ring_attention(q, k, v, layout=layout) * r_l).sum(), "cp")
+
+        def norm(q, k, v):
+            return fs.psum((torch.func.grad(loss, argnums=1)(q, k, v) ** 2).sum(), "cp")
+
+        return list(torch.func.grad(norm, argnums=(0, 1, 2))(q, k, v))
+
+    f = fs.shard_map(inner, mesh=mesh, in_specs=(spec,) * 4, out_specs=[spec] * 3, check_vma=check_vma)
+    got = f(*(t.index_select(2, fwd) for t in (r, q, k, v)))
+    for name, g, w in zip("qkv", got, want):
+        torch.testing.assert_close(fs.device_get(g).index_select(2, inv), w, rtol=1e-10, atol=1e-10, msg=f"d{name}")
+
+
+def test_ring_vmap_and_jvp() -> None:
+    """Under vmap and jvp (no rule on the Function) autograd goes through the ring instead: same numbers."""
+    n = 4
+    mesh = fs.make_mesh({"cp": n}, backend="sim")
+    h, hkv = HEADS["gqa"]
+    q, k, v = (_rand(3, hh, S, D, seed=i) for i, hh in ((1, h), (2, hkv), (3, hkv)))
+    tq = _rand(3, h, S, D, seed=5)
+    zz, inv = zigzag_indices(S, n), zigzag_inverse_indices(S, n)
+    spec = P(None, None, "cp")
+
+    def inner(q, k, v, tq):  # vmap over the batch (each sample [h, s/n, d]), and a jvp in q
+        out = torch.vmap(lambda q, k, v: ring_attention(q[None], k[None], v[None])[0])(q, k, v)
+        tangent = torch.func.jvp(lambda q: ring_attention(q, k, v), (q,), (tq,))[1]
+        return out, tangent
+
+    out, tangent = fs.shard_map(inner, mesh=mesh, in_specs=(spec,) * 4, out_specs=(spec, spec))(
+        *(t.index_select(2, zz) for t in (q, k, v, tq))
+    )
+    ref_out, ref_tangent = torch.func.jvp(lambda q: _attention_softmax(q, k, v, True), (q,), (tq,))
+    torch.testing.assert_close(fs.device_get(out).index_select(2, inv), ref_out, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(fs.device_get(tangent).index_select(2, inv), ref_tangent, rtol=1e-5, atol=1e-5)
+
+
+def _saved_bytes(cp: int, fn, layout: str) -> list[int]:
+    """Per device: the bytes of the distinct storages saved for the backward by one ``fn(q, k, v)`` (GQA,
+    a local block of 8 positions), counted by a saved-tensors hook."""
+    mesh = fs.make_mesh({"cp": cp}, backend="sim")
+    h, hkv = HEADS["gqa"]
+    q, k, v = (_rand(B, hh, 8 * cp, D, seed=i) for i, hh in ((1, h), (2, hkv), (3, hkv)))
+    spec = P(None, None, "cp")
+
+    def inner(q, k, v):
+        q, k, v = (t.clone().requires_grad_(True) for t in (q, k, v))  # own storages, the size of the block
+        storages: dict[int, int] = {}
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            fn(q, k, v, layout)
+        return torch.tensor([sum(storages.values())])
+
+    return fs.device_get(fs.shard_map(inner, mesh=mesh, in_specs=(spec,) * 3, out_specs=P("cp"))(q, k, v)).tolist()
+
+
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
+def test_ring_saved_bytes(layout: str) -> None:
+    """Saved for the backward: q, k, v, out and the float32 log-sum-exp of this device's block, nothing per ring
+    step, so the same at every ring size; autograd through the ring keeps every received block and the
+    per-step scores, O(n) blocks."""
+    h, hkv = HEADS["gqa"]
+    q_bytes, kv_bytes, lse_bytes = B * h * 8 * D * 4, B * hkv * 8 * D * 4, B * h * 8 * 4
+    local = 2 * q_bytes + 2 * kv_bytes + lse_bytes  # q and out, k and v, lse: 10752 bytes
+
+    def ring(q, k, v, layout):
+        return ring_attention(q, k, v, layout=layout)
+
+    def through_autograd(q, k, v, layout):
+        return ring_through_autograd(q, k, v, "cp", True, layout, None)
+
+    new = {cp: _saved_bytes(cp, ring, layout) for cp in (2, 4)}
+    old = {cp: _saved_bytes(cp, through_autograd, layout) for cp in (2, 4)}
+    print(f"saved bytes per device ({layout}): ring_attention {new}, autograd through the ring {old}")
+    assert new[2] == [local] * 2 and new[4] == [local] * 4
+    # through autograd: the busiest device (every device under zigzag) keeps the n-1 received k/v blocks
+    # besides q, k, v, and more with every step
+    busiest = min if layout == "zigzag" else max
+    assert busiest(old[4]) >= local - lse_bytes + 3 * 2 * kv_bytes
+    assert busiest(old[4]) > max(old[2]) > local
+
+
 # --- the zigzag layout ----------------------------------------------------------------------------------------
 
 
@@ -142,13 +327,16 @@ def test_zigzag_split_merge(cp: int, check_vma: bool) -> None:
 # --- communication --------------------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("cp", [2, 4])
-def test_ring_communication(cp: int) -> None:
+def test_ring_communication(cp: int, dtype: torch.dtype) -> None:
     mesh = fs.make_mesh({"cp": cp}, backend="sim")
     h, hkv = HEADS["gqa"]
-    q, k, v = _rand(B, h, S, D, seed=1), _rand(B, hkv, S, D, seed=2), _rand(B, hkv, S, D, seed=3)
+    q, k, v = (_rand(B, hh, S, D, seed=i).to(dtype) for i, hh in ((1, h), (2, hkv), (3, hkv)))
     spec = P(None, None, "cp")
-    kv_block = 2 * B * hkv * (S // cp) * D * 4  # k and v packed: [2, b, hkv, s/n, d] float32, one message per step
+    block = B * hkv * (S // cp) * D  # elements of one [b, hkv, s/n, d] block
+    kv_block = 2 * block * dtype.itemsize  # k and v packed: [2, b, hkv, s/n, d], one message per step
+    dkv_block = 2 * block * 4  # the dk/dv accumulator [2, b, hkv, s/n, d], float32
 
     with fs.comm_stats() as st:
         fs.shard_map(ring_attention, mesh=mesh, in_specs=(spec,) * 3, out_specs=spec)(q, k, v)
@@ -158,13 +346,17 @@ def test_ring_communication(cp: int) -> None:
     assert st.calls() == cp - 1
 
     def grads(q, k, v):
-        return list(torch.func.grad(lambda q, k, v: ring_attention(q, k, v).sum(), argnums=(0, 1, 2))(q, k, v))
+        return list(torch.func.grad(lambda q, k, v: ring_attention(q, k, v).float().sum(), argnums=(0, 1, 2))(q, k, v))
 
     with fs.comm_stats() as st:
         fs.shard_map(grads, mesh=mesh, in_specs=(spec,) * 3, out_specs=[spec] * 3)(q, k, v)
-    # forward + backward: the k/v cotangent travels back around the ring, n-1 more ppermutes of the same size
-    assert st.calls("ppermute", "cp") == 2 * (cp - 1)
-    assert st.bytes() == 2 * (cp - 1) * kv_block
+    # backward: n-1 ring steps of the k/v block with its dk/dv accumulator (one [4, ...] message when both are
+    # float32, else two), then one hop of the dk/dv accumulator home. (Autograd through the ring sent n-1
+    # ppermutes of the k/v cotangent instead, at the memory of every received block: test_ring_saved_bytes.)
+    per_step = 1 if dtype == torch.float32 else 2
+    assert st.calls("ppermute", "cp") == (cp - 1) + (cp - 1) * per_step + 1
+    assert st.bytes() == (cp - 1) * kv_block + (cp - 1) * (kv_block + dkv_block) + dkv_block
+    assert st.calls() == st.calls("ppermute", "cp")
 
 
 @pytest.mark.parametrize("heads", sorted(HEADS))

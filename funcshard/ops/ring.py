@@ -16,9 +16,14 @@ Layouts of the sequence over the axis (``n`` devices):
   :func:`zigzag_merge` / :func:`zigzag_inverse_indices`. Give RoPE the positions of
   :func:`zigzag_positions`.
 
-The backward is autograd through the ring: ppermute's transpose is the inverse ppermute, so the k/v
-gradients travel back around the ring (``n - 1`` ppermutes of the packed k/v cotangent). Autograd keeps the
-received k/v blocks and the per-step scores alive until the backward.
+The backward is hand-written (FlashAttention-2's, blockwise, as ring attention implementations do), so
+memory per device stays O(s/n): between the forward and the backward only this device's q, k, v, the output
+and the log-sum-exp of its rows are kept, nothing per ring step. The backward sends the k/v blocks around the
+ring once more, recomputes each block's probabilities from q and the saved log-sum-exp, keeps dq here and
+passes each block's dk/dv accumulator along with the block, so that after ``n - 1`` steps and one last hop
+every device holds the dk/dv of its own block. It works under ``torch.autograd``, ``fs.value_and_grad`` and
+``torch.func.grad`` (grad of grad too); under ``torch.vmap``, ``jvp`` and forward-mode AD, for which it has no
+rule, autograd differentiates through the ring instead (at the memory of every received block).
 
 Example:
     >>> import torch, funcshard as fs
@@ -36,10 +41,15 @@ Example:
 
 from __future__ import annotations
 
+import math
+
 import torch
 
-from .. import lax
+from .. import _prims, lax
+from .._context import axes_of, current
 from .._errors import ShardingError
+from .._vma import Audited, bind_operand, bind_result, get_vma, known_vma, pvary_to
+from ._ring_kernel import RingAttention, needs_autograd_ring, ring_through_autograd
 from .attention import attention
 
 __all__ = [
@@ -178,19 +188,6 @@ def zigzag_merge(x: torch.Tensor, axis: str | None, dim: int) -> torch.Tensor:
 # --- ring attention -------------------------------------------------------------------------------------------
 
 
-def _merge(
-    out: torch.Tensor, lse: torch.Tensor, o: torch.Tensor, lo: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Merge a partial result ``(o, lo)`` into the running ``(out, lse)``, in ``out``'s (float32 or float64)
-    dtype, by the log-sum-exp rule:
-    ``lse' = log(e^lse + e^lo)``, ``out' = out e^(lse - lse') + o e^(lo - lse')``; finite because every
-    query sees at least itself on the diagonal step."""
-    o, lo = o.to(out.dtype), lo.to(out.dtype)
-    new = torch.logaddexp(lse, lo)  # [b, h, sq]
-    out = out * (lse - new).exp().unsqueeze(-1) + o * (lo - new).exp().unsqueeze(-1)  # [b, h, sq, d]
-    return out, new
-
-
 def _check(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, layout: str, fn: str, split: bool = True
 ) -> None:
@@ -231,8 +228,10 @@ def ring_attention(
     """Softmax attention over a sequence sharded on ``axis``: k/v blocks rotate around the ring.
 
     Forward: ``n - 1`` ppermutes of the packed ``[2, b, hkv, s/n, d]`` k/v block, each device sending to
-    its successor; per step one local :func:`attention` with log-sum-exp, merged in float32. Backward:
-    autograd through the ring (each ppermute's transpose, the inverse shift, carries the k/v gradients back).
+    its successor; per step one local attention with log-sum-exp, merged in float32. Saved for the
+    backward: q, k, v, the output and the ``[b, h, s/n]`` log-sum-exp, O(s/n) whatever ``n``. Backward:
+    ``n - 1`` ring steps of the k/v block with its dk/dv accumulator (one ``[4, b, hkv, s/n, d]`` message
+    for float32 / float64 inputs, two otherwise), the probabilities recomputed, then one hop of dk/dv home.
 
     With ``causal=True`` the mask follows the global positions of ``layout``. Device ``i`` holding the block
     of device ``j`` computes: ``j == i``: causal attention on its own block; ``"contiguous"``: ``j < i`` full,
@@ -267,32 +266,28 @@ def ring_attention(
     _check(q, k, v, causal, layout, "ring_attention", split=axis is not None)
     if axis is None:
         return attention(q, k, v, causal=causal, scale=scale)  # [b, h, s, d] x [b, hkv, s, d] -> [b, h, s, d]
-    n = lax.axis_size(axis)
-    i = lax.axis_index_int(axis)
-    shift = [(src, (src + 1) % n) for src in range(n)]  # device src sends to src + 1
-    c = q.shape[2] // 2  # zigzag chunk length
-    kv = torch.stack((k, v))  # 2 x [b, hkv, s/n, d] -> [2, b, hkv, s/n, d]: one message per step
-    # step 0, this device's own block (the diagonal: causal within it)
-    o, lse = attention(q, k, v, causal=causal, return_lse=True, scale=scale)  # [b, h, s/n, d], [b, h, s/n]
-    acc = torch.promote_types(q.dtype, torch.float32)  # merge in float32 (float64 stays float64)
-    out, lse = o.to(acc), lse.to(acc)
-    for step in range(1, n):
-        kv = lax.ppermute(kv, axis, shift)  # [2, b, hkv, s/n, d] -> [2, b, hkv, s/n, d], from device i-1
-        j = (i - step) % n  # the device whose k/v block this is (never i)
-        kb, vb = kv[0], kv[1]  # [b, hkv, s/n, d] each
-        if not causal or (layout == "contiguous" and j < i):
-            o, lo = attention(q, kb, vb, return_lse=True, scale=scale)  # [b, h, s/n, d] x [b, hkv, s/n, d]
-            out, lse = _merge(out, lse, o, lo)
-        elif layout == "contiguous":  # j > i: the whole block lies in the future, nothing to compute
-            # ...but keep the block in the graph (a zero-size slice, no work): every device must run the
-            # backward ppermute of every step, or the ring's backward deadlocks on the devices that used it
-            out = out + kv.narrow(-1, 0, 0).sum()  # [2, b, hkv, s/n, 0] -> [], exactly 0
-        elif j < i:  # zigzag: both query chunks see the block's first chunk, neither sees its second
-            o, lo = attention(q, kb[:, :, :c], vb[:, :, :c], return_lse=True, scale=scale)  # [b,h,s/n,d] x [b,hkv,c,d]
-            out, lse = _merge(out, lse, o, lo)
-        else:  # zigzag, j > i: only the second query chunk sees the block, all of it
-            o, lo = attention(q[:, :, c:], kb, vb, return_lse=True, scale=scale)  # [b,h,c,d] x [b,hkv,s/n,d]
-            o2, l2 = _merge(out[:, :, c:], lse[:, :, c:], o, lo)  # rows c: of [b, h, s/n, d]
-            out = torch.cat((out[:, :, :c], o2), dim=2)  # [b, h, c, d] + [b, h, c, d] -> [b, h, s/n, d]
-            lse = torch.cat((lse[:, :, :c], l2), dim=2)  # [b, h, c] + [b, h, c] -> [b, h, s/n]
-    return out.to(q.dtype)
+    if needs_autograd_ring(q, k, v):  # vmap / jvp / forward-mode AD: the Function has no rule for them
+        return ring_through_autograd(q, k, v, axis, causal, layout, scale)
+    ctx = current("ring_attention")
+    axes = axes_of(axis, ctx.mesh, "ring_attention")
+    n, i = lax.axis_size(axes), lax.axis_index_int(axes)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    dev, tracked = ctx.device, ctx.check_vma
+    with torch._C.DisableTorchFunction():
+        if tracked:  # q, k, v made to agree, and varying over axes (k/v enter the ring's ppermutes)
+            have: frozenset[str] | None = get_vma(q) | get_vma(k) | get_vma(v) | frozenset(axes)
+            q, k, v = (pvary_to(t, have, dev) for t in (q, k, v))
+        else:  # untracked: k/v bound as a ppermute's operand (the audit raises where dist would be wrong)
+            k, hk = bind_operand(RingAttention, k, axes, dev, False, "ring_attention")
+            v, hv = bind_operand(RingAttention, v, axes, dev, False, "ring_attention")
+            have = _union(known_vma(q, False), hk, hv)
+        out, _ = _prims.call(RingAttention, q, k, v, dev, axes, n, i, causal, layout, scale)  # -> [b, h, s/n, d]
+    return bind_result(RingAttention, out, have, axes)
+
+
+def _union(*sets: frozenset[str] | None) -> frozenset[str] | None:
+    """The union of known axes; None where one is unknown; :class:`Audited` where one is known only to the audit."""
+    if any(s is None for s in sets):
+        return None
+    union = frozenset().union(*sets)  # type: ignore[arg-type]
+    return Audited(union) if any(isinstance(s, Audited) for s in sets) else union

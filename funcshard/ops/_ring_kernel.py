@@ -1,0 +1,309 @@
+"""The ring of :func:`funcshard.ops.ring_attention`: a forward that keeps only what the backward needs, and a
+hand-written backward that goes around the ring again (FlashAttention-2's backward, blockwise, as ring
+attention implementations do).
+
+Per device, between the forward and the backward, :class:`RingAttention` keeps this device's q, k and v, the
+output and the log-sum-exp of its rows (``[b, h, s/n]``, float32): O(s/n) memory, whatever the ring size.
+
+- forward: k/v (packed ``[2, b, hkv, s/n, d]``) make ``n - 1`` ring steps (``ppermute`` to the successor);
+  each step's partial attention is merged into the running output by the log-sum-exp rule, in float32.
+- backward: ``delta = rowsum(dout * out)``; the k/v blocks go around the ring once more and each device
+  recomputes its probabilities against the block it holds from q and the saved log-sum-exp,
+  ``p = exp(q k^T scale - lse)``, then ``dv += p^T dout``, ``ds = p (dout v^T - delta)``, ``dq += ds k scale``
+  (kept here), ``dk += ds^T q scale``, in float32 (float64 for float64 inputs). A block's dk/dv accumulator
+  travels with the block (one ``[4, b, hkv, s/n, d]`` message per step when k/v are float32 or float64, else
+  k/v and the float32 dk/dv as two), and one last hop after the ``n``-th step brings every block's complete
+  dk/dv home: ``n - 1`` ring steps plus that hop.
+
+The causal mask and the layouts skip or halve blocks as the forward does (:func:`block_plan`). All
+communication goes through the backend's ``Ppermute`` (counted by ``fs.comm_stats``), with the device handle
+of the forward, so the backward needs no running ``shard_map`` context.
+
+:func:`ring_through_autograd` is the same forward written with differentiable collectives: autograd then
+differentiates through the ring (keeping every received block and the per-step scores). It serves where the
+Function has no rule: under ``torch.vmap`` / ``jvp`` / forward-mode AD.
+
+Example:
+    >>> block_plan(i=1, j=0, causal=True, layout="zigzag", c=2)  # all queries, the block's first chunk
+    (slice(None, None, None), slice(0, 2, None), False)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .. import _prims, lax
+from .._grad import has_tangent
+from .attention import attention
+
+__all__ = ["RingAttention", "block_plan", "needs_autograd_ring", "ring_through_autograd"]
+
+_ALL = slice(None)
+Plan = tuple[slice, slice, bool]
+
+
+def block_plan(i: int, j: int, causal: bool, layout: str, c: int) -> Plan | None:
+    """What device ``i`` computes against the k/v block of device ``j``: ``(query rows, key columns, causal
+    within)``, or None for nothing (the block lies in the future of all its queries).
+
+    ``j == i``: causal attention on its own block (its positions increase, in either layout);
+    ``"contiguous"``: ``j < i`` full, ``j > i`` nothing; ``"zigzag"`` (chunks of length ``c``): ``j < i`` all
+    queries against the block's first chunk, ``j > i`` the second query chunk against the whole block.
+
+    Example:
+        >>> block_plan(i=0, j=1, causal=True, layout="contiguous", c=2) is None
+        True
+    """
+    if j == i:
+        return _ALL, _ALL, causal
+    if not causal:
+        return _ALL, _ALL, False
+    if layout == "contiguous":
+        return (_ALL, _ALL, False) if j < i else None
+    if j < i:
+        return _ALL, slice(0, c), False
+    return slice(c, None), _ALL, False
+
+
+def needs_autograd_ring(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether a transform the :class:`RingAttention` Function has no rule for is active (``vmap``, ``jvp``,
+    functionalize, a forward-mode dual input): then the ring is differentiated by autograd instead.
+
+    Example:
+        >>> needs_autograd_ring(*(torch.zeros(1),) * 3)
+        False
+    """
+    if torch._C._are_functorch_transforms_active():
+        from torch._C._functorch import TransformType
+        from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
+
+        if not all(i.key() == TransformType.Grad for i in retrieve_all_functorch_interpreters()):
+            return True
+    return has_tangent((q, k, v))
+
+
+# --- one block, in the accumulation dtype, heads grouped ``[b, hkv, g, s, d]`` (g query heads per kv head) -------
+
+
+def _scores(q5: torch.Tensor, kb: torch.Tensor, scale: float, diag: bool) -> torch.Tensor:
+    g, sq = q5.shape[2], q5.shape[3]
+    s = (q5.flatten(2, 3) @ kb.transpose(-1, -2)) * scale  # [b,hkv,g*sq,d] @ [b,hkv,d,sk] -> [b,hkv,g*sq,sk]
+    s = s.unflatten(2, (g, sq))  # [b, hkv, g, sq, sk]
+    if diag:
+        s = s.masked_fill(torch.ones(sq, s.shape[-1], dtype=torch.bool, device=s.device).triu(1), float("-inf"))
+    return s
+
+
+def _block_forward(
+    q5: torch.Tensor, kb: torch.Tensor, vb: torch.Tensor, scale: float, diag: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out, lse)`` of ``q5`` ``[b, hkv, g, sq, d]`` against one block ``[b, hkv, sk, d]``."""
+    s = _scores(q5, kb, scale, diag)
+    lse = torch.logsumexp(s, dim=-1)  # [b, hkv, g, sq]
+    p = torch.exp(s - lse.unsqueeze(-1)).flatten(2, 3)  # [b, hkv, g*sq, sk]
+    out = p @ vb  # [b, hkv, g*sq, sk] @ [b, hkv, sk, d] -> [b, hkv, g*sq, d]
+    return out.unflatten(2, q5.shape[2:4]), lse
+
+
+def _block_backward(
+    q5: torch.Tensor,
+    kb: torch.Tensor,
+    vb: torch.Tensor,
+    do5: torch.Tensor,
+    lse: torch.Tensor,
+    delta: torch.Tensor,
+    scale: float,
+    diag: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dq, dk, dv)`` of one block: the probabilities recomputed from ``q5`` and the final ``lse``. The
+    ``g`` query heads of a kv head are rows of one matrix, so dk / dv sum over them in the matmul."""
+    p = torch.exp(_scores(q5, kb, scale, diag) - lse.unsqueeze(-1)).flatten(2, 3)  # [b, hkv, g*sq, sk]
+    qf, dof = q5.flatten(2, 3), do5.flatten(2, 3)  # [b, hkv, g*sq, d] each
+    dv = p.transpose(-1, -2) @ dof  # [b, hkv, sk, g*sq] @ [b, hkv, g*sq, d] -> [b, hkv, sk, d]
+    dp = dof @ vb.transpose(-1, -2)  # [b, hkv, g*sq, d] @ [b, hkv, d, sk] -> [b, hkv, g*sq, sk]
+    ds = p * (dp - delta.flatten(2, 3).unsqueeze(-1))  # [b, hkv, g*sq, sk]
+    dq = (ds @ kb) * scale  # [b, hkv, g*sq, sk] @ [b, hkv, sk, d] -> [b, hkv, g*sq, d]
+    dk = (ds.transpose(-1, -2) @ qf) * scale  # [b, hkv, sk, g*sq] @ [b, hkv, g*sq, d] -> [b, hkv, sk, d]
+    return dq.unflatten(2, q5.shape[2:4]), dk, dv
+
+
+def _merge_into(out: torch.Tensor, lse: torch.Tensor, o: torch.Tensor, lo: torch.Tensor) -> None:
+    """Merge a partial result ``(o, lo)`` into the running ``(out, lse)`` (views of the rows it covers), in
+    place, by the log-sum-exp rule: ``lse' = log(e^lse + e^lo)``, ``out' = out e^(lse - lse') + o e^(lo - lse')``;
+    finite because every query sees at least itself on the diagonal step."""
+    new = torch.logaddexp(lse, lo)  # [b, hkv, g, sq]
+    out.mul_((lse - new).exp().unsqueeze(-1)).add_(o * (lo - new).exp().unsqueeze(-1))  # [b, hkv, g, sq, d]
+    lse.copy_(new)
+
+
+def _shift(n: int) -> tuple[tuple[int, int], ...]:
+    return tuple((src, (src + 1) % n) for src in range(n))  # device src sends to src + 1
+
+
+class RingAttention(torch.autograd.Function):
+    """Ring attention of this device's ``q`` ``[b, h, s/n, d]`` against every device's ``k``, ``v``
+    ``[b, hkv, s/n, d]`` over ``axes`` (``n`` devices, this one ``i``); outputs ``(out [b, h, s/n, d],
+    lse [b, h, s/n])`` (float32, or float64 for float64 inputs).
+
+    - forward: ``n - 1`` ppermutes of the packed k/v block; saves q, k, v, out, lse (nothing per step).
+    - backward: ``n - 1`` ring steps of k/v with their dk/dv accumulators, then one hop of dk/dv home; dq local.
+      A cotangent of ``lse`` (``d lse / d scores = p``) enters ``ds``, and the backward is made of
+      differentiable ops and collectives, so it can itself be differentiated (grad of grad).
+    - jvp / vmap: none (:func:`needs_autograd_ring` sends those transforms to :func:`ring_through_autograd`).
+    """
+
+    #: vma: k and v are first made varying over ``axes`` (they enter a ppermute), as JAX requires
+    operand_varies = True
+
+    @staticmethod
+    def vma(have: frozenset[str], axes: frozenset[str]) -> frozenset[str]:
+        """vma rule: each device's rows of the output: varies over ``axes``."""
+        return have | axes
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        dev: Any,
+        axes: tuple[str, ...],
+        n: int,
+        i: int,
+        causal: bool,
+        layout: str,
+        scale: float,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        h, sq, hkv = q.shape[1], q.shape[2], k.shape[1]
+        acc = torch.promote_types(q.dtype, torch.float32)  # merge in float32 (float64 stays float64)
+        c = sq // 2  # zigzag chunk length
+        with torch._C.DisableTorchFunction():
+            q5 = q.unflatten(1, (hkv, h // hkv)).to(acc)  # [b, h, sq, d] -> [b, hkv, g, sq, d]
+            kv = torch.stack((k, v))  # 2 x [b, hkv, sk, d] -> [2, b, hkv, sk, d]: one message per step
+            # step 0, this device's own block (the diagonal: causal within it)
+            out, lse = _block_forward(q5, k.to(acc), v.to(acc), scale, causal)  # [b,hkv,g,sq,d], [b,hkv,g,sq]
+            for step in range(1, n):
+                kv = _prims.call(_prims.Ppermute, kv, dev, axes, _shift(n))  # [2,b,hkv,sk,d], from device i-1
+                plan = block_plan(i, (i - step) % n, causal, layout, c)
+                if plan is None:  # contiguous, a block in the future: nothing to compute
+                    continue
+                rows, cols, diag = plan
+                kb, vb = kv[0, :, :, cols].to(acc), kv[1, :, :, cols].to(acc)  # [b, hkv, sk or c, d] each
+                o, lo = _block_forward(q5[:, :, :, rows], kb, vb, scale, diag)
+                _merge_into(out[:, :, :, rows], lse[:, :, :, rows], o, lo)
+            return out.flatten(1, 2).to(q.dtype), lse.flatten(1, 2)  # [b, h, sq, d], [b, h, sq]
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor, torch.Tensor]) -> None:
+        q, k, v, dev, axes, n, i, causal, layout, scale = inputs
+        out, lse = output
+        ctx.set_materialize_grads(False)  # no zeros made for an unused lse (or out)
+        ctx.dev, ctx.axes, ctx.n, ctx.i = dev, axes, n, i
+        ctx.causal, ctx.layout, ctx.scale = causal, layout, scale
+        ctx.save_for_backward(q, k, v, out, lse)
+
+    @staticmethod
+    def backward(ctx: Any, dout: torch.Tensor | None, dlse: torch.Tensor | None) -> tuple[Any, ...]:  # type: ignore[override]
+        q, k, v, out, lse = ctx.saved_tensors
+        if dout is None:
+            dout = torch.zeros_like(out)
+        dev, axes, n, i, causal, scale = ctx.dev, ctx.axes, ctx.n, ctx.i, ctx.causal, ctx.scale
+        h, sq, hkv = q.shape[1], q.shape[2], k.shape[1]
+        g = h // hkv
+        acc = torch.promote_types(q.dtype, torch.float32)
+        c = sq // 2
+        with torch._C.DisableTorchFunction():
+            q5 = q.unflatten(1, (hkv, g)).to(acc)  # [b, h, sq, d] -> [b, hkv, g, sq, d]
+            do5 = dout.unflatten(1, (hkv, g)).to(acc)  # [b, hkv, g, sq, d]
+            lse5 = lse.unflatten(1, (hkv, g))  # [b, hkv, g, sq]
+            delta = (do5 * out.unflatten(1, (hkv, g)).to(acc)).sum(-1)  # [b, hkv, g, sq]: rowsum(dout * out)
+            if dlse is not None:  # d lse / d scores = p: ds = p (dp - delta + dlse)
+                delta = delta - dlse.unflatten(1, (hkv, g)).to(acc)  # [b, hkv, g, sq]
+            dq = torch.zeros_like(q5)  # [b, hkv, g, sq, d]
+            kv = torch.stack((k, v))  # [2, b, hkv, sk, d]
+            dkv = kv.new_zeros(kv.shape, dtype=acc)  # [2, b, hkv, sk, d]: the dk/dv of the block held, travelling
+            for step in range(n):
+                if step:
+                    kv, dkv = _rotate(kv, dkv, dev, axes, n)  # both from device i-1
+                plan = block_plan(i, (i - step) % n, causal, ctx.layout, c)
+                if plan is None:
+                    continue
+                rows, cols, diag = plan
+                kb, vb = kv[0, :, :, cols].to(acc), kv[1, :, :, cols].to(acc)  # [b, hkv, sk or c, d] each
+                qr, dor, lr, dr = (t[:, :, :, rows] for t in (q5, do5, lse5, delta))  # this block's query rows
+                dq_b, dk_b, dv_b = _block_backward(qr, kb, vb, dor, lr, dr, scale, diag)
+                dq[:, :, :, rows] += dq_b
+                # out of place: dkv may share its storage with the k/v received with it (one message), which the
+                # graph of this backward keeps, when it is differentiated (grad of grad)
+                upd = torch.stack((dk_b, dv_b))  # 2 x [b, hkv, sk or c, d] -> [2, b, hkv, sk or c, d]
+                if cols == _ALL:
+                    dkv = dkv + upd
+                else:  # zigzag, j < i: the block's first chunk
+                    dkv = torch.cat((dkv[:, :, :, cols] + upd, dkv[:, :, :, cols.stop :]), dim=3)  # -> [2,b,hkv,sk,d]
+            if n > 1:  # the block held now is device i+1's, complete: one more hop takes it home
+                dkv = _prims.call(_prims.Ppermute, dkv, dev, axes, _shift(n))  # [2,b,hkv,sk,d] -> [2,b,hkv,sk,d]
+            dq_out = dq.flatten(1, 2).to(q.dtype)  # [b, hkv, g, sq, d] -> [b, h, sq, d]
+            return dq_out, dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None, None, None, None
+
+
+def _rotate(
+    kv: torch.Tensor, dkv: torch.Tensor, dev: Any, axes: tuple[str, ...], n: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One ring step of a k/v block and its dk/dv accumulator: one message when their dtypes agree."""
+    if kv.dtype == dkv.dtype:
+        both = _prims.call(_prims.Ppermute, torch.cat((kv, dkv)), dev, axes, _shift(n))  # [4,b,hkv,sk,d] -> same
+        return both[:2], both[2:]
+    kv = _prims.call(_prims.Ppermute, kv, dev, axes, _shift(n))  # [2, b, hkv, sk, d] -> [2, b, hkv, sk, d]
+    dkv = _prims.call(_prims.Ppermute, dkv, dev, axes, _shift(n))  # [2, b, hkv, sk, d] (float32) -> same
+    return kv, dkv
+
+
+# --- the ring differentiated by autograd (for the transforms the Function has no rule for) --------------------
+
+
+def ring_through_autograd(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    axis: str | tuple[str, ...],
+    causal: bool,
+    layout: str,
+    scale: float | None,
+) -> torch.Tensor:
+    """The forward of :class:`RingAttention` with differentiable collectives (:func:`funcshard.ppermute`):
+    autograd differentiates through the ring, each ppermute's transpose carrying the k/v cotangent back
+    (``n - 1`` more ppermutes), at the memory of every received block and the per-step scores.
+
+    Example:
+        >>> # inside shard_map: out = ring_through_autograd(q, k, v, "cp", True, "zigzag", None)
+        >>> block_plan(i=0, j=1, causal=True, layout="zigzag", c=2)  # the second query chunk, the whole block
+        (slice(2, None, None), slice(None, None, None), False)
+    """
+    n = lax.axis_size(axis)
+    i = lax.axis_index_int(axis)
+    shift = list(_shift(n))
+    c = q.shape[2] // 2
+    kv = torch.stack((k, v))  # 2 x [b, hkv, s/n, d] -> [2, b, hkv, s/n, d]: one message per step
+    o, lse = attention(q, k, v, causal=causal, return_lse=True, scale=scale)  # [b, h, s/n, d], [b, h, s/n]
+    acc = torch.promote_types(q.dtype, torch.float32)
+    out, lse = o.to(acc), lse.to(acc)
+    for step in range(1, n):
+        kv = lax.ppermute(kv, axis, shift)  # [2, b, hkv, s/n, d] -> [2, b, hkv, s/n, d], from device i-1
+        plan = block_plan(i, (i - step) % n, causal, layout, c)
+        if plan is None:
+            # ...but keep the block in the graph (a zero-size slice, no work): every device must run the
+            # backward ppermute of every step, or the ring's backward deadlocks on the devices that used it
+            out = out + kv.narrow(-1, 0, 0).sum()  # [2, b, hkv, s/n, 0] -> [], exactly 0
+            continue
+        rows, cols, _ = plan
+        o, lo = attention(q[:, :, rows], kv[0, :, :, cols], kv[1, :, :, cols], return_lse=True, scale=scale)
+        o, lo = o.to(acc), lo.to(acc)  # [b, h, rows, d], [b, h, rows]
+        new = torch.logaddexp(lse[:, :, rows], lo)  # [b, h, rows]
+        part = out[:, :, rows] * (lse[:, :, rows] - new).exp().unsqueeze(-1) + o * (lo - new).exp().unsqueeze(-1)
+        if rows == _ALL:
+            out, lse = part, new
+        else:  # zigzag, j > i: rows c: of [b, h, s/n, d]
+            out = torch.cat((out[:, :, : rows.start], part), dim=2)  # [b, h, c, d] + [b, h, c, d] -> [b, h, s/n, d]
+            lse = torch.cat((lse[:, :, : rows.start], new), dim=2)  # [b, h, c] + [b, h, c] -> [b, h, s/n]
+    return out.to(q.dtype)
