@@ -40,7 +40,7 @@ import torch
 from ._errors import ConfigError
 from ._vma import find_vma, set_vma, tag_leaves, tag_like, tags_of
 
-__all__ = ["has_tangent", "value_and_grad"]
+__all__ = ["has_tangent", "reaches_other_leaf", "value_and_grad"]
 
 PyTree = Any
 
@@ -165,7 +165,7 @@ class _GradCall:
             value, aux = (out[0], out[1]) if self.has_aux else (out, None)
             _check_scalar(self.name, value)
             # a value f closed over that requires grad: keep the graph to it (an outer backward may follow)
-            keep = outer and value.requires_grad and _reaches_other_leaf(value, leaves)
+            keep = outer and value.requires_grad and reaches_other_leaf([value], leaves)
             if value.requires_grad:
                 found = torch.autograd.grad(value, leaves, allow_unused=True, create_graph=keep)
             else:  # f does not depend on its inputs: zero gradients, as torch.func gives
@@ -264,21 +264,21 @@ def _check_scalar(name: str, value: Any) -> None:
         )
 
 
-def _reaches_other_leaf(value: torch.Tensor, leaves: list[torch.Tensor]) -> bool:
-    """Whether ``value``'s graph reaches a leaf that requires grad other than ``leaves`` (a value ``f`` closed
-    over): a walk over the graph's nodes, stopping at the first such leaf."""
-    own = {id(x) for x in leaves}
-    if value.grad_fn is None:  # f returned a leaf itself
-        return id(value) not in own
+def reaches_other_leaf(outs: list[torch.Tensor], own: list[torch.Tensor]) -> bool:
+    """Whether the graph of ``outs`` reaches a leaf that requires grad other than ``own`` (a value the function
+    closed over): a walk over the graph's nodes, stopping at the first such leaf."""
+    ids = {id(x) for x in own}
+    if any(o.grad_fn is None and o.requires_grad and id(o) not in ids for o in outs):  # an output is such a leaf
+        return True
     seen: set[int] = set()
-    stack = [value.grad_fn]
+    stack = [o.grad_fn for o in outs]
     while stack:
         node = stack.pop()
         if node is None or id(node) in seen:
             continue
         seen.add(id(node))
         var = getattr(node, "variable", None)
-        if var is not None and id(var) not in own:
+        if var is not None and id(var) not in ids:
             return True
         stack.extend(n for n, _ in node.next_functions)
     return False

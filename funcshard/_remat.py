@@ -61,7 +61,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ._context import enter, maybe_current
 from ._errors import ConfigError
-from ._grad import has_tangent
+from ._grad import has_tangent, reaches_other_leaf
 from ._vma import VmaMode, find_vma, set_vma, tag_leaves
 
 __all__ = ["Policy", "checkpoint_name", "remat", "remat_policies"]
@@ -390,26 +390,6 @@ def _copies(xs: tuple[torch.Tensor, ...], tags: list[frozenset[str] | None], gra
     return out
 
 
-def _reaches_other_leaf(outs: list[torch.Tensor], own: list[torch.Tensor]) -> bool:
-    """Whether the graph of ``outs`` reaches a leaf that requires grad other than ``own`` (a closed-over one)."""
-    ids = {id(x) for x in own}
-    seen: set[int] = set()
-    stack = [o.grad_fn for o in outs]
-    for o in outs:
-        if o.grad_fn is None and o.requires_grad and id(o) not in ids:
-            return True
-    while stack:
-        node = stack.pop()
-        if node is None or id(node) in seen:
-            continue
-        seen.add(id(node))
-        var = getattr(node, "variable", None)
-        if var is not None and id(var) not in ids:
-            return True
-        stack.extend(n for n, _ in node.next_functions)
-    return False
-
-
 class _Remat(torch.autograd.Function):
     @staticmethod
     def forward(call: _Call, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
@@ -434,7 +414,7 @@ class _Remat(torch.autograd.Function):
         if devices is not None:
             devices.done()
         flat = _flatten_out(call, out)
-        if _reaches_other_leaf([t for t in flat if t.requires_grad], ins):
+        if reaches_other_leaf([t for t in flat if t.requires_grad], ins):
             raise ConfigError(
                 f"remat({getattr(call.f, '__name__', 'f')}): f uses a tensor that requires grad but is not one of "
                 f"its arguments (a closed-over parameter); its gradient would be lost in the recomputation. Pass "
