@@ -3,7 +3,8 @@
 A toy model of ``L = n_stages * n_virtual`` residual-MLP layers (``y = x + tanh(x @ W1) @ W2``), one layer
 per stage chunk, runs through each schedule inside shard_map; its loss and every layer's gradient must
 equal those of the plain model on the full batch. Sim with check_vma on and off, dist on gloo workers
-(pp=4, and dp=2 x pp=2 with the batch also split over dp), the exact ppermute count, and bad inputs.
+(pp=4, and dp=2 x pp=2 with the batch also split over dp), the exact point-to-point message count, and bad
+inputs.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import torch
 import funcshard as fs
 from funcshard import P
 from funcshard.pipeline import PipelineGrads, by_name, gpipe, interleaved_1f1b, one_f_one_b, run, zero_bubble_h1
+from funcshard.pipeline.plan import stage_plan
 from funcshard.pipeline.runtime import stage_order, ticks, virtual_stage_order
 
 D, H, MB = 4, 6, 3  # feature dim, hidden dim, rows per microbatch
@@ -172,30 +174,27 @@ def test_pipeline_dp_pp_dist() -> None:
     assert set(run_body("dist", _dp_pp_all_body, {"dp": 2, "pp": 2})) == {"ok"}
 
 
-def _expected_ppermutes(sched) -> int:
-    """From the unit-cost timeline, independently of ``ticks``: one forward shift per time step at which
-    some stage starts an F that is not on the last virtual stage, one backward shift per step at which some
-    stage starts a B that is not on virtual stage 0."""
-    p, last = sched.n_stages, sched.n_stages * sched.n_virtual - 1
-    timeline = sched.simulate({"F": 1, "B": 1, "W": 1}).timeline
-    fwd, bwd = set(), set()
-    for s, row in enumerate(timeline):
-        for start, _, a in row:
-            vs = a.chunk * p + s
-            if a.kind == "F" and vs != last:
-                fwd.add(start)
-            if a.kind == "B" and vs != 0:
-                bwd.add(start)
-    return len(fwd) + len(bwd)
+def _expected_sends(sched, stage: int) -> int:
+    """From the action lists, independently of the plan: one message per F whose next virtual stage is on
+    another stage, one per B whose previous virtual stage is on another stage."""
+    n = 0
+    for a in sched.actions[stage]:
+        vs = sched.virtual_stage(stage, a.chunk)
+        if a.kind == "F" and vs < sched.n_virtual_stages - 1:
+            n += sched.stage_of(vs + 1)[0] != stage
+        if a.kind == "B" and vs > 0:
+            n += sched.stage_of(vs - 1)[0] != stage
+    return n
 
 
-@pytest.mark.parametrize("name", ["1f1b", "zb_h1", "interleaved", "gpipe"])
-def test_ppermute_count(name: str) -> None:
+@pytest.mark.parametrize("name", ["1f1b", "zb_h1", "interleaved", "gpipe", "zbv"])
+def test_message_count(name: str) -> None:
+    """One point-to-point message per block that crosses stages, no ppermute (no empty rounds), one psum."""
     p, m = 4, 8
     sched = _schedule(name, p, m)
     mesh = fs.make_mesh({"pp": p}, backend="sim")
     w1, w2, x, t = _data(p * sched.n_virtual, m * MB)
-    order = virtual_stage_order(p, sched.n_virtual)
+    order = stage_order(sched)
     f = fs.shard_map(
         lambda params, xs, ts: run(sched, _layer, params, xs, targets=ts, loss_fn=_mse),
         mesh=mesh,
@@ -204,15 +203,20 @@ def test_ppermute_count(name: str) -> None:
     )
     with fs.comm_stats() as st:
         f((w1[order], w2[order]), x.reshape(m, MB, D), t.reshape(m, MB, D))
-    expected = _expected_ppermutes(sched)
-    assert st.calls("ppermute", "pp") == expected
-    assert st.bytes("ppermute") == expected * MB * D * 8  # one [MB, D] float64 block per shift
-    assert st.calls("psum", "pp") == 1  # the loss
+    assert st.calls("ppermute") == 0
+    for s in range(p):
+        expected = _expected_sends(sched, s)
+        assert st.calls("send", "pp", device=s) == expected
+        assert st.bytes("send", "pp", device=s) == expected * MB * D * 8  # one [MB, D] float64 block each
+        assert st.calls("psum", "pp", device=s) == 1  # the loss
+    total = sum(st.calls("send", "pp", device=s) for s in range(p))
+    hops = p * sched.n_virtual - 1 if sched.placement_kind != "v" else 2 * p - 2  # a V turns within stage p-1
+    assert total == 2 * m * hops
     if name == "1f1b":
-        # 1F1B p=4 m=8 at F=B=1: 22 ticks; forward shifts at ticks 0-3 and 6-16 (15), backward at 4-20
-        # (17): 32 ppermutes instead of 2 per tick (44) for a loop that never skips
+        # the lock-step runtime made 32 ppermutes per device (15 forward and 17 backward shifts, every device
+        # in each); now stage 0 sends only its 8 activations, a middle stage 8 + 8 blocks
+        assert [st.calls("send", "pp", device=s) for s in range(p)] == [8, 16, 16, 8]
         assert len(ticks(sched)) == 2 * (m + p - 1) == 22
-        assert expected == 15 + 17
 
 
 @pytest.mark.parametrize("name", ["interleaved", "zbv", "dualpipev"])
@@ -448,12 +452,16 @@ def test_input_grad_needs_float_microbatches() -> None:
 
 
 def test_v_schedules_hand_off_the_turn_locally() -> None:
-    """ZB-V on p=4: no block crosses from stage 3 to itself; every shift is a permutation; forward sends
-    go down on chunk 0 and up on chunk 1."""
+    """ZB-V on p=4: no block crosses from stage 3 to itself; forward sends go down on chunk 0 and up on
+    chunk 1; the sends counted equal the plan's."""
     sched = by_name("zbv", 4, 8)
     ts = ticks(sched)
     assert sum(len(t.local) for t in ts) == 2 * 8  # F and B of each microbatch at the turn
     assert all(x.src == 3 for t in ts for x in t.local)
+    plans = [stage_plan(sched, s) for s in range(4)]
+    assert all(x.src != x.dst for pl in plans for x in pl.sends)
+    for x in (x for pl in plans for x in pl.sends if x.kind == "F"):  # chunk 0 goes down, chunk 1 up
+        assert x.dst == x.src + 1 if x.virtual_stage < 4 else x.dst == x.src - 1
     mesh = fs.make_mesh({"pp": 4}, backend="sim")
     w1, w2, x, t = _data(8, 8 * MB)
     order = stage_order(sched)
@@ -465,9 +473,8 @@ def test_v_schedules_hand_off_the_turn_locally() -> None:
     )
     with fs.comm_stats() as st:
         f((w1[order], w2[order]), x.reshape(8, MB, D), t.reshape(8, MB, D))
-    assert st.calls("ppermute", "pp") == sum(len(t.shifts) for t in ts)
-    sends = sum(len(s) for t in ts for s in t.shifts)
-    assert sends == 2 * 8 * (2 * 4 - 2)  # each microbatch crosses 2p - 2 stage boundaries, each way
+    assert [st.calls("send", "pp", device=s) for s in range(4)] == [len(pl.sends) for pl in plans]
+    assert sum(len(pl.sends) for pl in plans) == 2 * 8 * (2 * 4 - 2)  # 2p - 2 stage boundaries, each way
 
 
 @pytest.mark.parametrize("name", ["1f1b", "interleaved", "looped_bfs", "zbv", "dualpipev"])

@@ -5,13 +5,23 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from .._errors import MeshError, ShardingError
 
-__all__ = ["DEFAULT_TIMEOUT", "DeviceHandle", "PeerError", "default_timeout", "group_members"]
+__all__ = [
+    "DEFAULT_TIMEOUT",
+    "DeviceHandle",
+    "P2POp",
+    "P2PWork",
+    "PeerError",
+    "check_p2p",
+    "default_timeout",
+    "group_members",
+]
 
 DEFAULT_TIMEOUT = 300.0
 
@@ -77,6 +87,79 @@ def group_members(mesh: Any, coords: Mapping[str, int], axes: Sequence[str]) -> 
     return members, idx
 
 
+@dataclass(frozen=True, eq=False)
+class P2POp:
+    """One point-to-point operation of a :meth:`DeviceHandle.p2p` batch: not differentiable, no autograd.
+
+    Attributes:
+        kind: ``"send"`` (``tensor`` goes to ``peer``) or ``"recv"`` (a block from ``peer`` lands in
+            ``tensor``, a buffer of the block's shape and dtype).
+        tensor: the block to send (left untouched until its work completes), or the buffer to receive into.
+        peer: the other device, as its index in the group over the batch's axes (0 .. group size - 1).
+        tag: tells apart blocks between the same pair of devices: a recv matches the oldest unmatched send of
+            the same (source, destination, tag).
+
+    Example:
+        >>> import torch
+        >>> P2POp("send", torch.zeros(2), peer=1, tag=7).kind
+        'send'
+    """
+
+    kind: str
+    tensor: torch.Tensor
+    peer: int
+    tag: int = 0
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("send", "recv"):
+            raise ShardingError(f"P2POp: kind must be 'send' or 'recv', found {self.kind!r}.")
+        if not isinstance(self.tensor, torch.Tensor):
+            raise ShardingError(f"P2POp: tensor must be a torch.Tensor, found {type(self.tensor).__name__}.")
+        for name in ("peer", "tag"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                raise ShardingError(f"P2POp: {name} must be an int >= 0, found {v!r}.")
+
+
+class P2PWork:
+    """A posted point-to-point operation: ``wait()`` blocks until it is done (at most ``FUNCSHARD_TIMEOUT``
+    seconds, then a :class:`PeerError` / ``ShardingError`` naming the axis and the peer) and returns the
+    received block (``None`` for a send); ``is_completed()`` asks without blocking.
+
+    Example:
+        >>> # works = dev.p2p([P2POp("recv", torch.empty(2, 3), peer=0)], ("pp",)); x = works[0].wait()
+    """
+
+    def wait(self) -> torch.Tensor | None:
+        raise NotImplementedError
+
+    def is_completed(self) -> bool:
+        raise NotImplementedError
+
+
+def check_p2p(mesh: Any, coords: Mapping[str, int], axes: tuple[str, ...], ops: Sequence[P2POp]) -> list[int]:
+    """The group's members (global ranks, logical order) after checking each op's peer: in the group over
+    ``axes`` and not this device itself.
+
+    Raises:
+        ShardingError: a peer outside the group, or this device's own index.
+
+    Example:
+        >>> import torch
+        >>> from funcshard import make_mesh
+        >>> check_p2p(make_mesh({"pp": 2}, backend="sim"), {"pp": 0}, ("pp",), [P2POp("send", torch.ones(1), 1)])
+        [0, 1]
+    """
+    members, idx = group_members(mesh, coords, axes)
+    for op in ops:
+        if not op.peer < len(members) or op.peer == idx:
+            raise ShardingError(
+                f"p2p {op.kind} over {axes}: peer {op.peer} of device {dict(coords)} must be another member of "
+                f"the group, an index in 0..{len(members) - 1} other than its own ({idx})."
+            )
+    return members
+
+
 class DeviceHandle:
     """One device of a mesh, as the collectives see it. Subclassed by each backend.
 
@@ -103,4 +186,13 @@ class DeviceHandle:
         raise NotImplementedError
 
     def ppermute(self, x: torch.Tensor, axes: tuple[str, ...], perm: tuple[tuple[int, int], ...]) -> torch.Tensor:
+        raise NotImplementedError
+
+    def p2p(self, ops: Sequence[P2POp], axes: tuple[str, ...]) -> list[P2PWork]:
+        """Post a batch of point-to-point sends and receives over the group ``axes`` without waiting; one work
+        per op, in order. A send completes once its receiver has posted the matching receive (rendezvous), a
+        receive once its block has arrived; neither blocks the caller until its work's ``wait()``.
+
+        Not differentiable (no autograd): for runtimes that do their own backward, as ``pipeline.run``.
+        """
         raise NotImplementedError

@@ -11,6 +11,10 @@ raises :class:`~funcshard._backend.base.PeerError` on each surviving process, na
 the rank(s) it waited for; the processes that saw the failure tell each other through the default store, so
 a process waiting on a live peer that itself waits names the rank that never answered.
 
+Point-to-point operations (:meth:`DistDevice.p2p`) are ``isend`` / ``irecv`` on the group's process group,
+posted together with ``batch_isend_irecv``; each work's ``wait()`` has the same timeout and the same
+:class:`~funcshard._backend.base.PeerError` as a collective.
+
 Example:
     >>> # under torchrun --nproc-per-node 2:
     >>> # mesh = fs.make_mesh({"tp": 2}, backend="dist")
@@ -24,15 +28,15 @@ import os
 import re
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from .._errors import MeshError
-from .base import DeviceHandle, PeerError, default_timeout, group_members
+from .._errors import MeshError, ShardingError
+from .base import DeviceHandle, P2POp, P2PWork, PeerError, check_p2p, default_timeout, group_members
 
 __all__ = [
     "DistDevice",
@@ -262,6 +266,33 @@ def _waiting(what: str, axes: tuple[str, ...], members: list[int]) -> Iterator[N
         raise peer_error(what, axes, members, e) from e
 
 
+class _DistWork(P2PWork):
+    """One posted ``isend`` / ``irecv`` (or, where the backend coalesces a batch into one work, the batch's)."""
+
+    def __init__(
+        self, op: P2POp, tensor: torch.Tensor, works: list[Any], axes: tuple[str, ...], pair: list[int]
+    ) -> None:
+        self.op, self.tensor, self.works, self.axes, self.pair = op, tensor, works, axes, pair
+        self.done = False
+
+    def wait(self) -> torch.Tensor | None:
+        """Block until done (``FUNCSHARD_TIMEOUT`` at most); the received buffer, or None for a send."""
+        if not self.done:
+            op, peer = self.op, self.pair[1]
+            what = f"p2p {op.kind} {'to' if op.kind == 'send' else 'from'} rank {peer} (tag {op.tag})"
+            with _waiting(what, self.axes, self.pair):
+                for w in self.works:
+                    w.wait(_timeout())
+            self.done = True
+            self.works = []  # the block (a send's) is no longer needed
+        return self.op.tensor if self.op.kind == "recv" else None
+
+    def is_completed(self) -> bool:
+        """Whether the operation has finished (without blocking)."""
+        self.done = self.done or all(w.is_completed() for w in self.works)
+        return self.done
+
+
 class DistDevice(DeviceHandle):
     """This process, as a device of ``mesh``."""
 
@@ -271,6 +302,7 @@ class DistDevice(DeviceHandle):
         self.coords = mesh.coords_of(self.rank)
         self._groups = _GROUPS[_mesh_key(mesh)]
         self._order: dict[tuple[str, ...], tuple[Any, list[int], list[int], int]] = {}
+        self._p2p_ready: set[tuple[str, ...]] = set()
 
     def process_group(self, axes: tuple[str, ...]) -> Any:
         """The torch.distributed process group of this process over ``axes`` (built once, shared)."""
@@ -345,6 +377,36 @@ class DistDevice(DeviceHandle):
             with _waiting("ppermute", axes, members):
                 for req in dist.batch_isend_irecv(ops):  # [*s] -> [*s]
                     req.wait()
+        return out
+
+    def p2p(self, ops: Sequence[P2POp], axes: tuple[str, ...]) -> list[P2PWork]:
+        """Post ``ops`` over the group ``axes`` in one ``batch_isend_irecv``; one work per op (sends and
+        receives between the same pair are matched by tag, in posting order)."""
+        if not ops:
+            return []
+        g, members, _, idx = self._group(axes)
+        if any(not op.peer < len(members) or op.peer == idx for op in ops):
+            check_p2p(self.mesh, self.coords, axes, ops)  # raises, naming the peer
+        if axes not in self._p2p_ready:
+            if dist.get_backend(g) == "nccl":  # NCCL: a group's first operation must involve all its ranks
+                with _waiting("p2p setup (all-reduce)", axes, members):
+                    dist.all_reduce(torch.zeros(1, device=ops[0].tensor.device), group=g)  # [1] -> [1]
+            self._p2p_ready.add(axes)
+        p2p_ops = []
+        for op in ops:
+            t = op.tensor.detach()
+            if op.kind == "send":
+                t = t.contiguous()
+            elif not t.is_contiguous():
+                raise ShardingError("p2p: a receive buffer must be contiguous; allocate it with torch.empty(shape).")
+            fn = dist.isend if op.kind == "send" else dist.irecv
+            p2p_ops.append(dist.P2POp(fn, t, members[op.peer], group=g, tag=op.tag))
+        with _waiting("p2p", axes, members):
+            works = dist.batch_isend_irecv(p2p_ops)  # each [*s] -> [*s] at its peer
+        coalesced = len(works) != len(p2p_ops)  # one work for the whole batch (NCCL coalescing)
+        out: list[P2PWork] = []
+        for i, (op, q) in enumerate(zip(ops, p2p_ops, strict=True)):
+            out.append(_DistWork(op, q.tensor, list(works) if coalesced else [works[i]], axes, [self.rank, q.peer]))
         return out
 
 

@@ -8,6 +8,12 @@ never reaches a collective its peers wait in (stuck in its own code) is reported
 seconds: the call raises then and leaves that device's thread behind. Ctrl-C (``KeyboardInterrupt`` in the
 calling thread) stops every device at its next collective before the interrupt goes on.
 
+Point-to-point operations (:meth:`SimDevice.p2p`) go through a mailbox keyed by (source rank, destination rank,
+tag), first in first out: a send and a receive match when both are posted (whichever comes second copies
+the block into the receive buffer), and neither blocks until its work's ``wait()``. A wait has the same
+deadline and abort path as a collective, and ends at once when the peer has finished without posting the
+other half.
+
 Example:
     >>> from funcshard import make_mesh
     >>> world = SimWorld(make_mesh({"tp": 2}, backend="sim"))
@@ -20,8 +26,8 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from collections import defaultdict
-from collections.abc import Callable, Iterator
+from collections import defaultdict, deque
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -29,7 +35,7 @@ import torch._functorch.eager_transforms as _eager
 import torch.autograd.forward_ad as fwAD
 
 from .._errors import ShardingError
-from .base import DeviceHandle, default_timeout, group_members
+from .base import DeviceHandle, P2POp, P2PWork, check_p2p, default_timeout, group_members
 
 __all__ = ["SimDevice", "SimWorld", "abandoned_threads"]
 
@@ -121,6 +127,9 @@ class SimWorld:
         self.status: list[Any] = ["running"] * self.mesh.size
         self.seq: list[dict[Any, int]] = [defaultdict(int) for _ in range(self.mesh.size)]
         self.error: BaseException | None = None
+        # point-to-point: (src rank, dst rank, tag) -> unmatched sends / unmatched receives, oldest first
+        self.mail: dict[tuple[int, int, int], deque[_SimWork]] = defaultdict(deque)
+        self.posted: dict[tuple[int, int, int], deque[_SimWork]] = defaultdict(deque)
 
     # -- running device functions -------------------------------------------------------------------
     def run(self, fn: Callable[[SimDevice], Any], *, grad: bool | None = None) -> list[Any]:
@@ -269,6 +278,93 @@ class SimWorld:
                 del self.slots[key]
             return vals
 
+    # -- point-to-point ------------------------------------------------------------------------------
+    def p2p(self, dev: SimDevice, ops: Sequence[P2POp], axes: tuple[str, ...]) -> list[_SimWork]:
+        """Post ``ops`` (sends and receives of ``dev`` over the group ``axes``); match each with the oldest
+        unmatched other half of the same (source, destination, tag) if there is one."""
+        members = check_p2p(self.mesh, dev.coords, axes, ops)
+        works = []
+        with self.cond:
+            if self.error is not None or self.abandoned:
+                raise _Aborted
+            for op in ops:
+                w = _SimWork(self, op, dev.rank, members[op.peer], axes)
+                if op.kind == "send":
+                    key = (dev.rank, w.peer, op.tag)
+                    if self.posted[key]:
+                        self._match(w, self.posted[key].popleft())
+                    else:
+                        self.mail[key].append(w)
+                else:
+                    key = (w.peer, dev.rank, op.tag)
+                    if self.mail[key]:
+                        self._match(self.mail[key].popleft(), w)
+                    else:
+                        self.posted[key].append(w)
+                works.append(w)
+        return works
+
+    def _match(self, send: _SimWork, recv: _SimWork) -> None:
+        """Deliver ``send``'s block into ``recv``'s buffer (both shapes and dtypes must agree); both are done."""
+        x, buf = send.op.tensor, recv.op.tensor
+        if x.shape != buf.shape or x.dtype != buf.dtype:
+            self._fail(
+                ShardingError(
+                    f"point-to-point over {send.axes}: device {self._dev_name(send.owner)} sent a "
+                    f"{tuple(x.shape)} {x.dtype} block (tag {send.op.tag}) to device {self._dev_name(recv.owner)}, "
+                    f"which posted a receive for a {tuple(buf.shape)} {buf.dtype} block. A send and its receive "
+                    f"must agree on shape and dtype."
+                )
+            )
+            raise _Aborted
+        with torch._C.DisableTorchFunction(), torch.no_grad():
+            buf.copy_(x)  # [*s] -> [*s]: the block, from the sender's device to the receiver's
+        for w in (send, recv):
+            w.done = True
+            st = self.status[w.owner]
+            if isinstance(st, tuple) and st[0] == "p2p" and st[4] is w:
+                self.status[w.owner] = "running"
+        self.cond.notify_all()
+
+    def p2p_wait(self, w: _SimWork) -> torch.Tensor | None:
+        """Block until ``w`` is matched (at most ``timeout`` seconds; at once an error when the peer has
+        finished without posting the other half); the received buffer, or None for a send."""
+        with self.cond:
+            if not w.done:
+                self.status[w.owner] = ("p2p", w.describe(), w.axes, w.peer, w)
+                self._check_deadlock()
+            deadline = time.monotonic() + self.timeout
+            while not w.done:
+                if self.error is not None or self.abandoned:
+                    raise _Aborted
+                if self.status[w.peer] == "done":
+                    self._fail(self._peer_done(w))
+                    raise _Aborted
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    other = "sent it" if w.op.kind == "recv" else "posted the matching receive"
+                    self._fail(
+                        ShardingError(
+                            f"{w.describe()} over {w.axes}: device {self._dev_name(w.owner)} waited "
+                            f"{self.timeout:g} s (FUNCSHARD_TIMEOUT) for device {self._dev_name(w.peer)}, which never "
+                            f"{other}; states: {self._states()}. A device stuck in its own code (a loop, a "
+                            f"blocking call) looks like this; raise FUNCSHARD_TIMEOUT if it is only slow."
+                        ),
+                        give_up=time.monotonic() + _GRACE,
+                    )
+                    raise _Aborted
+                self.cond.wait(timeout=min(left, 1.0))
+            self.status[w.owner] = "running"
+        return w.op.tensor if w.op.kind == "recv" else None
+
+    def _peer_done(self, w: _SimWork) -> ShardingError:
+        other = "sending it" if w.op.kind == "recv" else "posting the matching receive"
+        return ShardingError(
+            f"{w.describe()} over {w.axes}: device {self._dev_name(w.owner)} waits for device "
+            f"{self._dev_name(w.peer)}, which finished without {other}. Every point-to-point send needs a "
+            f"receive of the same tag on its peer, and every receive a send."
+        )
+
     def _fail(self, err: BaseException, *, give_up: float | None = None) -> None:
         """Record the call's error (the first one wins) and wake every waiting device; ``give_up``: when the
         caller stops waiting for devices still running (default: ``FUNCSHARD_TIMEOUT`` from now)."""
@@ -284,23 +380,59 @@ class SimWorld:
     def _states(self) -> str:
         parts = []
         for r, s in enumerate(self.status):
-            if isinstance(s, tuple):
+            if isinstance(s, tuple) and s[0] == "p2p":
+                parts.append(f"{self._dev_name(r)} waits in {s[1]} over {s[2]}")
+            elif isinstance(s, tuple):
                 parts.append(f"{self._dev_name(r)} waits in {s[1]} over {s[2]} (call #{s[3]})")
             else:
                 parts.append(f"{self._dev_name(r)} {s}")
         return "; ".join(parts)
 
     def _check_deadlock(self) -> None:
-        if self.error is not None or "running" in self.status:
+        if self.error is not None:
+            return
+        for s in self.status:  # a point-to-point wait on a peer that has finished: it can never be matched
+            if isinstance(s, tuple) and s[0] == "p2p" and self.status[s[3]] == "done":
+                self._fail(self._peer_done(s[4]))
+                return
+        if "running" in self.status:
             return
         if any(isinstance(s, tuple) for s in self.status):
+            p2p = any(isinstance(s, tuple) and s[0] == "p2p" for s in self.status)
             self._fail(
                 ShardingError(
                     "collective deadlock: every device is waiting on a collective that some peer will never "
                     f"reach: {self._states()}. Every device of a group must make the same collectives in the "
                     "same order (look for a collective inside a branch on axis_index)."
+                    + (" A point-to-point wait needs its peer to post the other half first." if p2p else "")
                 )
             )
+
+
+class _SimWork(P2PWork):
+    """One posted point-to-point operation of a simulated device (see :meth:`SimWorld.p2p`)."""
+
+    __slots__ = ("axes", "done", "op", "owner", "peer", "world")
+
+    def __init__(self, world: SimWorld, op: P2POp, owner: int, peer: int, axes: tuple[str, ...]) -> None:
+        self.world, self.op, self.owner, self.peer, self.axes = world, op, owner, peer, axes
+        self.done = False
+
+    def describe(self) -> str:
+        """E.g. ``a point-to-point receive of a (3, 4) torch.float32 block (tag 5) from device (pp=0)``."""
+        t, peer = self.op.tensor, self.world._dev_name(self.peer)
+        how = f"receive of a {tuple(t.shape)} {t.dtype} block (tag {self.op.tag}) from device {peer}"
+        if self.op.kind == "send":
+            how = f"send of a {tuple(t.shape)} {t.dtype} block (tag {self.op.tag}) to device {peer}"
+        return "a point-to-point " + how
+
+    def wait(self) -> torch.Tensor | None:
+        """Block until matched; the received block (this receive's buffer), or None for a send."""
+        return self.world.p2p_wait(self)
+
+    def is_completed(self) -> bool:
+        """Whether the other half has been posted and the block delivered."""
+        return self.done
 
 
 class SimDevice(DeviceHandle):
@@ -349,3 +481,7 @@ class SimDevice(DeviceHandle):
             if dst == i:
                 return vals[src].clone()
         return torch.zeros_like(x)
+
+    def p2p(self, ops: Sequence[P2POp], axes: tuple[str, ...]) -> list[P2PWork]:
+        """Post point-to-point sends and receives over ``axes`` (see :meth:`SimWorld.p2p`); one work per op."""
+        return list(self.world.p2p(self, ops, axes))

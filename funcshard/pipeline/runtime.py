@@ -1,20 +1,30 @@
-"""Execute a pipeline ``Schedule`` inside ``shard_map``: SPMD lock-step ticks, a few ``ppermute``\\ s per tick.
+"""Execute a pipeline ``Schedule`` inside ``shard_map``: each device runs its own stage's list, asynchronously.
 
-``run`` turns a schedule's simulated timeline (unit costs ``F = B = W = 1``) into integer ticks. At each tick
-every device executes the actions its stage starts at that tick (one, or an overlapped F&B pair); then every
-device on the pipeline axis takes part in the tick's shifts: each a ``ppermute`` in which every stage sends
-and receives at most one block, carrying the activations its ``F`` actions produced to the stage holding the
-next virtual stage, and the input gradients its ``B`` actions produced to the stage holding the previous one
-(``Schedule.stage_of``, so looped, interleaved and V-shaped placements run alike; a hand-off within a stage,
-the turn of a V, costs nothing). The timeline is the same on every device, so each one knows what it
-receives and when, a shift nobody sends on is skipped by all devices together, and there is nothing that
-could deadlock. An action consuming data produced at tick ``t`` starts at tick ``t + 1`` or later (the
-simulator's dependency rule), so the data has always arrived. The communication is in :meth:`_Stage.shift`
-alone, so an asynchronous runtime can replace it.
+Device ``s`` on the pipeline axis runs stage ``s``'s actions in the schedule's order, each as soon as its
+input has arrived; there are no global ticks and no round in which every device takes part. What it sends
+and receives is planned from the schedule alone (:func:`funcshard.pipeline.plan.stage_plan`): every block
+(an activation going to the stage holding the next virtual stage, or an input gradient going to the one
+holding the previous; ``Schedule.stage_of``, so looped, interleaved and V-shaped placements run alike) is
+one point-to-point message. The receive of a block is posted a couple of actions before the action that
+consumes it, and waited on right before that action; a block is sent the moment its action has produced it,
+together with the receives due next in one batch (one rendezvous, as a fused send-forward / receive-backward),
+and the sends are waited on at the end of the step, so they never hold up compute. A hand-off within a stage
+(the turn of a V) is no message at all. Under ``"dist"`` these are ``isend`` / ``irecv`` on the axis' process
+group; under ``"sim"`` a mailbox between the device threads with the same semantics and timeouts.
+
+Why it cannot deadlock: posting never blocks, and each device only ever waits (a) for a block right before
+the action that needs it, which its producer sends as soon as it has run it, or (b) at the end of the step for
+its sends, whose receives every peer posts before it finishes its own list. So the devices progress exactly as
+``Schedule.simulate`` runs the lists (each action when its dependencies are done, sends never blocking), which
+``Schedule.validate`` proves completes; ``run`` validates the schedule first. Collectives over other axes
+inside ``stage_fn`` (tp, dp) match as before: the devices of one stage run the same list in the same order.
 
 A model with an embedding and a head runs whole: ``first_fn`` turns the raw microbatch (tokens) into the
 activation on virtual stage 0, ``loss_fn`` sees ``shared_params`` (final norm, head) on the last one, and the
-gradients of ``shared_params`` (zero on stages that do not use them) are summed over the pipeline axis.
+gradients of ``shared_params`` (zero on stages that do not use them) are summed over the pipeline axis. The
+activation's shape with ``first_fn`` is known only once virtual stage 0 has run: one ``psum`` of a few
+integers over the axis tells the other stages before they post any receive. Gradients are accumulated in
+place, one buffer per parameter leaf and chunk.
 
 Example:
     >>> import torch, funcshard as fs
@@ -34,23 +44,29 @@ Example:
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import optree
 import torch
 
 from .. import lax
+from .._backend.base import P2POp, P2PWork
 from .._context import current
 from .._errors import ShardingError
-from .._vma import get_vma, pvary_to, set_vma
+from .._stats import record
+from .._vma import find_vma, get_vma, pvary_to, set_vma
+from .plan import Send as Send
+from .plan import StagePlan, Step, plans
+from .plan import Tick as Tick
+from .plan import ticks as ticks
 from .schedules import Action, Schedule
 
 __all__ = ["PipelineGrads", "Send", "Tick", "run", "stage_order", "ticks", "virtual_stage_order"]
 
 PyTree = Any
-UNIT_COSTS = {"F": 1.0, "B": 1.0, "W": 1.0, "comm": 0.0}
 # dtypes an activation may have (its index travels in the shape probe)
 _DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.complex64)
 _MAX_DIMS = 8
@@ -69,109 +85,6 @@ class PipelineGrads(NamedTuple):
     stage: PyTree
     shared: PyTree
     input: torch.Tensor | None
-
-
-@dataclass(frozen=True)
-class Send:
-    """One block a tick sends: from stage ``src`` to ``dst``, the output of ``kind`` (``"F"``: an activation,
-    ``"B"``: an input gradient) for ``microbatch``, filed at the receiver under virtual stage ``virtual_stage``.
-
-    Example:
-        >>> Send(0, 1, "F", 0, 1)  # stage 0's activation of microbatch 0 goes to virtual stage 1
-        Send(src=0, dst=1, kind='F', microbatch=0, virtual_stage=1)
-    """
-
-    src: int
-    dst: int
-    kind: str
-    microbatch: int
-    virtual_stage: int
-
-
-@dataclass(frozen=True)
-class Tick:
-    """What happens at one tick of ``run``'s lock-step loop, the same on every device.
-
-    Attributes:
-        actions: ``actions[stage]``: the actions that stage starts at this tick (none, one, or an overlapped
-            F&B pair, run one after the other).
-        shifts: one ``ppermute`` each: sends in which every stage is at most once a source and once a
-            destination. Forward sends come first, then backward ones.
-        local: hand-offs within a stage (source and destination the same: the turn of a V), no communication.
-
-    Example:
-        >>> from funcshard.pipeline import one_f_one_b
-        >>> t = ticks(one_f_one_b(2, 2))[0]  # stage 0 starts F0 and sends it to stage 1
-        >>> [[str(a) for a in acts] for acts in t.actions], t.fwd, t.bwd
-        ([['F0'], []], ((0, 1),), ())
-    """
-
-    actions: tuple[tuple[Action, ...], ...]
-    shifts: tuple[tuple[Send, ...], ...]
-    local: tuple[Send, ...] = ()
-
-    @property
-    def fwd(self) -> tuple[tuple[int, int], ...]:
-        """``(src, dst)`` stage pairs of the activations sent at this tick."""
-        return tuple((x.src, x.dst) for shift in self.shifts for x in shift if x.kind == "F")
-
-    @property
-    def bwd(self) -> tuple[tuple[int, int], ...]:
-        """``(src, dst)`` stage pairs of the input gradients sent at this tick."""
-        return tuple((x.src, x.dst) for shift in self.shifts for x in shift if x.kind == "B")
-
-
-def _pack(sends: list[Send]) -> tuple[tuple[Send, ...], ...]:
-    """Sends in as few ``ppermute``\\ s as first-fit gives (each stage once a source, once a destination per
-    shift), forward ones apart from backward ones."""
-    shifts: list[list[Send]] = []
-    for kind in ("F", "B"):
-        mine: list[list[Send]] = []
-        for x in (x for x in sends if x.kind == kind):
-            for shift in mine:
-                if all(y.src != x.src and y.dst != x.dst for y in shift):
-                    shift.append(x)
-                    break
-            else:
-                mine.append([x])
-        shifts += mine
-    return tuple(tuple(s) for s in shifts)
-
-
-def ticks(schedule: Schedule) -> list[Tick]:
-    """The schedule as lock-step ticks: ``schedule.simulate`` with unit costs, cut at integer times.
-
-    ``len(ticks(s))`` is the makespan; ``run`` makes one ``ppermute`` per shift of each tick.
-
-    Example:
-        >>> from funcshard.pipeline import gpipe, zbv
-        >>> ts = ticks(gpipe(2, 2))
-        >>> len(ts), sum(bool(t.fwd) for t in ts), sum(bool(t.bwd) for t in ts)
-        (6, 2, 2)
-        >>> [len(t.local) for t in ticks(zbv(2, 2))][:4]  # the V turns on stage 1: no communication
-        [0, 1, 0, 1]
-    """
-    last = schedule.n_virtual_stages - 1
-    sim = schedule.simulate(dict(UNIT_COSTS))
-    n = round(sim.makespan)
-    acts: list[list[list[Action]]] = [[[] for _ in range(schedule.n_stages)] for _ in range(n)]
-    for s, row in enumerate(sim.timeline):
-        for start, _, a in row:
-            acts[round(start)][s].append(a)
-    out = []
-    for row in acts:
-        sends = []
-        for s, stage_acts in enumerate(row):
-            for a in stage_acts:
-                vs = schedule.virtual_stage(s, a.chunk)
-                if a.kind == "F" and vs < last:
-                    sends.append(Send(s, schedule.stage_of(vs + 1)[0], "F", a.microbatch, vs + 1))
-                elif a.kind == "B" and vs > 0:
-                    sends.append(Send(s, schedule.stage_of(vs - 1)[0], "B", a.microbatch, vs - 1))
-        remote = [x for x in sends if x.src != x.dst]
-        local = tuple(x for x in sends if x.src == x.dst)
-        out.append(Tick(tuple(tuple(r) for r in row), _pack(remote), local))
-    return out
 
 
 def virtual_stage_order(n_stages: int, n_virtual: int) -> list[int]:
@@ -270,10 +183,12 @@ def run(
     is ``loss_fn(f_{V-1}(... f_1(f_0(first_fn(x))) ...), target)`` with ``f_v`` = ``stage_fn(params of
     virtual stage v, .)`` and ``V = n_stages * n_virtual``.
 
-    Activations and their gradients travel between stages on ``axis`` with ``fs.ppermute`` on detached
-    tensors; the gradients are accumulated here (no autograd across stages), so call ``run`` directly, not
-    under ``torch.autograd.grad``. Other mesh axes (dp, fsdp, tp, cp) work inside ``stage_fn``, ``first_fn``
-    and ``loss_fn`` as usual (collectives over them happen at the same tick on devices of the same stage).
+    Each device runs its own stage's list (no lock-step): activations and their gradients travel between
+    stages on ``axis`` as point-to-point messages of detached tensors, received where they are needed and
+    sent as soon as they are made; the gradients are accumulated here (no autograd across stages), so call
+    ``run`` directly, not under ``torch.autograd.grad``. Other mesh axes (dp, fsdp, tp, cp) work inside
+    ``stage_fn``, ``first_fn`` and ``loss_fn`` as usual (the devices of one stage run the same actions in
+    the same order, so their collectives match).
 
     Args:
         schedule: a validated ``Schedule`` (any of ``by_name``'s, V-shaped and overlapped ones included).
@@ -306,6 +221,7 @@ def run(
         a :class:`PipelineGrads` ``(stage, shared, input)``.
 
     Raises:
+        ScheduleError: the schedule does not validate (a missing action, a deadlock).
         ShardingError: the size of ``axis`` differs from ``n_stages``, a parameter leaf's leading dim from
             ``n_virtual``, ``microbatches`` / ``targets``' leading dim from ``n_microbatches``,
             ``stage_fn`` changes the activation's shape or dtype, a shared parameter varies over ``axis``,
@@ -321,11 +237,11 @@ def run(
         >>> #                                             out_specs=(P(), (P("pp"), P(), None)))(...)
     """
     _check(schedule, stage_params, microbatches, targets, axis, input_grad)
+    plan = plans(schedule)  # validated
     stage = _Stage(schedule, stage_fn, stage_params, microbatches, targets, loss_fn, axis)
     stage.first_fn, stage.input_grad = first_fn, input_grad
     stage.set_shared(shared_params)
-    for i, tick in enumerate(ticks(schedule)):
-        stage.tick(tick, probe=i == 0 and first_fn is not None and schedule.n_stages > 1)
+    stage.execute(plan[stage.me])
     return stage.result()
 
 
@@ -341,7 +257,7 @@ class _Activation:
 class _Stage:
     """One device's stage of a pipeline step: its parameter chunks (detached leaves requiring grad) and their
     accumulated gradients, what it has received, the graphs it keeps for the backward, and its loss sum.
-    ``tick`` runs the actions the timeline gives it, then takes part in that tick's shifts."""
+    ``execute`` runs the stage's plan: its actions in order, with their point-to-point messages."""
 
     def __init__(
         self,
@@ -373,9 +289,14 @@ class _Stage:
         self.chunk_leaves = [[leaf.detach()[c].requires_grad_(True) for leaf in self.leaves] for c in range(v)]
         self.chunk_params = [optree.tree_unflatten(self.treedef, ls) for ls in self.chunk_leaves]
         self.grad_acc: list[list[torch.Tensor | None]] = [[None] * len(self.leaves) for _ in range(v)]
-        self.received: dict[str, dict[tuple[int, int], torch.Tensor]] = {"F": {}, "B": {}}  # (mb, vs) -> value
+        self.received: dict[Send, torch.Tensor] = {}  # hand-offs within the stage (the turn of a V)
+        self.recv_works: dict[Send, P2PWork] = {}  # posted receives, by block
+        self.send_works: deque[P2PWork] = deque()  # posted sends not known to be done, oldest first
+        # the (microbatch, chunk) pairs whose backward this stage splits (a W follows the B)
+        self.split = {(a.microbatch, a.chunk) for a in schedule.actions[self.me] if a.kind == "W"}
         self.saved: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}  # (mb, vs) -> (x, y or loss)
         self.pending_w: dict[tuple[int, int], torch.Tensor] = {}  # (mb, vs) -> grad of y, kept from B for W
+        self.deferred: deque[tuple[int, tuple[torch.Tensor | None, ...]]] = deque()  # (chunk, grads) to add
         self.input_grads: dict[int, torch.Tensor] = {}
 
     def set_shared(self, shared: PyTree) -> None:
@@ -404,36 +325,76 @@ class _Stage:
         a = self.act
         return self.tagged(torch.zeros(a.shape, dtype=a.dtype, device=self.microbatches.device), a.axes)
 
-    def tick(self, tick: Tick, *, probe: bool = False) -> None:
-        """Run this stage's actions of ``tick``, then the tick's hand-offs and shifts."""
-        out: dict[tuple[str, int, int], torch.Tensor | None] = {}  # (kind, mb, receiving vs) -> block
-        for a in tick.actions[self.me]:
-            vs = self.schedule.virtual_stage(self.me, a.chunk)
-            if a.kind == "F":
-                out[("F", a.microbatch, vs + 1)] = self.forward(a, vs)
-            elif a.kind == "B":
-                out[("B", a.microbatch, vs - 1)] = self.backward(a, vs)
-            else:
-                self.weight(a, vs)
-        if probe:
-            self.probe()
-        for x in tick.local:
-            if x.src == self.me:
-                self.received[x.kind][(x.microbatch, x.virtual_stage)] = out[(x.kind, x.microbatch, x.virtual_stage)]
-        for shift in tick.shifts:
-            self.shift(shift, out)
+    def execute(self, plan: StagePlan) -> None:
+        """Run ``plan``: post the first receives, then each unit's actions in order, each waiting for its
+        input right before it runs and sending its output at once (with the receives due next in the same
+        batch); at the end, wait for the sends.
 
-    def shift(self, shift: tuple[Send, ...], out: dict[tuple[str, int, int], torch.Tensor | None]) -> None:
-        """One ``ppermute`` over the axis: this stage's block of ``shift`` (zeros if none) goes out, and the
-        block sent to it (if any) is filed under its (microbatch, virtual stage)."""
-        mine = next((x for x in shift if x.src == self.me), None)
-        block = out.get((mine.kind, mine.microbatch, mine.virtual_stage)) if mine is not None else None
-        buf = block if block is not None else self.zeros()
-        pairs = [(x.src, x.dst) for x in shift]
-        got = lax.ppermute(self.tagged(buf, self.act.axes), self.axis, pairs)  # [*act] -> [*act]
-        into = next((x for x in shift if x.dst == self.me), None)
-        if into is not None:
-            self.received[into.kind][(into.microbatch, into.virtual_stage)] = self.tagged(got, self.act.axes)
+        With ``first_fn`` the activation's shape is learnt first (:meth:`probe`): the stage holding virtual
+        stage 0 runs its first unit (always an ``F`` there, which needs nothing) before it probes, the others
+        probe before they post anything."""
+        probing = self.first_fn is not None and self.p > 1
+        first = probing and self.me == self.schedule.stage_of(0)[0]
+        self.posts, self.next_post = plan.posts, 0
+        if probing and not first:
+            self.probe()
+        if not first:
+            self.post([], 0)
+        for i, unit in enumerate(plan.units):
+            for j, step in enumerate(unit):
+                out = self.run_step(step)
+                last = j == len(unit) - 1
+                if first and i == 0 and last:
+                    self.probe()
+                sends = []
+                if step.send is not None and step.send.dst == self.me:
+                    self.received[step.send] = self.zeros() if out is None else out
+                elif step.send is not None:
+                    sends.append((step.send, self.zeros() if out is None else out))
+                self.post(sends, i + 1 if last else -1)
+                self.flush()  # off the path to the next stage: its block is on its way
+        while self.send_works:
+            self.send_works.popleft().wait()
+
+    def post(self, sends: list[tuple[Send, torch.Tensor]], upto: int) -> None:
+        """One batch of point-to-point operations: ``sends``, and the receives planned up to unit ``upto``."""
+        ops, recvs = [], []
+        for x, t in sends:
+            ops.append(P2POp("send", t, x.dst, x.tag(self.m)))
+            record(self.device.rank, "send", (self.axis,), t.numel() * t.element_size())
+        a = self.act
+        with torch._C.DisableTorchFunction():
+            while self.next_post <= min(upto, len(self.posts) - 1):
+                for x in self.posts[self.next_post]:
+                    buf = torch.empty(a.shape, dtype=a.dtype, device=self.microbatches.device)
+                    ops.append(P2POp("recv", buf, x.src, x.tag(self.m)))
+                    recvs.append(x)
+                self.next_post += 1
+            if not ops:
+                return
+            works = self.device.p2p(ops, (self.axis,))  # each block [*act] -> [*act], at its peer
+        while self.send_works and self.send_works[0].is_completed():  # let go of blocks already delivered
+            self.send_works.popleft()
+        self.send_works.extend(works[: len(sends)])
+        self.recv_works.update(zip(recvs, works[len(sends) :], strict=True))
+
+    def take(self, x: Send) -> torch.Tensor:
+        """Block ``x``: handed over within the stage, or waited for right now."""
+        if x.src == self.me:
+            return self.received.pop(x)
+        got = cast(torch.Tensor, self.recv_works.pop(x).wait())  # a receive's work returns its buffer
+        return self.tagged(got, self.act.axes)
+
+    def run_step(self, step: Step) -> torch.Tensor | None:
+        """One action, its input taken first; the block it produces (None if it produces none)."""
+        a, vs = step.action, step.virtual_stage
+        x = None if step.recv is None else self.take(step.recv)
+        if a.kind == "F":
+            return self.forward(a, vs, x)
+        if a.kind == "B":
+            return self.backward(a, vs, x)
+        self.weight(a, vs)
+        return None
 
     def probe(self) -> None:
         """With ``first_fn``: the activation's shape, dtype and axes, from the stage holding virtual stage 0
@@ -455,13 +416,14 @@ class _Stage:
         axes = frozenset(n for i, n in enumerate(names) if int(got[2]) >> i & 1) if self.vma else frozenset()
         self.act = _Activation(dims, _DTYPES[int(got[0]) - 1], axes | {self.axis} if self.vma else frozenset())
 
-    def forward(self, a: Action, vs: int) -> torch.Tensor | None:
+    def forward(self, a: Action, vs: int, got: torch.Tensor | None) -> torch.Tensor | None:
         """``F``: run the chunk on the received (or first) activation; keep the graph; the output to send."""
-        src = self.microbatches[a.microbatch] if vs == 0 else self.received["F"].pop((a.microbatch, vs))
-        x = src.detach()
+        src = self.microbatches[a.microbatch] if got is None else got
+        x = _detached(src)
         if vs == 0:  # the raw microbatch, as varying over the axis as what the stages compute from it
             x = self.tagged(x, self.mb_axes | {self.axis})
-        x.requires_grad_(vs > 0 or self.input_grad)
+        with torch._C.DisableTorchFunction():
+            x.requires_grad_(vs > 0 or self.input_grad)
         with torch.enable_grad():
             h = x
             if vs == 0 and self.first_fn is not None:
@@ -474,7 +436,7 @@ class _Stage:
                 self.saved[(a.microbatch, vs)] = (x, loss)
                 return None
         self.saved[(a.microbatch, vs)] = (x, y)
-        return y.detach()
+        return _detached(y)
 
     def shared_args(self) -> tuple[PyTree, ...]:
         return (self.shared,) if self.has_shared else ()
@@ -519,12 +481,11 @@ class _Stage:
         uses_shared = (vs == 0 and self.first_fn is not None) or vs == self.last
         return self.chunk_leaves[chunk] + (self.shared_leaves if uses_shared else [])
 
-    def backward(self, a: Action, vs: int) -> torch.Tensor | None:
+    def backward(self, a: Action, vs: int, g_out: torch.Tensor | None) -> torch.Tensor | None:
         """``B``: the input gradient (to send) and, without ``W`` actions, the parameter gradients."""
         key = (a.microbatch, vs)
         x, out = self.saved[key]
-        g_out = None if vs == self.last else self.received["B"].pop(key)
-        split = self.schedule.is_split(self.me, a.microbatch, a.chunk)  # a W follows: input gradient only
+        split = (a.microbatch, a.chunk) in self.split  # a W follows: input gradient only
         want_x = vs > 0 or self.input_grad
         wrt = ([x] if want_x else []) + ([] if split else self.params_of(vs, a.chunk))
         gs = torch.autograd.grad(out, wrt, g_out, retain_graph=split, allow_unused=True) if wrt else ()
@@ -532,13 +493,13 @@ class _Stage:
             self.pending_w[key] = g_out if g_out is not None else torch.ones_like(out)
         else:
             del self.saved[key]
-            self.accumulate(a.chunk, gs[1:] if want_x else gs)
+            self.deferred.append((a.chunk, gs[1:] if want_x else gs))  # added once the input gradient is sent
         gx = gs[0] if want_x else None
         if vs == 0:
             if self.input_grad:
-                self.input_grads[a.microbatch] = torch.zeros_like(x) if gx is None else gx.detach()
+                self.input_grads[a.microbatch] = torch.zeros_like(x) if gx is None else _detached(gx)
             return None
-        return self.zeros() if gx is None else gx.detach()
+        return self.zeros() if gx is None else _detached(gx)
 
     def weight(self, a: Action, vs: int) -> None:
         """``W``: the parameter gradients from the graph ``B`` kept."""
@@ -547,13 +508,24 @@ class _Stage:
         gs = torch.autograd.grad(out, self.params_of(vs, a.chunk), self.pending_w.pop(key), allow_unused=True)
         self.accumulate(a.chunk, gs)
 
+    def flush(self) -> None:
+        """Accumulate the parameter gradients of the ``B`` actions run since the last call."""
+        while self.deferred:
+            self.accumulate(*self.deferred.popleft())
+
     def accumulate(self, c: int, gs: tuple[torch.Tensor | None, ...]) -> None:
+        """Add ``gs`` (chunk ``c``'s leaves, then the shared ones) into the accumulators, in place."""
         n = len(self.leaves)
-        for i, g in enumerate(gs):
-            if g is None:
-                continue
-            accs, j = (self.grad_acc[c], i) if i < n else (self.shared_acc, i - n)
-            accs[j] = g if accs[j] is None else accs[j] + g
+        with torch.no_grad():
+            for i, g in enumerate(gs):
+                if g is None:
+                    continue
+                accs, j = (self.grad_acc[c], i) if i < n else (self.shared_acc, i - n)
+                acc = accs[j]
+                if acc is None:  # a copy: g may share memory with a block still being sent
+                    accs[j] = g.clone()
+                else:
+                    acc.add_(g)
 
     def loss_result(self) -> torch.Tensor:
         """The mean loss, invariant over the axis: the last stage's sum, its dtype and varying axes in one
@@ -602,6 +574,14 @@ class _Stage:
 
 
 _FLOATS = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+
+
+def _detached(t: torch.Tensor) -> torch.Tensor:
+    """``t.detach()`` with ``t``'s varying axes, outside the vma mode (what the mode would tag, at no cost)."""
+    with torch._C.DisableTorchFunction():
+        out = t.detach()
+    axes = find_vma(t)
+    return out if axes is None else set_vma(out, axes)
 
 
 def _float_dtype_index(dtype: torch.dtype) -> int:

@@ -1,0 +1,330 @@
+"""What each pipeline stage sends and receives, and when it posts each receive: pure data from a ``Schedule``.
+
+:func:`stage_plan` is one stage's part of a step as :func:`funcshard.pipeline.run` executes it: the stage's own
+action list cut into units (one action, or an overlapped F&B pair), and for each action the block it waits
+for and the block it sends, each a :class:`Send` ``(src, dst, kind, microbatch, virtual_stage)`` (``src ==
+dst``: a hand-off within the stage, the turn of a V, no communication). ``posts[i]`` lists the receives the
+stage posts before unit ``i``: each one ``lookahead`` units before the unit that consumes it, and the blocks
+from one peer in the order that peer sends them (so no receive overtakes an earlier one from the same
+sender, which a backend matching in order, as NCCL does, needs).
+
+Nothing here runs a model or imports torch. :func:`ticks` is the older lock-step view of a schedule (unit-cost
+time steps and the ``ppermute`` shifts between them), kept for inspection; the runtime no longer uses it.
+
+Example:
+    >>> from funcshard.pipeline import one_f_one_b
+    >>> plan = stage_plan(one_f_one_b(2, 3), 1)  # the last stage: receives activations, sends gradients
+    >>> [str(u[0].action) for u in plan.units]
+    ['F0', 'B0', 'F1', 'B1', 'F2', 'B2']
+    >>> [[str(x) for x in p] for p in plan.posts]  # each activation posted two units before its F
+    [['F0>1', 'F1>1'], [], ['F2>1'], [], [], []]
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+from .schedules import Action, Schedule, ScheduleError
+
+__all__ = ["LOOKAHEAD", "Send", "StagePlan", "Step", "Tick", "messages", "plans", "stage_plan", "ticks"]
+
+LOOKAHEAD = 2  # units between posting a receive and the unit that waits on it
+UNIT_COSTS = {"F": 1.0, "B": 1.0, "W": 1.0, "comm": 0.0}
+
+
+@dataclass(frozen=True)
+class Send:
+    """One block between stages: from stage ``src`` to ``dst``, the output of ``kind`` (``"F"``: an activation,
+    ``"B"``: an input gradient) for ``microbatch``, filed at the receiver under virtual stage ``virtual_stage``.
+
+    Example:
+        >>> x = Send(0, 1, "F", 0, 1)  # stage 0's activation of microbatch 0 goes to virtual stage 1
+        >>> x, str(x), x.tag(4)
+        (Send(src=0, dst=1, kind='F', microbatch=0, virtual_stage=1), 'F0>1', 8)
+    """
+
+    src: int
+    dst: int
+    kind: str
+    microbatch: int
+    virtual_stage: int
+
+    def __str__(self) -> str:
+        return f"{self.kind}{self.microbatch}>{self.virtual_stage}"
+
+    def tag(self, n_microbatches: int) -> int:
+        """A number unique to this block within a step: ``(virtual_stage * m + microbatch) * 2 + (kind == "B")``."""
+        return (self.virtual_stage * n_microbatches + self.microbatch) * 2 + (self.kind == "B")
+
+
+@dataclass(frozen=True)
+class Step:
+    """One action of a stage's plan.
+
+    Attributes:
+        action: the schedule's action.
+        virtual_stage: the virtual stage it runs.
+        recv: the block it waits for (an activation for an ``F`` past virtual stage 0, a gradient for a ``B``
+            before the last one), or None.
+        send: the block it produces for another virtual stage, or None.
+    """
+
+    action: Action
+    virtual_stage: int
+    recv: Send | None
+    send: Send | None
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    """One stage's part of a pipeline step (see :func:`stage_plan`).
+
+    Attributes:
+        stage: the stage.
+        units: its actions in execution order, grouped in units (one action, or an overlapped F&B pair).
+        posts: ``posts[i]``: the receives from other stages to post before unit ``i``.
+    """
+
+    stage: int
+    units: tuple[tuple[Step, ...], ...]
+    posts: tuple[tuple[Send, ...], ...]
+
+    @property
+    def sends(self) -> list[Send]:
+        """The blocks this stage sends to other stages, in the order it sends them."""
+        return [s.send for u in self.units for s in u if s.send is not None and s.send.dst != self.stage]
+
+    @property
+    def recvs(self) -> list[Send]:
+        """The blocks this stage receives from other stages, in the order it posts the receives."""
+        return [x for p in self.posts for x in p]
+
+
+def _io(schedule: Schedule, stage: int, a: Action, owner: dict[int, int]) -> tuple[int, Send | None, Send | None]:
+    """The virtual stage of ``a``, the block it consumes and the block it produces (``owner``: virtual stage
+    -> the stage holding it)."""
+    vs, mb, last = schedule.placement[stage][a.chunk], a.microbatch, schedule.n_virtual_stages - 1
+    recv = send = None
+    if a.kind == "F":
+        if vs > 0:
+            recv = Send(owner[vs - 1], stage, "F", mb, vs)
+        if vs < last:
+            send = Send(stage, owner[vs + 1], "F", mb, vs + 1)
+    elif a.kind == "B":
+        if vs < last:
+            recv = Send(owner[vs + 1], stage, "B", mb, vs)
+        if vs > 0:
+            send = Send(stage, owner[vs - 1], "B", mb, vs - 1)
+    return vs, recv, send
+
+
+def _owner(schedule: Schedule) -> dict[int, int]:
+    return {vs: s for s, row in enumerate(schedule.placement) for vs in row}
+
+
+def _units(acts: list[Action]) -> list[list[Action]]:
+    out: list[list[Action]] = []
+    for a in acts:
+        if a.overlap and out:
+            out[-1].append(a)
+        else:
+            out.append([a])
+    return out
+
+
+def messages(schedule: Schedule) -> list[Send]:
+    """Every block that crosses from one stage to another in a step, each stage's in its sending order.
+
+    Example:
+        >>> from funcshard.pipeline import one_f_one_b, zbv
+        >>> len(messages(one_f_one_b(4, 8)))  # m (p - 1) activations and as many gradients
+        48
+        >>> len(messages(zbv(4, 8)))  # the V's turn stays on stage 3: 2p - 2 crossings each way
+        96
+    """
+    owner = _owner(schedule)
+    return [x for s in range(schedule.n_stages) for x in _sends(schedule, s, owner)]
+
+
+def stage_plan(schedule: Schedule, stage: int, *, lookahead: int = LOOKAHEAD) -> StagePlan:
+    """Stage ``stage``'s actions with their blocks in and out, and when to post each receive.
+
+    A receive is posted ``lookahead`` units before the unit that consumes it (at the start for the first
+    ones), never after a later block from the same peer: the receives from one peer follow that peer's
+    sending order.
+
+    Raises:
+        ScheduleError: ``stage`` out of range, or ``lookahead`` negative.
+
+    Example:
+        >>> from funcshard.pipeline import zbv
+        >>> p = stage_plan(zbv(2, 2), 1)  # stage 1 holds virtual stages 1 and 2: the V turns here
+        >>> [(str(s.action), str(s.send)) for u in p.units for s in u][:3]
+        [('F0', 'F0>2'), ('F0c1', 'F0>3'), ('F1', 'F1>2')]
+        >>> [str(x) for x in p.sends][:2]  # F0>2 stays on the stage (virtual stage 2 is here)
+        ['F0>3', 'F1>3']
+    """
+    if not (isinstance(stage, int) and 0 <= stage < schedule.n_stages):
+        raise ScheduleError(f"stage_plan: no stage {stage!r}; stages are 0..{schedule.n_stages - 1}.")
+    if not (isinstance(lookahead, int) and lookahead >= 0):
+        raise ScheduleError(f"stage_plan: lookahead must be an int >= 0, found {lookahead!r}.")
+    owner = _owner(schedule)
+    units = tuple(
+        tuple(Step(a, *_io(schedule, stage, a, owner)) for a in unit) for unit in _units(schedule.actions[stage])
+    )
+    need = {s.recv: i for i, u in enumerate(units) for s in u if s.recv is not None and s.recv.src != stage}
+    posts: list[list[Send]] = [[] for _ in units]
+    for peer in range(schedule.n_stages):
+        if peer == stage:
+            continue
+        stream = [x for x in _sends(schedule, peer, owner) if x.dst == stage]
+        missing = [x for x in stream if x not in need]
+        if missing:
+            raise ScheduleError(
+                f"stage_plan: stage {peer} sends {missing[0]} to stage {stage}, whose list has no action that "
+                f"uses it; validate the schedule (Schedule.validate)."
+            )
+        at = len(units)
+        for x in reversed(stream):  # no later than any later block of the same peer
+            at = min(at, max(0, need[x] - lookahead))
+            posts[at].append(x)
+    for row in posts:  # within a unit, each peer's blocks in its sending order (they were added reversed)
+        row.reverse()
+    return StagePlan(stage, units, tuple(tuple(r) for r in posts))
+
+
+def _sends(schedule: Schedule, stage: int, owner: dict[int, int]) -> list[Send]:
+    """The blocks ``stage`` sends to other stages, in its list's order."""
+    out = []
+    for a in schedule.actions[stage]:
+        x = _io(schedule, stage, a, owner)[2]
+        if x is not None and x.dst != stage:
+            out.append(x)
+    return out
+
+
+_CACHE: dict[int, tuple[Schedule, Any, tuple[StagePlan, ...]]] = {}
+_CACHE_SIZE = 32
+_LOCK = threading.Lock()
+
+
+def _contents(schedule: Schedule) -> Any:
+    return (
+        schedule.n_stages,
+        schedule.n_microbatches,
+        schedule.n_virtual,
+        schedule.placement,
+        tuple(tuple(acts) for acts in schedule.actions),
+    )
+
+
+def plans(schedule: Schedule) -> tuple[StagePlan, ...]:
+    """Every stage's plan, the schedule validated first; kept for the next call with the same schedule (a
+    training loop runs one schedule every step), rebuilt if its contents changed.
+
+    Raises:
+        ScheduleError: the schedule does not validate.
+
+    Example:
+        >>> from funcshard.pipeline import gpipe
+        >>> sched = gpipe(2, 4)
+        >>> plans(sched) is plans(sched), [len(p.sends) for p in plans(sched)]
+        (True, [4, 4])
+    """
+    contents = _contents(schedule)
+    with _LOCK:
+        hit = _CACHE.get(id(schedule))
+        if hit is not None and hit[0] is schedule and hit[1] == contents:
+            return hit[2]
+    schedule.validate()
+    out = tuple(stage_plan(schedule, s) for s in range(schedule.n_stages))
+    with _LOCK:
+        while len(_CACHE) >= _CACHE_SIZE:
+            del _CACHE[next(iter(_CACHE))]
+        _CACHE[id(schedule)] = (schedule, contents, out)  # the schedule kept alive: its id is not reused
+    return out
+
+
+# -- the lock-step view ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Tick:
+    """One unit-cost time step of a schedule, the same on every device (the lock-step view, see :func:`ticks`).
+
+    Attributes:
+        actions: ``actions[stage]``: the actions that stage starts at this tick (none, one, or an overlapped
+            F&B pair).
+        shifts: groups of sends in which every stage is at most once a source and once a destination (one
+            ``ppermute`` each in a lock-step runtime). Forward sends come first, then backward ones.
+        local: hand-offs within a stage (source and destination the same: the turn of a V), no communication.
+
+    Example:
+        >>> from funcshard.pipeline import one_f_one_b
+        >>> t = ticks(one_f_one_b(2, 2))[0]  # stage 0 starts F0 and sends it to stage 1
+        >>> [[str(a) for a in acts] for acts in t.actions], t.fwd, t.bwd
+        ([['F0'], []], ((0, 1),), ())
+    """
+
+    actions: tuple[tuple[Action, ...], ...]
+    shifts: tuple[tuple[Send, ...], ...]
+    local: tuple[Send, ...] = ()
+
+    @property
+    def fwd(self) -> tuple[tuple[int, int], ...]:
+        """``(src, dst)`` stage pairs of the activations sent at this tick."""
+        return tuple((x.src, x.dst) for shift in self.shifts for x in shift if x.kind == "F")
+
+    @property
+    def bwd(self) -> tuple[tuple[int, int], ...]:
+        """``(src, dst)`` stage pairs of the input gradients sent at this tick."""
+        return tuple((x.src, x.dst) for shift in self.shifts for x in shift if x.kind == "B")
+
+
+def _pack(sends: list[Send]) -> tuple[tuple[Send, ...], ...]:
+    """Sends in as few shifts as first-fit gives (each stage once a source, once a destination per shift),
+    forward ones apart from backward ones."""
+    shifts: list[list[Send]] = []
+    for kind in ("F", "B"):
+        mine: list[list[Send]] = []
+        for x in (x for x in sends if x.kind == kind):
+            for shift in mine:
+                if all(y.src != x.src and y.dst != x.dst for y in shift):
+                    shift.append(x)
+                    break
+            else:
+                mine.append([x])
+        shifts += mine
+    return tuple(tuple(s) for s in shifts)
+
+
+def ticks(schedule: Schedule) -> list[Tick]:
+    """The schedule as lock-step ticks: ``schedule.simulate`` with unit costs, cut at integer times.
+
+    ``len(ticks(s))`` is the unit-cost makespan. ``run`` does not work in ticks (each stage runs its own list
+    and sends as soon as a block is ready); this is the view of a lock-step SPMD loop, for comparison.
+
+    Example:
+        >>> from funcshard.pipeline import gpipe, zbv
+        >>> ts = ticks(gpipe(2, 2))
+        >>> len(ts), sum(bool(t.fwd) for t in ts), sum(bool(t.bwd) for t in ts)
+        (6, 2, 2)
+        >>> [len(t.local) for t in ticks(zbv(2, 2))][:4]  # the V turns on stage 1: no communication
+        [0, 1, 0, 1]
+    """
+    sim = schedule.simulate(dict(UNIT_COSTS))
+    n = round(sim.makespan)
+    acts: list[list[list[Action]]] = [[[] for _ in range(schedule.n_stages)] for _ in range(n)]
+    for s, row in enumerate(sim.timeline):
+        for start, _, a in row:
+            acts[round(start)][s].append(a)
+    out = []
+    for row in acts:
+        owner = _owner(schedule)
+        sends = [x for s, acts in enumerate(row) for a in acts if (x := _io(schedule, s, a, owner)[2])]
+        remote = [x for x in sends if x.src != x.dst]
+        local = tuple(x for x in sends if x.src == x.dst)
+        out.append(Tick(tuple(tuple(r) for r in row), _pack(remote), local))
+    return out
