@@ -33,6 +33,8 @@ from .schedules import one_f_one_b as one_f_one_b
 from .schedules import v_placement as v_placement
 from .schedules import zbv as zbv
 from .schedules import zero_bubble_h1 as zero_bubble_h1
+from .trace import Trace as Trace
+from .trace import trace as trace
 from .visualize import plot as plot
 from .visualize import text as text
 
@@ -43,6 +45,7 @@ __all__ = [
     "Schedule",
     "ScheduleError",
     "Timeline",
+    "Trace",
     "by_name",
     "dualpipev",
     "from_chunks",
@@ -57,6 +60,7 @@ __all__ = [
     "stage_order",
     "text",
     "to_chunks",
+    "trace",
     "v_placement",
     "zbv",
     "zero_bubble_h1",

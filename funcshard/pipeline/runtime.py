@@ -63,6 +63,7 @@ from .plan import StagePlan, Step, plans
 from .plan import Tick as Tick
 from .plan import ticks as ticks
 from .schedules import Action, Schedule
+from .trace import active_trace, now
 
 __all__ = ["PipelineGrads", "Send", "Tick", "run", "stage_order", "ticks", "virtual_stage_order"]
 
@@ -389,12 +390,18 @@ class _Stage:
         """One action, its input taken first; the block it produces (None if it produces none)."""
         a, vs = step.action, step.virtual_stage
         x = None if step.recv is None else self.take(step.recv)
+        tr = active_trace()
+        start = now() if tr is not None else 0.0
+        out = None
         if a.kind == "F":
-            return self.forward(a, vs, x)
-        if a.kind == "B":
-            return self.backward(a, vs, x)
-        self.weight(a, vs)
-        return None
+            out = self.forward(a, vs, x)
+        elif a.kind == "B":
+            out = self.backward(a, vs, x)
+        else:
+            self.weight(a, vs)
+        if tr is not None:
+            tr.add(self.me, start, now(), a)
+        return out
 
     def probe(self) -> None:
         """With ``first_fn``: the activation's shape, dtype and axes, from the stage holding virtual stage 0
