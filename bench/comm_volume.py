@@ -3,7 +3,8 @@
 Runs the block of funcshard.models.block on a simulated 4-device mesh for TP, TP+SP, FSDP, FSDP+TP and
 HSDP, records every collective with fs.comm_stats (calls and payload bytes on one device) and prints them
 beside the theoretical minimum (Megatron's two all-reduces per block each way for TP, the same volume as
-all-gathers + reduce-scatters for SP, one all-gather and one reduce-scatter per parameter for FSDP).
+all-gathers + reduce-scatters for SP, one all-gather and one reduce-scatter per bucket of parameters for FSDP:
+the leaves that vary over the same axes, gathered as one flat buffer).
 
     python bench/comm_volume.py [--dim 256 --heads 8 --ffn 1024 --batch 8 --seq 128]
 """

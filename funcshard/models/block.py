@@ -319,11 +319,16 @@ def comm_theory(
     if mode in ("fsdp", "fsdp_tp", "hsdp"):
         n = shape["fsdp"]
         shards = 0
+        buckets: dict[bool, int] = {}  # one collective per bucket: the leaves that vary over the same axes
         for name in _NAMES:
-            full = sizes[name] // (tp if name not in ("attn_norm", "mlp_norm") else 1)
+            norm = name in ("attn_norm", "mlp_norm")
+            full = sizes[name] // (tp if not norm else 1)
+            key = norm and mode == "fsdp_tp"  # the norms are replicated over tp, the rest sharded
+            buckets[key] = buckets.get(key, 0) + full
+            shards += full // n
+        for full in buckets.values():
             add("all_gather", "fsdp", 1, full // n)
             add("psum_scatter", "fsdp", 1, full)
-            shards += full // n
         if mode == "hsdp":
             add("psum", "dp", 1, shards)  # one bucketed all-reduce of every gradient shard
         if mode == "hsdp":

@@ -140,6 +140,7 @@ def transformer_block(
     rope_theta: float | None = None,
     mlp: str = "swiglu",
     remat: str = "none",
+    gather: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None = None,
 ) -> torch.Tensor:
     """A pre-norm transformer block on its (gathered) parameters, for any plan.
 
@@ -156,6 +157,10 @@ def transformer_block(
         remat: a key of :data:`REMAT`: ``"none"`` keeps the activations for the backward, ``"full"`` recomputes
             the block in the backward from its input (``fs.remat``, ``nothing_saveable``), ``"selective"`` keeps
             the weight matmuls' outputs and the attention output and recomputes the rest. Same numbers either way.
+        gather: FSDP's reshard-after-forward, with ``remat="full"`` or ``"selective"``: ``p`` are the sharded
+            blocks and ``gather`` (e.g. ``use_params``) gathers them inside the block's rematerialised region, so
+            the gathered weights are freed once the block's forward is done and gathered again when the block is
+            recomputed for its backward (the weights are never saved: they are no matmul output).
 
     Returns:
         The block's output, the shape of ``x``.
@@ -172,9 +177,16 @@ def transformer_block(
         raise ConfigError(f"transformer_block: unknown remat {remat!r}; use one of {sorted(REMAT)}.")
 
     def block(x: torch.Tensor, p: dict[str, torch.Tensor]) -> torch.Tensor:
+        if gather is not None:
+            p = gather(p)  # [.., s/fsdp, ..] -> [.., s, ..], again in the backward's recomputation
         return _block(x, p, plan, head_dim=head_dim, norm_eps=norm_eps, rope_theta=rope_theta, mlp=mlp)
 
     policy = REMAT[remat]
+    if gather is not None and policy is None:
+        raise ConfigError(
+            "transformer_block: gather= (reshard-after-forward) needs remat='full' or 'selective': the weights are "
+            "gathered again when the block is recomputed."
+        )
     return block(x, p) if policy is None else rematerialize(block, policy)(x, p)  # (recomputed in the backward)
 
 

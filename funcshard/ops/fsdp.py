@@ -28,8 +28,10 @@ import optree
 import torch
 
 from .. import lax, pytree
+from .._context import maybe_current
 from .._errors import ShardingError
 from .._spec import P, is_spec
+from .._vma import known_vma
 
 __all__ = ["fsdp_gather", "fsdp_unsharded_specs"]
 
@@ -48,7 +50,12 @@ def _fsdp_dim(spec: P, ndim: int, axis: str, path: str) -> int | None:
 
 
 def fsdp_gather(
-    params: Any, specs: Any, *, axis: str | None = "fsdp", replicate_axis: str | tuple[str, ...] | None = None
+    params: Any,
+    specs: Any,
+    *,
+    axis: str | None = "fsdp",
+    replicate_axis: str | tuple[str, ...] | None = None,
+    bucket: bool = True,
 ) -> Any:
     """All-gather every parameter sharded over ``axis`` along its sharded dim (forward); the backward is
     the reduce-scatter, so gradients keep the parameters' layout.
@@ -62,6 +69,9 @@ def fsdp_gather(
             gather, so the backward all-reduces the small reduce-scattered shards (all of them in one
             bucketed collective), not the full gradients. With ``axis=None`` this is DDP: the replicated
             parameters are made varying over it, so their gradients are summed over the replicas.
+        bucket: gather the leaves of one dtype (and the same varying axes) in one collective, as FSDP2 gathers
+            a module's parameters: a flat buffer all-gathered once, its backward one reduce-scatter. False:
+            one all-gather per leaf. The result is the same.
 
     Returns:
         The tree with ``axis`` gathered out of every leaf (other axes, e.g. ``tp``, stay sharded).
@@ -85,16 +95,48 @@ def fsdp_gather(
         params = lax.pvary(params, replicate_axis)
     leaves, treedef = optree.tree_flatten(params)
     paths = [p for p, _ in pytree.leaves_with_path(params)]
-    out = []
-    for path, leaf, spec in zip(paths, leaves, flat_specs, strict=True):
-        if not isinstance(leaf, torch.Tensor):
-            out.append(leaf)
-            continue
-        d = _fsdp_dim(spec, leaf.dim(), axis, path)
-        if d is not None:
-            leaf = lax.all_gather(leaf, axis, dim=d, tiled=True)  # [.., s_d/n, ..] -> [.., s_d, ..]
-        out.append(leaf)
+    dims: dict[int, int] = {}
+    for i, (path, leaf, spec) in enumerate(zip(paths, leaves, flat_specs, strict=True)):
+        if isinstance(leaf, torch.Tensor):
+            d = _fsdp_dim(spec, leaf.dim(), axis, path)
+            if d is not None:
+                dims[i] = d
+    out = list(leaves)
+    for idx in _buckets(leaves, dims, bucket):
+        gathered = _gather_bucket([leaves[i] for i in idx], [dims[i] for i in idx], axis)
+        for i, full in zip(idx, gathered, strict=True):
+            out[i] = full
     return optree.tree_unflatten(treedef, out)
+
+
+def _buckets(leaves: list[Any], dims: dict[int, int], bucket: bool) -> list[list[int]]:
+    """The leaves to gather, grouped so that each group is one collective: by dtype, device and varying axes
+    (so no leaf is made to vary over an axis it does not, which would change its gradient's reduction)."""
+    if not bucket:
+        return [[i] for i in dims]
+    tracked = maybe_current()
+    groups: dict[tuple[Any, ...], list[int]] = {}
+    for i in dims:
+        t = leaves[i]
+        vma = known_vma(t, tracked.check_vma) if tracked is not None else None
+        groups.setdefault((t.dtype, t.device, vma), []).append(i)
+    return list(groups.values())
+
+
+def _gather_bucket(shards: list[torch.Tensor], dims: list[int], axis: str) -> list[torch.Tensor]:
+    """All-gather ``shards`` over ``axis``, each along its own dim ``dims[i]``, in one collective: the shards
+    flattened into one buffer, gathered, split and laid back out (device ``r``'s block of each leaf is block
+    ``r`` of its dim)."""
+    if len(shards) == 1:
+        return [lax.all_gather(shards[0], axis, dim=dims[0], tiled=True)]  # [.., s_d/n, ..] -> [.., s_d, ..]
+    n = lax.axis_size(axis)
+    flat = torch.cat([t.reshape(-1) for t in shards])  # [sum numel_i]: this device's shards, one after another
+    g = lax.all_gather(flat, axis, dim=0, tiled=False)  # [sum numel_i] -> [n, sum numel_i]
+    out = []
+    for t, d, part in zip(shards, dims, g.split([t.numel() for t in shards], dim=1), strict=True):
+        # [n, numel_i] -> [n, .., s_d/n, ..] -> [.., n, s_d/n, ..] -> [.., s_d, ..]
+        out.append(part.reshape(n, *t.shape).movedim(0, d).flatten(d, d + 1))
+    return out
 
 
 def fsdp_unsharded_specs(specs: Any, *, axis: str | None = "fsdp") -> Any:

@@ -36,6 +36,10 @@ class Config:
         remat: rematerialisation of each decoder layer (``fs.remat``): ``"none"``, ``"full"`` (recompute the
             layer in the backward from its input) or ``"selective"`` (keep the weight matmuls' and attention's
             outputs, recompute the rest); the same numbers, less activation memory.
+        reshard_after_forward: with an ``fsdp`` axis and ``remat`` ``"full"`` or ``"selective"``, gather each
+            layer's weights inside its remat region: freed after its forward, gathered again when it is
+            recomputed for the backward (FSDP2's default: one layer's full weights at a time, one more
+            all-gather per layer). Without remat (or False) they are kept from the forward to the backward.
 
     Example:
         >>> Config(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, max_seq_len=32).head_dim
@@ -58,6 +62,7 @@ class Config:
     pp_schedule: str = "1f1b"
     pp_microbatches: int | None = None
     remat: str = "none"
+    reshard_after_forward: bool = True
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "max_seq_len"):

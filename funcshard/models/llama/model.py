@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -109,6 +110,8 @@ def attention_fn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: Config,
         v: ``[b, n_kv_heads, s, hd]`` values.
         cfg: the model config.
         plan: the parallel plan (``ParallelPlan()`` outside ``shard_map``).
+        gather: with ``p`` the sharded blocks, the gather to run inside the layer (reshard-after-forward:
+            see :func:`~funcshard.models.transformer.transformer_block`).
 
     Returns:
         ``[b, n_heads, s, hd]``, the attention output.
@@ -125,7 +128,13 @@ def attention_fn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: Config,
     return causal_attention(q, k, v, plan)  # [b, h, s(/cp), hd] -> [b, h, s(/cp), hd]
 
 
-def layer(x: torch.Tensor, p: dict[str, torch.Tensor], cfg: Config, plan: ParallelPlan) -> torch.Tensor:
+def layer(
+    x: torch.Tensor,
+    p: dict[str, torch.Tensor],
+    cfg: Config,
+    plan: ParallelPlan,
+    gather: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None = None,
+) -> torch.Tensor:
     """One decoder layer on its (gathered) parameters; ``x`` is ``[b, s, d]`` (``[b, s/tp, d]`` under SP).
 
     Args:
@@ -147,7 +156,14 @@ def layer(x: torch.Tensor, p: dict[str, torch.Tensor], cfg: Config, plan: Parall
         torch.Size([2, 16, 64])
     """
     return transformer_block(  # SwiGLU (the default mlp)
-        x, p, plan, head_dim=cfg.head_dim, norm_eps=cfg.norm_eps, rope_theta=cfg.rope_theta, remat=cfg.remat
+        x,
+        p,
+        plan,
+        head_dim=cfg.head_dim,
+        norm_eps=cfg.norm_eps,
+        rope_theta=cfg.rope_theta,
+        remat=cfg.remat,
+        gather=gather,
     )  # [b, s(/tp), d] -> [b, s(/tp), d]
 
 
@@ -161,8 +177,13 @@ def embed_tokens(table: torch.Tensor, tokens: torch.Tensor, lay: Layout) -> torc
 def run_layers(x: torch.Tensor, layers: dict[str, torch.Tensor], cfg: Config, lay: Layout) -> torch.Tensor:
     """The decoder layers stacked on the leading dim of ``layers``' leaves, in order, on ``x [b, s(/tp), d]``."""
     stacked = {k: torch.unbind(v, 0) for k, v in layers.items()}  # [n, ...] -> n x [...]
+    reshard = cfg.reshard_after_forward and lay.plan.fsdp is not None and cfg.remat != "none"
     for i in range(len(next(iter(stacked.values())))):
-        x = layer(x, use_params({k: v[i] for k, v in stacked.items()}, lay.layer_specs, lay.plan), cfg, lay.plan)
+        p = {k: v[i] for k, v in stacked.items()}
+        if reshard:  # gathered inside the layer's remat region: freed after its forward, gathered again after
+            x = layer(x, p, cfg, lay.plan, gather=lambda p: use_params(p, lay.layer_specs, lay.plan))
+        else:
+            x = layer(x, use_params(p, lay.layer_specs, lay.plan), cfg, lay.plan)
     return x
 
 
