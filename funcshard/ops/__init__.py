@@ -12,6 +12,7 @@ Example:
     True
 """
 
+from . import triton as triton  # funcshard.ops.triton.flash_attention; imports no Triton until it runs
 from .attention import attention as attention
 from .fsdp import fsdp_gather as fsdp_gather
 from .fsdp import fsdp_unsharded_specs as fsdp_unsharded_specs
