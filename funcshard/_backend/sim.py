@@ -261,13 +261,9 @@ class SimWorld:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     missing = [self._dev_name(m) for i, m in enumerate(slot.members) if i not in slot.vals]
+                    what = f"{_describe(kind, meta)} over {axes}"
                     self._fail(
-                        ShardingError(
-                            f"{_describe(kind, meta)} over {axes}: device {self._dev_name(dev.rank)} waited "
-                            f"{self.timeout:g} s (FUNCSHARD_TIMEOUT) for device(s) {', '.join(missing)}, which never "
-                            f"reached it; states: {self._states()}. A device stuck in its own code (a loop, a "
-                            f"blocking call) looks like this; raise FUNCSHARD_TIMEOUT if it is only slow."
-                        ),
+                        self._timed_out(what, dev.rank, f"device(s) {', '.join(missing)}", "reached it"),
                         give_up=time.monotonic() + _GRACE,
                     )
                     raise _Aborted
@@ -343,13 +339,9 @@ class SimWorld:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     other = "sent it" if w.op.kind == "recv" else "posted the matching receive"
+                    peer = f"device {self._dev_name(w.peer)}"
                     self._fail(
-                        ShardingError(
-                            f"{w.describe()} over {w.axes}: device {self._dev_name(w.owner)} waited "
-                            f"{self.timeout:g} s (FUNCSHARD_TIMEOUT) for device {self._dev_name(w.peer)}, which never "
-                            f"{other}; states: {self._states()}. A device stuck in its own code (a loop, a "
-                            f"blocking call) looks like this; raise FUNCSHARD_TIMEOUT if it is only slow."
-                        ),
+                        self._timed_out(f"{w.describe()} over {w.axes}", w.owner, peer, other),
                         give_up=time.monotonic() + _GRACE,
                     )
                     raise _Aborted
@@ -376,6 +368,14 @@ class SimWorld:
     def _dev_name(self, rank: int) -> str:
         c = self.mesh.coords_of(rank)
         return "(" + ", ".join(f"{a}={i}" for a, i in c.items()) + ")"
+
+    def _timed_out(self, what: str, waiter: int, peers: str, never: str) -> ShardingError:
+        """The error of device ``waiter`` that waited the whole FUNCSHARD_TIMEOUT in ``what`` for ``peers``."""
+        return ShardingError(
+            f"{what}: device {self._dev_name(waiter)} waited {self.timeout:g} s (FUNCSHARD_TIMEOUT) for {peers}, "
+            f"which never {never}; states: {self._states()}. A device stuck in its own code (a loop, a blocking "
+            f"call) looks like this; raise FUNCSHARD_TIMEOUT if it is only slow."
+        )
 
     def _states(self) -> str:
         parts = []
