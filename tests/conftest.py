@@ -11,6 +11,10 @@ os.environ.setdefault("FUNCSHARD_TIMEOUT", "60")
 # before any test module imports jax (optax, transformers and the docs do): the fuzzer's JAX oracle runs on
 # 8 host devices, which XLA reads once, at jax's first import
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+# before anything imports triton (torch._dynamo does, e.g. in the doctests): Triton's interpreter, which runs
+# funcshard.ops.triton's kernels on CPU, must be asked for before triton's first import; the kernels run only
+# where tests call them, and the fallback test unsets it for its call
+os.environ.setdefault("TRITON_INTERPRET", "1")
 torch.set_num_threads(2)
 
 BACKENDS = ["sim", "dist"]

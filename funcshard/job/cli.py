@@ -151,6 +151,9 @@ ENVIRONMENT = """environment:
                      (default 300; sim and torchrun alike)
   FUNCSHARD_AUDIT    1: check --no-check-vma steps under torchrun as sim does
                      (raise where the untracked gradient would be wrong)
+  TRITON_INTERPRET   Triton's own: 1 runs funcshard.ops.triton's kernels on CPU
+                     with Triton's interpreter (set it before triton is
+                     imported); unset, they run on CUDA only
   RANK, WORLD_SIZE   set by torchrun: with both set, the mesh runs one device
                      per process ("dist"); without, every device is simulated
                      in this process ("sim")

@@ -5,7 +5,8 @@ the log-sum-exp that context-parallel attention merges blocks by.
 kernels on CUDA tensors, and on CPU tensors when ``TRITON_INTERPRET=1`` (the Triton interpreter, slow, for
 tests); elsewhere (CPU, or Triton not installed: ``pip install 'funcshard[triton]'``) it is
 :func:`funcshard.ops.attention`, the torch path, with the same results. Importing this module never imports
-Triton; the kernels are compiled (or, interpreted, decorated) at the first call.
+Triton; the kernels are compiled (or, interpreted, decorated) at the first call. Triton reads part of
+``TRITON_INTERPRET`` when it is first imported (``torch._dynamo`` imports it too): set the variable before that.
 
 - forward: tiled online softmax in float32 accumulators; saves only ``out`` and the log-sum-exp.
 - backward: ``delta = rowsum(dout * out)``, then ``p`` recomputed from ``q``, ``k`` and the log-sum-exp,
