@@ -280,25 +280,6 @@ def uniform(
     return _finish(u, axes)
 
 
-# log(2) split so that e * _LN2_HI is exact for |e| < 2**11 (fdlibm)
-_LN2_HI, _LN2_LO = 6.93147180369123816490e-01, 1.90821492927058770002e-10
-
-
-def _log(x: torch.Tensor) -> torch.Tensor:
-    """Natural log of float64 ``x > 0`` from basic IEEE ops only: ``x = m * 2**e``, ``log m = 2 atanh(s)``.
-    (``normal`` no longer uses it: float32 ``erfinv`` takes XLA's own ``log1p``, :func:`_log1p32`.)"""
-    m, e = torch.frexp(x)  # m in [0.5, 1)
-    low = m < math.sqrt(0.5)
-    m = torch.where(low, m * 2.0, m)  # m in [sqrt(1/2), sqrt(2))
-    e = (e - low.to(e.dtype)).to(torch.float64)
-    s = (m - 1.0) / (m + 1.0)  # |s| < 0.1716
-    s2 = s * s
-    p = torch.full_like(s, 1.0 / 25.0)
-    for k in range(11, -1, -1):  # atanh(s) / s = sum s**(2k) / (2k + 1), terms below 1e-18 dropped
-        p = p.mul_(s2).add_(1.0 / (2 * k + 1))
-    return e * _LN2_HI + (e * _LN2_LO + 2.0 * s * p)
-
-
 def _f32(v: float) -> float:
     return float(torch.tensor(v, dtype=torch.float32))
 

@@ -114,11 +114,11 @@ def _buckets(leaves: list[Any], dims: dict[int, int], bucket: bool) -> list[list
     (so no leaf is made to vary over an axis it does not, which would change its gradient's reduction)."""
     if not bucket:
         return [[i] for i in dims]
-    tracked = maybe_current()
+    ctx = maybe_current()
     groups: dict[tuple[Any, ...], list[int]] = {}
     for i in dims:
         t = leaves[i]
-        vma = known_vma(t, tracked.check_vma) if tracked is not None else None
+        vma = known_vma(t, ctx.check_vma) if ctx is not None else None
         groups.setdefault((t.dtype, t.device, vma), []).append(i)
     return list(groups.values())
 
