@@ -32,6 +32,7 @@ from ._errors import ShardingError as ShardingError
 from ._grad import value_and_grad as value_and_grad
 from ._mesh import Mesh as Mesh
 from ._mesh import make_mesh as make_mesh
+from ._precision import Precision as Precision
 from ._remat import checkpoint_name as checkpoint_name
 from ._remat import remat as remat
 from ._remat import remat_policies as remat_policies
@@ -84,6 +85,7 @@ __all__ = [
     "Mesh",
     "MeshError",
     "P",
+    "Precision",
     "ShardingError",
     "all_gather",
     "all_to_all",

@@ -43,16 +43,34 @@ class Array:
         Array(shape=(4, 6), dtype=torch.float32, spec=P(None, 'tp'), mesh={'tp': 2}, backend='sim')
     """
 
-    __slots__ = ("dtype", "mesh", "shape", "shards", "spec")
+    __slots__ = ("dtype", "mesh", "owned", "shape", "shards", "spec")
 
     def __init__(
-        self, mesh: Mesh, spec: P, shape: tuple[int, ...], dtype: torch.dtype, shards: dict[Coords, torch.Tensor]
+        self,
+        mesh: Mesh,
+        spec: P,
+        shape: tuple[int, ...],
+        dtype: torch.dtype,
+        shards: dict[Coords, torch.Tensor],
+        owned: bool = False,
     ) -> None:
         self.mesh = mesh
         self.spec = spec
         self.shape = tuple(shape)
         self.dtype = dtype
         self.shards = shards
+        #: the shards are this Array's alone (fresh results of a shard_map, no views, no shared storage), so a
+        #: shard_map that is donated the Array may write into them in place
+        self.owned = owned
+
+    def delete(self, why: str = "deleted") -> None:
+        """Drop the shards (JAX's ``Array.delete``); any later use of the Array raises a ShardingError."""
+        self.shards = _Deleted(self, why)  # type: ignore[assignment]
+        self.owned = False
+
+    def is_deleted(self) -> bool:
+        """True once the Array was deleted or donated (JAX's ``is_deleted``)."""
+        return isinstance(self.shards, _Deleted)
 
     @property
     def local(self) -> torch.Tensor:
@@ -83,6 +101,23 @@ class Array:
             f"Array(shape={self.shape}, dtype={self.dtype}, spec={self.spec!r}, mesh={format_mesh(self.mesh)}, "
             f"backend='{self.mesh.backend}')"
         )
+
+
+class _Deleted(dict):  # type: ignore[type-arg]
+    """The shards of a deleted Array: every access raises, naming why it is gone and what to use instead."""
+
+    def __init__(self, a: Array, why: str) -> None:
+        super().__init__()
+        self.msg = (
+            f"this Array (shape={a.shape}, spec={a.spec!r}) was {why}: its buffers now belong to that call's "
+            f"results. Use the value the call returned (params, state = step(params, state, ...)), or leave the "
+            f"argument out of donate= to keep it."
+        )
+
+    def _raise(self, *_: Any, **__: Any) -> Any:
+        raise ShardingError(self.msg)
+
+    __getitem__ = __iter__ = __len__ = values = items = keys = get = __contains__ = _raise  # type: ignore[assignment]
 
 
 def is_array(x: Any) -> bool:

@@ -10,7 +10,7 @@ from typing import Any
 
 from ._errors import ShardingError
 
-__all__ = ["DeviceContext", "axes_of", "current", "enter", "maybe_current"]
+__all__ = ["DeviceContext", "axes_of", "current", "enter", "is_donated", "maybe_current"]
 
 _local = threading.local()
 
@@ -22,6 +22,19 @@ class DeviceContext:
     mesh: Any
     device: Any  # a _backend.DeviceHandle
     check_vma: bool
+    donated: frozenset[int] = frozenset()  # id() of the argument blocks donated to this call (written in place)
+
+
+def is_donated(*ts: Any) -> bool:
+    """True when every one of ``ts`` is a block donated to the running ``shard_map`` call (``donate=``), so
+    the call may write into it in place (the optimisers do). False outside shard_map.
+
+    Example:
+        >>> is_donated()  # outside shard_map
+        False
+    """
+    ctx = getattr(_local, "ctx", None)
+    return ctx is not None and bool(ctx.donated) and bool(ts) and all(id(t) in ctx.donated for t in ts)
 
 
 def maybe_current() -> DeviceContext | None:

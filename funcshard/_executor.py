@@ -98,8 +98,12 @@ class DeviceBody:
     def __call__(self, dev: Any, leaves: list[list[Any]]) -> Result:
         # each device owns what it may write: a copy-on-write clone of every input block (no copy is made
         # unless the function writes to it in place), so no write reaches another device or the caller
-        leaves = [[_own(t) for t in arg] for arg in leaves]
         inputs = self.inputs
+        donated = inputs.donated
+        if donated is None:
+            leaves = [[_own(t) for t in arg] for arg in leaves]
+        else:  # donated blocks are handed over as they are: the call may write into them (then they are deleted)
+            leaves = [[t if d else _own(t) for t, d in zip(arg, ds, strict=True)] for arg, ds in zip(leaves, donated)]
         if inputs.resharded:  # below the transform: move blocks to their in_spec, untracked
             _tag_args(leaves, inputs.layouts, self.tagged)
             with enter(DeviceContext(self.mesh, dev, False)):
@@ -110,7 +114,10 @@ class DeviceBody:
         _tag_args(leaves, inputs.specs, self.tagged)
         args = [optree.tree_unflatten(td, lv) for td, lv in zip(inputs.treedefs, leaves, strict=True)]
         mode = VmaMode(dev, audit=not self.check_vma) if self.check_vma or self.audit else nullcontext()
-        with enter(DeviceContext(self.mesh, dev, self.check_vma)), mode:
+        mine = frozenset()
+        if donated is not None:
+            mine = frozenset(id(t) for arg, ds in zip(leaves, donated) for t, d in zip(arg, ds) if d)
+        with enter(DeviceContext(self.mesh, dev, self.check_vma, mine)), mode:
             out = self.f(*args)
             out_leaves, out_def = optree.tree_flatten(out, is_leaf=is_array)
             if _differentiable(out_leaves):

@@ -18,11 +18,14 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
+import optree
+
+from ._arraytype import Array, is_array
 from ._context import maybe_current
 from ._errors import ShardingError
 from ._executor import DeviceBody, executor_for
 from ._mesh import Mesh
-from ._shard_map_io import InputCache, assemble_outputs, check_structures
+from ._shard_map_io import InputCache, Inputs, assemble_outputs, check_structures, donated_blocks
 from ._vma import clear_vma
 
 __all__ = ["shard_map"]
@@ -38,6 +41,7 @@ def shard_map(
     in_specs: Any,
     out_specs: Any,
     check_vma: bool = True,
+    donate: int | tuple[int, ...] = (),
 ) -> Callable[..., Any]:
     """Map ``f`` over the devices of ``mesh``: each device runs ``f`` on its local shards.
 
@@ -49,6 +53,11 @@ def shard_map(
         check_vma: track which axes each value varies over, insert ``pvary`` where an invariant value meets
             a varying one (so gradients are those of the global function), and check that outputs are
             invariant over the axes their spec omits. ``False``: no tracking, write ``fs.pvary`` yourself.
+        donate: positions of arguments whose ``fs.Array``s the call may consume, as JAX's ``donate_argnums``:
+            their blocks are handed to ``f`` without a copy, so ``f`` may write results into them in place
+            (``fs.optim``'s updates do: a step then holds one copy of the params and moments), and the Arrays
+            are deleted after the call (using one again raises). Blocks that are views or shared (the first
+            ``device_put`` of a tensor) are copied on write instead; plain tensors are never written.
 
     Returns:
         A function of global values (``fs.Array``s, or plain tensors taken as the full value) returning
@@ -61,17 +70,20 @@ def shard_map(
         >>> g = shard_map(lambda x: fs.psum(x, "dp"), mesh=mesh, in_specs=(P("dp"),), out_specs=P())  # doctest: +SKIP
     """
     if f is None:
-        return lambda g: shard_map(g, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=check_vma)
+        return lambda g: shard_map(
+            g, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=check_vma, donate=donate
+        )
     if not callable(f):
         raise ShardingError(f"shard_map: expected a function as first argument, found {type(f).__name__}.")
     if not isinstance(mesh, Mesh):
         raise ShardingError(f"shard_map: mesh must be an fs.Mesh from fs.make_mesh, found {type(mesh).__name__}.")
 
+    donated = _donate_argnums(donate)
     cache = InputCache()
 
     @functools.wraps(f)
     def mapped(*args: Any) -> Any:
-        return _call(f, mesh, in_specs, out_specs, bool(check_vma), args, cache)
+        return _call(f, mesh, in_specs, out_specs, bool(check_vma), args, cache, donated)
 
     return mapped
 
@@ -84,6 +96,7 @@ def _call(
     check_vma: bool,
     args: tuple[Any, ...],
     cache: InputCache,
+    donate: tuple[int, ...] = (),
 ) -> Any:
     """prepare (check and cut the arguments) -> run (on the backend's executor) -> assemble (the outputs)."""
     name = f"shard_map({getattr(f, '__name__', 'f')})"
@@ -93,6 +106,37 @@ def _call(
             f"directly on the local shards, using collectives for communication."
         )
     inputs = cache.prepare(name, mesh, in_specs, args)
+    if donate:
+        inputs.donated = donated_blocks(name, args, donate)
+        try:
+            return _run(name, f, mesh, out_specs, check_vma, inputs, cache)
+        finally:  # consumed, whether or not the call got through (its blocks may be half written)
+            for i in donate:
+                for leaf in optree.tree_leaves(args[i], is_leaf=is_array):
+                    if isinstance(leaf, Array):
+                        leaf.delete(f"donated to {name} (donate={donate})")
+    return _run(name, f, mesh, out_specs, check_vma, inputs, cache)
+
+
+def _donate_argnums(donate: int | tuple[int, ...]) -> tuple[int, ...]:
+    items = (donate,) if isinstance(donate, int) else donate
+    if not isinstance(items, (tuple, list)) or not all(isinstance(i, int) and i >= 0 for i in items):
+        raise ShardingError(
+            f"shard_map: donate must be an argument position or a tuple of them (JAX's donate_argnums), "
+            f"found {donate!r}; e.g. donate=(0, 1) to donate the params and the optimiser state."
+        )
+    return tuple(sorted(set(items)))
+
+
+def _run(
+    name: str,
+    f: Callable[..., Any],
+    mesh: Mesh,
+    out_specs: Any,
+    check_vma: bool,
+    inputs: Inputs,
+    cache: InputCache,
+) -> Any:
     executor = executor_for(mesh)
 
     def plan(results: list[Any]) -> Any:

@@ -19,7 +19,7 @@ from ._reshard import Step, reshard_plan
 from ._spec import P, check_spec, format_mesh, is_spec
 from ._vma import get_vma
 
-__all__ = ["InputCache", "Inputs", "OutPlan", "assemble_outputs", "device_args"]
+__all__ = ["InputCache", "Inputs", "OutPlan", "assemble_outputs", "device_args", "donated_blocks"]
 
 #: per output leaf: its path, its spec and its global shape (None for a non-tensor leaf)
 OutPlan = list[tuple[str, P, tuple[int, ...] | None]]
@@ -43,6 +43,7 @@ class Inputs:
     layouts: list[list[P]]
     steps: list[list[list[Step]]]
     blocks: list[list[Any]]
+    donated: list[list[bool]] | None = None  # per argument and leaf: its blocks are handed over to be written
 
     @property
     def resharded(self) -> bool:
@@ -147,6 +148,39 @@ class InputCache:
         return plan
 
 
+def donated_blocks(name: str, args: tuple[Any, ...], donate: tuple[int, ...]) -> list[list[bool]]:
+    """Per argument and leaf, whether its blocks are handed to the devices to be written in place: the
+    ``owned`` Arrays of the donated arguments (the others are copied on write, as without donation).
+
+    Raises:
+        ShardingError: a position past the arguments, or a donated Array that requires grad.
+    """
+    for i in donate:
+        if i >= len(args):
+            raise ShardingError(
+                f"{name}: donate names argument {i} but the function was called with {len(args)} positional "
+                f"arguments; donate positions count from 0."
+            )
+    out = []
+    for i, arg in enumerate(args):
+        flags = []
+        for path, leaf in pytree.leaves_with_path(arg, is_leaf=is_array):
+            if i in donate and isinstance(leaf, Array) and leaf.requires_grad:
+                raise ShardingError(
+                    f"{name} at 'args[{i}]/{path}': a donated Array requires grad, so autograd may still need its "
+                    f"buffers; donate only values no gradient flows into (params and optimiser state of a step "
+                    f"that takes its own gradients), or drop {i} from donate."
+                )
+            flags.append(i in donate and isinstance(leaf, Array) and leaf.owned)
+        out.append(flags)
+    return out
+
+
+def _owned(leaves: list[Any]) -> bool:
+    """Whether a shard_map output's device blocks are fresh: no views, no copy-on-write clones of an input."""
+    return all(isinstance(v, torch.Tensor) and v._base is None and not torch._C._is_cow_tensor(v) for v in leaves)
+
+
 def device_args(coords: Coords, blocks: list[list[Any]]) -> list[list[Any]]:
     """One device's local leaves, per argument: its block of each tensor leaf, other leaves as they are."""
     return [[leaf[coords] if isinstance(leaf, dict) else leaf for leaf in arg] for arg in blocks]
@@ -191,6 +225,7 @@ def assemble_outputs(
     ``plan`` and assembled into ``fs.Array``s."""
     out_def = results[0][1]
     out = []
+    seen: set[int] = set()  # storages of the blocks assembled so far
     for k, (path, spec, gshape) in enumerate(plan):
         vals = [r[0][k] for r in results]
         v0 = vals[0]
@@ -240,7 +275,12 @@ def assemble_outputs(
                     )
         if not check_vma and len(vals) > 1:
             _check_replicated(name, path, spec, mesh, all_coords, vals)
-        out.append(Array(mesh, spec, gshape, v0.dtype, dict(zip(all_coords, vals, strict=True))))
+        owned = _owned(vals)
+        if owned:  # no storage shared with another device's block or another output (returned twice)
+            ptrs = [v.untyped_storage().data_ptr() for v in vals if v.numel()]
+            owned = len(set(ptrs)) == len(ptrs) and not seen.intersection(ptrs)
+            seen.update(ptrs)
+        out.append(Array(mesh, spec, gshape, v0.dtype, dict(zip(all_coords, vals, strict=True)), owned))
     return optree.tree_unflatten(out_def, out)
 
 

@@ -30,7 +30,7 @@ from typing import Any
 import optree
 import torch
 
-from . import _prims
+from . import _prims, _prims_cast
 from ._context import DeviceContext, axes_of, current
 from ._errors import ShardingError
 from ._vma import EMPTY, Audited, bind_operand, bind_result, get_vma, known_vma, set_vma
@@ -178,12 +178,16 @@ def _dim(d: int, ndim: int, name: str, what: str, shape: Sequence[int]) -> int:
     return d % ndim
 
 
-def _gather(x: PyTree, axis: _Axis, dim: int, tiled: bool, name: str) -> PyTree:
-    """all_gather / all_gather_invariant: the same forward, different transposes and tags."""
+def _gather(
+    x: PyTree, axis: _Axis, dim: int, tiled: bool, name: str, cast: tuple[torch.dtype, torch.dtype] | None = None
+) -> PyTree:
+    """all_gather / all_gather_invariant / all_gather_cast: the same forward, different transposes and tags."""
     ctx = current(name)
     axes = axes_of(axis, ctx.mesh, name)
     invariant = name == "all_gather_invariant"
-    prim = _prims.AllGatherInvariant if invariant else _prims.AllGather
+    prim: Any = (
+        _prims.AllGatherInvariant if invariant else _prims.AllGather if cast is None else _prims_cast.AllGatherCast
+    )
 
     def one(t: torch.Tensor) -> torch.Tensor:
         d = _dim(dim, max(t.dim() + (0 if tiled else 1), 1), name, "dim", t.shape)
@@ -191,6 +195,8 @@ def _gather(x: PyTree, axis: _Axis, dim: int, tiled: bool, name: str) -> PyTree:
             t, have = bind_operand(prim, t, axes, ctx.device, ctx.check_vma, name)
             if invariant:
                 y = _prims.call(prim, t, ctx.device, axes, axis_index_int(axes))  # [*s] -> [n, *s]
+            elif cast is not None:
+                y = _prims.call(prim, t, ctx.device, axes, *cast)  # [*s] -> [n, *s] (in cast[0])
             else:
                 y = _prims.call(prim, t, ctx.device, axes)  # [*s] -> [n, *s]
             y = y.movedim(0, d)
@@ -211,6 +217,50 @@ def all_gather(x: PyTree, axis: _Axis, *, dim: int = 0, tiled: bool = False) -> 
         >>> # w_full = fs.all_gather(w, "fsdp", dim=0, tiled=True)  # [h/n, d] -> [h, d]
     """
     return _gather(x, axis, dim, tiled, "all_gather")
+
+
+def all_gather_cast(
+    x: PyTree, axis: _Axis, *, dim: int = 0, tiled: bool = False, dtype: torch.dtype, grad_dtype: torch.dtype
+) -> PyTree:
+    """:func:`all_gather` of ``x`` cast to ``dtype`` (the forward moves ``dtype``), whose backward
+    reduce-scatters the cotangent in ``grad_dtype`` and returns it in ``x``'s dtype: mixed precision's FSDP
+    gather (``fs.Precision``: compute dtype forward, reduce dtype backward). Not a JAX name: used by
+    ``ops.fsdp_gather``.
+
+    Example:
+        >>> # w = all_gather_cast(w32, "fsdp", tiled=True, dtype=torch.bfloat16, grad_dtype=torch.float32)
+    """
+    return _gather(x, axis, dim, tiled, "all_gather", (dtype, grad_dtype))
+
+
+def pvary_cast(x: PyTree, axis: _Axis, *, dtype: torch.dtype, grad_dtype: torch.dtype) -> PyTree:
+    """:func:`pvary` of the floating leaves of ``x`` cast to ``dtype``, their gradients summed over ``axis``
+    in ``grad_dtype`` (one bucketed all-reduce per group of equal varying axes) and returned in each leaf's
+    own dtype: mixed precision's DDP (``fs.Precision``). Leaves already varying over ``axis`` are only cast.
+
+    Example:
+        >>> # params = pvary_cast(params, "dp", dtype=torch.bfloat16, grad_dtype=torch.float32)
+    """
+    ctx = current("pvary")
+    axes = axes_of(axis, ctx.mesh, "pvary")
+    leaves, treedef = optree.tree_flatten(x)
+    groups: dict[Any, list[int]] = {}
+    out = list(leaves)
+    for i, t in enumerate(leaves):
+        if not (isinstance(t, torch.Tensor) and t.is_floating_point()):
+            raise ShardingError(f"pvary_cast: leaves must be floating torch.Tensors, found {type(t).__name__}.")
+        have = known_vma(t, ctx.check_vma)
+        todo = tuple(a for a in axes if have is None or isinstance(have, Audited) or a not in have)
+        if todo:
+            groups.setdefault((todo, t.device, have), []).append(i)
+        elif t.dtype != dtype:
+            out[i] = t.to(dtype)
+    for (todo, _, have), idx in groups.items():
+        with torch._C.DisableTorchFunction():
+            ys = _prims.call(_prims_cast.PvaryCast, ctx.device, todo, dtype, grad_dtype, *(leaves[i] for i in idx))
+        for i, y in zip(idx, ys, strict=True):
+            out[i] = bind_result(_prims.Pvary, y, have, axes)
+    return optree.tree_unflatten(treedef, out)
 
 
 def all_gather_invariant(x: PyTree, axis: _Axis, *, dim: int = 0, tiled: bool = False) -> PyTree:

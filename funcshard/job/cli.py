@@ -224,6 +224,19 @@ def train_parser() -> ArgumentParser:
         "selective also its matmul and attention outputs; the same numbers, less memory",
     )
     g.add_argument(
+        "--dtype",
+        choices=("fp32", "bf16", "fp16"),
+        default="fp32",
+        help="compute dtype (fs.Precision): the weights are cast to it for the forward and backward and FSDP "
+        "gathers them in it; master weights, optimiser moments, loss and softmax statistics stay float32",
+    )
+    g.add_argument(
+        "--reduce-dtype",
+        choices=("fp32", "bf16"),
+        default="fp32",
+        help="dtype the gradients are summed in over the data axes (dp, fsdp, cp); bf16 halves those bytes",
+    )
+    g.add_argument(
         "--init-from",
         default=None,
         metavar="PATH",

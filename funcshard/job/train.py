@@ -91,9 +91,26 @@ def model_config(args: argparse.Namespace) -> llama.Config:
         pp_schedule=getattr(args, "schedule", "1f1b"),
         pp_microbatches=getattr(args, "microbatches", None),
         remat=getattr(args, "remat", "none"),
+        precision=_precision(args),
     )
     cfg = dataclasses.replace(cfg, sequence_parallel=True) if args.sp else cfg
     return init_from.model_config(args, cfg) if getattr(args, "init_from", None) else cfg  # a Hugging Face folder's
+
+
+def _precision(args: argparse.Namespace) -> fs.Precision | None:
+    """``--dtype`` / ``--reduce-dtype`` as a policy: float32 master weights and moments, the compute dtype asked
+    for, the loss and logits in float32; ``None`` for a plain float32 run."""
+    dtype, reduce = getattr(args, "dtype", "fp32"), getattr(args, "reduce_dtype", "fp32")
+    if dtype == "fp32" and reduce == "fp32":
+        return None
+    return fs.Precision(torch.float32, dtype, reduce, torch.float32)
+
+
+def model_dict(cfg: llama.Config) -> dict[str, Any]:
+    """The model's config as JSON-able data (the precision as its string form), as checkpoints store it."""
+    d = dataclasses.asdict(cfg)
+    d["precision"] = None if cfg.precision is None else str(cfg.precision)
+    return d
 
 
 def _check_args(args: argparse.Namespace, mesh: fs.Mesh, cfg: llama.Config) -> int:
@@ -304,7 +321,11 @@ def _setup(args: argparse.Namespace, cfg: llama.Config, mesh_shape: dict[str, in
         out,
         n_threads=_threads(args, mesh),
         train_step=_accumulating(
-            fs.shard_map(step_fn, in_specs=(specs, sspecs, bs, bs), out_specs=(P(), specs, sspecs), **kw), accum
+            # params and state donated: the optimiser updates them in place (one copy of the state per step)
+            fs.shard_map(
+                step_fn, in_specs=(specs, sspecs, bs, bs), out_specs=(P(), specs, sspecs), donate=(0, 1), **kw
+            ),
+            accum,
         ),
         eval_step=fs.shard_map(eval_fn, in_specs=(specs, bs, bs), out_specs=P(), **kw),
         init=init,
@@ -367,7 +388,7 @@ def _train(
         params, state, data_key, start = _restore_or_init(run, saved)
         progress["step"] = start
         if _lead():
-            meta = {"model": dataclasses.asdict(cfg), "args": vars(args), "mesh": mesh.shape}
+            meta = {"model": model_dict(cfg), "args": vars(args), "mesh": mesh.shape}
             tok = init_from.run_tokenizer(args)
             meta["tokenizer"] = None if tok is None else str(tok)  # generate decodes with it
             (ckpt_dir / "config.json").write_text(json.dumps({**meta, "corpus": run.corpus.describe()}, indent=1))
@@ -495,8 +516,9 @@ def _check_same_model(ckpt_dir: Path, cfg: llama.Config) -> None:
         saved = json.loads((ckpt_dir / "config.json").read_text())["model"]
     except (OSError, ValueError, KeyError):
         return  # nothing to compare with: loading checks the shapes
-    layout_only = ("sequence_parallel", "pp_schedule", "pp_microbatches", "remat")  # how it runs, not which model
-    now = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in layout_only}
+    # how it runs, not which model (the master weights stay float32 under any --dtype)
+    layout_only = ("sequence_parallel", "pp_schedule", "pp_microbatches", "remat", "precision")
+    now = {k: v for k, v in model_dict(cfg).items() if k not in layout_only}
     diff = [f"{k}={saved.get(k)!r} (now {v!r})" for k, v in now.items() if saved.get(k) != v]
     if diff:
         raise UsageError(
@@ -507,7 +529,7 @@ def _check_same_model(ckpt_dir: Path, cfg: llama.Config) -> None:
 
 def _save(ckpt_dir: Path, step: int, params: Any, state: Any, data_key: torch.Tensor, cfg: llama.Config) -> None:
     tree = {"params": params, "opt_state": state, "step": step, "data_key": data_key}
-    checkpoint.save(checkpoint.step_path(ckpt_dir, step), tree, step=step, metadata={"model": dataclasses.asdict(cfg)})
+    checkpoint.save(checkpoint.step_path(ckpt_dir, step), tree, step=step, metadata={"model": model_dict(cfg)})
     if _lead():
         for s in checkpoint.list_steps(ckpt_dir)[:-2]:  # keep the last two
             _remove_checkpoint(ckpt_dir, s)

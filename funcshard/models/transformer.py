@@ -29,6 +29,7 @@ import torch.nn.functional as F
 
 from .. import lax
 from .._errors import ConfigError
+from .._precision import Precision
 from .._remat import checkpoint_name, remat_policies
 from .._remat import remat as rematerialize
 from ..ops import column_parallel_linear, fsdp_gather, ring_attention, row_parallel_linear
@@ -92,15 +93,17 @@ def rope(x: torch.Tensor, theta: float, offset: int | torch.Tensor = 0) -> torch
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
 
 
-def use_params(p: PyTree, specs: PyTree, plan: ParallelPlan) -> PyTree:
+def use_params(p: PyTree, specs: PyTree, plan: ParallelPlan, precision: Precision | None = None) -> PyTree:
     """Parameters as the computation needs them: gathered over ``plan.fsdp`` (ZeRO-3), and varying over the
-    replica axes (``dp``, ``cp``), so their gradients are summed there (one bucketed all-reduce). With neither
-    role on, ``p`` itself.
+    replica axes (``dp``, ``cp``), so their gradients are summed there (one bucketed all-reduce); under mixed
+    precision in its compute dtype (gathered in it, gradients reduced in its reduce dtype). With neither
+    role on and no precision, ``p`` itself.
 
     Args:
         p: a tree of local parameter blocks.
         specs: their spec tree (only read when ``plan.fsdp`` is on).
         plan: the parallel plan.
+        precision: the mixed-precision policy (``fs.Precision``), or None.
 
     Returns:
         The tree with the ``fsdp`` axis gathered out of every leaf.
@@ -110,7 +113,8 @@ def use_params(p: PyTree, specs: PyTree, plan: ParallelPlan) -> PyTree:
         >>> use_params(p, None, ParallelPlan()) is p
         True
     """
-    return fsdp_gather(p, specs, axis=plan.fsdp, replicate_axis=plan.replica_axes)  # [.., s/fsdp, ..] -> [.., s, ..]
+    # [.., s/fsdp, ..] -> [.., s, ..]
+    return fsdp_gather(p, specs, axis=plan.fsdp, replicate_axis=plan.replica_axes, precision=precision)
 
 
 def _vary(x: torch.Tensor, axis: str | None) -> torch.Tensor:

@@ -30,6 +30,7 @@ import torch
 from .. import lax, pytree
 from .._context import maybe_current
 from .._errors import ShardingError
+from .._precision import Precision
 from .._spec import P, is_spec
 from .._vma import known_vma
 
@@ -56,6 +57,7 @@ def fsdp_gather(
     axis: str | None = "fsdp",
     replicate_axis: str | tuple[str, ...] | None = None,
     bucket: bool = True,
+    precision: Precision | None = None,
 ) -> Any:
     """All-gather every parameter sharded over ``axis`` along its sharded dim (forward); the backward is
     the reduce-scatter, so gradients keep the parameters' layout.
@@ -72,6 +74,10 @@ def fsdp_gather(
         bucket: gather the leaves of one dtype (and the same varying axes) in one collective, as FSDP2 gathers
             a module's parameters: a flat buffer all-gathered once, its backward one reduce-scatter. False:
             one all-gather per leaf. The result is the same.
+        precision: mixed precision (``fs.Precision``): every floating leaf is returned in its
+            ``compute_dtype`` (the all-gather moves that dtype: half the bytes of float32 for bfloat16), and the
+            gradients are reduce-scattered (and all-reduced over ``replicate_axis``) in its ``reduce_dtype``,
+            then handed back in the parameters' own dtype. ``None``: no cast.
 
     Returns:
         The tree with ``axis`` gathered out of every leaf (other axes, e.g. ``tp``, stay sharded).
@@ -87,12 +93,23 @@ def fsdp_gather(
     """
     if not replicate_axis:
         replicate_axis = None
+    mixed = precision is not None and precision.is_mixed
     if axis is None:  # not sharded: at most the replicas' gradient sum (identity forward, psum backward)
-        return params if replicate_axis is None else lax.pvary(params, replicate_axis)
+        if not mixed:
+            return params if replicate_axis is None else lax.pvary(params, replicate_axis)
+        if replicate_axis is None:
+            return precision.cast_to_compute(params)
+        # cast forward; backward: the gradients summed over the replicas in the reduce dtype, one bucket
+        return _vary_cast(params, replicate_axis, precision.compute_dtype, precision.reduce_dtype)
     flat_specs = pytree.broadcast_prefix(specs, params, prefix_is_leaf=is_spec, where="fsdp_gather: ")
     if replicate_axis is not None:
-        # identity forward; backward: one bucketed psum over the replicas of all the shards' gradients
-        params = lax.pvary(params, replicate_axis)
+        # identity forward; backward: one bucketed psum over the replicas of all the shards' gradients (in the
+        # reduce dtype under mixed precision: the gathered leaves are cast by their all-gather, so here only the
+        # backward's dtype changes)
+        if mixed:
+            params = _vary_cast(params, replicate_axis, precision.param_dtype, precision.reduce_dtype)
+        else:
+            params = lax.pvary(params, replicate_axis)
     leaves, treedef = optree.tree_flatten(params)
     paths = [p for p, _ in pytree.leaves_with_path(params)]
     dims: dict[int, int] = {}
@@ -102,10 +119,30 @@ def fsdp_gather(
             if d is not None:
                 dims[i] = d
     out = list(leaves)
+    cast = (precision.compute_dtype, precision.reduce_dtype) if mixed else None
     for idx in _buckets(leaves, dims, bucket):
-        gathered = _gather_bucket([leaves[i] for i in idx], [dims[i] for i in idx], axis)
+        gathered = _gather_bucket([leaves[i] for i in idx], [dims[i] for i in idx], axis, cast)
         for i, full in zip(idx, gathered, strict=True):
             out[i] = full
+    if mixed:  # the leaves not sharded over axis: cast (their gradients come back in the parameters' dtype)
+        for i, leaf in enumerate(leaves):
+            if i not in dims and isinstance(leaf, torch.Tensor) and leaf.is_floating_point():
+                out[i] = leaf.to(precision.compute_dtype)
+    return optree.tree_unflatten(treedef, out)
+
+
+def _vary_cast(params: Any, axis: str | tuple[str, ...], dtype: torch.dtype, grad_dtype: torch.dtype) -> Any:
+    """``pvary`` over ``axis`` of the floating leaves cast to ``dtype``, gradients summed in ``grad_dtype``."""
+    leaves, treedef = optree.tree_flatten(params)
+    floats = [i for i, t in enumerate(leaves) if isinstance(t, torch.Tensor) and t.is_floating_point()]
+    others = [i for i in range(len(leaves)) if i not in set(floats)]
+    out = list(leaves)
+    if floats:
+        for i, y in zip(floats, lax.pvary_cast([leaves[i] for i in floats], axis, dtype=dtype, grad_dtype=grad_dtype)):
+            out[i] = y
+    if others:
+        for i, y in zip(others, lax.pvary([leaves[i] for i in others], axis)):
+            out[i] = y
     return optree.tree_unflatten(treedef, out)
 
 
@@ -123,15 +160,23 @@ def _buckets(leaves: list[Any], dims: dict[int, int], bucket: bool) -> list[list
     return list(groups.values())
 
 
-def _gather_bucket(shards: list[torch.Tensor], dims: list[int], axis: str) -> list[torch.Tensor]:
+def _gather_bucket(
+    shards: list[torch.Tensor], dims: list[int], axis: str, cast: tuple[torch.dtype, torch.dtype] | None = None
+) -> list[torch.Tensor]:
     """All-gather ``shards`` over ``axis``, each along its own dim ``dims[i]``, in one collective: the shards
     flattened into one buffer, gathered, split and laid back out (device ``r``'s block of each leaf is block
-    ``r`` of its dim)."""
+    ``r`` of its dim). ``cast``: (forward dtype, gradient dtype) of mixed precision."""
+
+    def gather(x: torch.Tensor, dim: int, tiled: bool) -> torch.Tensor:
+        if cast is None or not x.is_floating_point():
+            return lax.all_gather(x, axis, dim=dim, tiled=tiled)
+        return lax.all_gather_cast(x, axis, dim=dim, tiled=tiled, dtype=cast[0], grad_dtype=cast[1])
+
     if len(shards) == 1:
-        return [lax.all_gather(shards[0], axis, dim=dims[0], tiled=True)]  # [.., s_d/n, ..] -> [.., s_d, ..]
+        return [gather(shards[0], dims[0], True)]  # [.., s_d/n, ..] -> [.., s_d, ..]
     n = lax.axis_size(axis)
     flat = torch.cat([t.reshape(-1) for t in shards])  # [sum numel_i]: this device's shards, one after another
-    g = lax.all_gather(flat, axis, dim=0, tiled=False)  # [sum numel_i] -> [n, sum numel_i]
+    g = gather(flat, 0, False)  # [sum numel_i] -> [n, sum numel_i]
     out = []
     for t, d, part in zip(shards, dims, g.split([t.numel() for t in shards], dim=1), strict=True):
         # [n, numel_i] -> [n, .., s_d/n, ..] -> [.., n, s_d/n, ..] -> [.., s_d, ..]

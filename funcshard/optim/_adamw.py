@@ -7,6 +7,7 @@ from typing import Any
 import optree
 import torch
 
+from .._context import is_donated
 from .._errors import ConfigError
 from .._spec import P
 from ._base import (
@@ -80,8 +81,8 @@ class _AdamW:
         nu = optree.tree_map(lambda x: zeros_like(x, "adamw"), params, is_leaf=is_array)
         return AdamWState(scalar_like(params, 0, torch.int64), mu, nu)
 
-    def moments(self, grads: PyTree, state: Any, params: PyTree, where: str) -> tuple[Any, ...]:
-        """The new moments, the denominators and the step size (shared by transform and apply)."""
+    def _checked(self, grads: PyTree, state: Any, params: PyTree, where: str) -> tuple[Any, ...]:
+        """The leaves of grads, moments and params, checked, and this step's lr, step size and bias correction."""
         b1, b2 = self.b1, self.b2
         check_state(where, state, AdamWState)
         step = check_count(where, state.count) + 1
@@ -93,8 +94,15 @@ class _AdamW:
             raise ConfigError(f"{where}: weight_decay={self.wd} needs the params; pass them as third argument.")
         lr_t = lr_at(where, self.lr, state.count)
         step_size, bc2_sqrt = lr_t / (1 - b1**step), (1 - b2**step) ** 0.5
+        return g_leaves, m_leaves, v_leaves, p_leaves, lr_t, step_size, bc2_sqrt
+
+    def moments(self, grads: PyTree, state: Any, params: PyTree, where: str) -> tuple[Any, ...]:
+        """The new moments, the denominators and the step size (shared by transform and apply)."""
+        b1, b2 = self.b1, self.b2
+        g_leaves, m_leaves, v_leaves, p_leaves, lr_t, step_size, bc2_sqrt = self._checked(grads, state, params, where)
         ms, vs, dens = [], [], []
         for g, m, v in zip(g_leaves, m_leaves, v_leaves, strict=True):
+            g = g if g.dtype == m.dtype else g.to(m.dtype)  # a low-precision gradient meets float32 moments
             m = torch.lerp(m, g, 1 - b1)  # first moment
             v = v.mul(b2).addcmul(g, g, value=1 - b2)  # second moment
             ms.append(m)
@@ -115,6 +123,10 @@ class _AdamW:
         return optree.tree_unflatten(treedef, ups), new_state
 
     def apply(self, grads: PyTree, state: Any, params: PyTree) -> tuple[PyTree, AdamWState]:
+        if isinstance(state, AdamWState) and is_donated(
+            *optree.tree_leaves(params), *optree.tree_leaves(state.mu), *optree.tree_leaves(state.nu)
+        ):
+            return self._apply_in_place(grads, state, params)
         treedef, p_leaves, lr_t, step_size, ms, dens, new_state = self.moments(grads, state, params, "adamw.update")
         new = []
         for p, m, d in zip(p_leaves, ms, dens, strict=True):
@@ -122,6 +134,24 @@ class _AdamW:
                 p = p * (1 - lr_t * self.wd)  # decoupled weight decay
             new.append(torch.addcdiv(p, m, d, value=-step_size))
         return optree.tree_unflatten(treedef, new), new_state
+
+    def _apply_in_place(self, grads: PyTree, state: Any, params: PyTree) -> tuple[PyTree, AdamWState]:
+        """:meth:`apply` writing into params and moments donated to the running shard_map (``donate=``): the
+        same ops, in place, one leaf at a time, so the step holds one copy of the state (and one leaf's
+        denominator) instead of two."""
+        b1, b2 = self.b1, self.b2
+        g_leaves, m_leaves, v_leaves, p_leaves, lr_t, step_size, bc2_sqrt = self._checked(
+            grads, state, params, "adamw.update"
+        )
+        for g, m, v, p in zip(g_leaves, m_leaves, v_leaves, p_leaves, strict=True):
+            g = g if g.dtype == m.dtype else g.to(m.dtype)
+            m.lerp_(g, 1 - b1)  # first moment
+            v.mul_(b2).addcmul_(g, g, value=1 - b2)  # second moment
+            den = v.sqrt().div_(bc2_sqrt).add_(self.eps)
+            if self.wd != 0:
+                p.mul_(1 - lr_t * self.wd)  # decoupled weight decay
+            p.addcdiv_(m, den, value=-step_size)
+        return params, AdamWState(state.count + 1, state.mu, state.nu)
 
     def state_specs(self, param_specs: PyTree) -> AdamWState:
         return AdamWState(P(), param_specs, param_specs)

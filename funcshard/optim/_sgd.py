@@ -68,6 +68,8 @@ def sgd(lr: float | LrSchedule, momentum: float = 0.0, nesterov: bool = False, w
         if p_leaves is None and weight_decay != 0:
             raise ConfigError(f"{where}: weight_decay={weight_decay} needs the params; pass them as third argument.")
         lr_t = lr_at(where, lr, state.count)
+        if p_leaves is not None:  # a low-precision gradient is applied in the parameters' dtype
+            g_leaves = [g if g.dtype == p.dtype else g.to(p.dtype) for g, p in zip(g_leaves, p_leaves, strict=True)]
         ds = [g.add(p_leaves[k], alpha=weight_decay) if weight_decay else g for k, g in enumerate(g_leaves)]
         treedef = optree.tree_structure(grads)
         bufs = None

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import KW_ONLY, dataclass
 
 from ..._errors import ConfigError, ShardingError
+from ..._precision import Precision
 from ...pipeline.schedules import SCHEDULE_NAMES
 
 __all__ = ["Config"]
@@ -40,6 +41,12 @@ class Config:
             layer's weights inside its remat region: freed after its forward, gathered again when it is
             recomputed for the backward (FSDP2's default: one layer's full weights at a time, one more
             all-gather per layer). Without remat (or False) they are kept from the forward to the backward.
+        precision: mixed precision (``fs.Precision``, or its string form: ``"bf16"``,
+            ``"params=float32,compute=bfloat16"``): parameters initialised and kept in its ``param_dtype``, the
+            weights cast to its ``compute_dtype`` for the computation (FSDP gathers them in it), the gradients
+            reduced over the data axes in its ``reduce_dtype`` and the logits returned in its
+            ``output_dtype``; the loss, the softmax statistics and RMSNorm stay float32. ``None``: everything
+            in the parameters' dtype.
 
     Example:
         >>> Config(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, max_seq_len=32).head_dim
@@ -63,8 +70,17 @@ class Config:
     pp_microbatches: int | None = None
     remat: str = "none"
     reshard_after_forward: bool = True
+    precision: Precision | None = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.precision, str):
+            object.__setattr__(self, "precision", Precision.parse(self.precision))
+        elif isinstance(self.precision, dict):  # read back from a checkpoint's metadata (dataclasses.asdict)
+            object.__setattr__(self, "precision", Precision(**self.precision))
+        elif self.precision is not None and not isinstance(self.precision, Precision):
+            raise ConfigError(
+                f"llama.Config: precision must be an fs.Precision, its string form or None, found {self.precision!r}."
+            )
         for name in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "max_seq_len"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:

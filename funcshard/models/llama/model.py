@@ -181,9 +181,9 @@ def run_layers(x: torch.Tensor, layers: dict[str, torch.Tensor], cfg: Config, la
     for i in range(len(next(iter(stacked.values())))):
         p = {k: v[i] for k, v in stacked.items()}
         if reshard:  # gathered inside the layer's remat region: freed after its forward, gathered again after
-            x = layer(x, p, cfg, lay.plan, gather=lambda p: use_params(p, lay.layer_specs, lay.plan))
+            x = layer(x, p, cfg, lay.plan, gather=lambda p: use_params(p, lay.layer_specs, lay.plan, cfg.precision))
         else:
-            x = layer(x, use_params(p, lay.layer_specs, lay.plan), cfg, lay.plan)
+            x = layer(x, use_params(p, lay.layer_specs, lay.plan, cfg.precision), cfg, lay.plan)
     return x
 
 
@@ -193,12 +193,14 @@ def head_logits(
     """Final norm and output head on ``x [b, s(/tp), d]``: vocab-parallel logits ``[b, s, V/tp]``. ``params``
     holds ``norm`` and ``head`` (``embed`` with tied embeddings; ``table``: that one already gathered)."""
     plan, specs = lay.plan, lay.specs
-    norm = use_params(params["norm"], specs["norm"], plan)  # [d/fsdp] -> [d]
+    norm = use_params(params["norm"], specs["norm"], plan, cfg.precision)  # [d/fsdp] -> [d]
     if plan.sp_axis is not None:  # a replicated weight meets sequence shards: its gradient is summed over tp
         norm = lax.pvary(norm, plan.sp_axis)
     h = rms_norm(x, norm, cfg.norm_eps)  # [b, s(/tp), d]
     name = "embed" if cfg.tie_embeddings else "head"
-    head = table if table is not None else use_params(params[name], specs[name], plan)  # [V/tp, d/fsdp] -> [V/tp, d]
+    head = (
+        table if table is not None else use_params(params[name], specs[name], plan, cfg.precision)
+    )  # [V/tp, d/fsdp] -> [V/tp, d]
     gather = 1 if plan.sp else None
     return column_parallel_linear(h, head, axis=plan.tp, gather_dim=gather)  # [b, s(/tp), d] @ [d, V/tp]
 
@@ -222,7 +224,7 @@ def _stages_in_turn(params: PyTree, x: torch.Tensor, cfg: Config, lay: Layout) -
 
 
 def _forward(params: PyTree, tokens: torch.Tensor, cfg: Config, lay: Layout) -> torch.Tensor:
-    table = use_params(params["embed"], lay.specs["embed"], lay.plan)  # [V/tp, d/fsdp] -> [V/tp, d]
+    table = use_params(params["embed"], lay.specs["embed"], lay.plan, cfg.precision)  # [V/tp, d/fsdp] -> [V/tp, d]
     x = embed_tokens(table, tokens, lay)  # [b, s] -> [b, s(/tp), d]
     if lay.plan.pp is None:
         x = run_layers(x, params["layers"], cfg, lay)
@@ -263,7 +265,8 @@ def forward(params: PyTree, tokens: torch.Tensor, cfg: Config, plan: ParallelPla
         ...                forward(params, tokens, cfg), atol=1e-5)
         True
     """
-    return _forward(params, tokens, cfg, layout(cfg, plan))
+    logits = _forward(params, tokens, cfg, layout(cfg, plan))  # [b, s, V(/tp)]
+    return logits if cfg.precision is None else cfg.precision.cast_to_output(logits)
 
 
 def loss(
@@ -331,14 +334,16 @@ def init(key: torch.Tensor, cfg: Config, plan: ParallelPlan | None = None) -> Py
     shapes = param_shapes(cfg)
     paths, leaves, treedef = optree.tree_flatten_with_path(shapes, is_leaf=lambda x: isinstance(x, torch.Size))
     sharded = lay.mesh is not None
+    dtype = torch.float32 if cfg.precision is None else cfg.precision.param_dtype
     flat_specs = optree.tree_leaves(lay.specs, is_leaf=is_spec) if sharded else [None] * len(leaves)
     out = []
     for i, (path, shape, spec) in enumerate(zip(paths, leaves, flat_specs, strict=True)):
         name = path[-1]
         if name.endswith("norm"):
             local = shard_shape(shape, spec, lay.mesh.shape) if sharded else shape
-            out.append(torch.ones(local))
+            out.append(torch.ones(local, dtype=dtype))
             continue
         std = cfg.init_std / (math.sqrt(2 * cfg.n_layers) if name in ("wo", "w2") else 1.0)
-        out.append(fsr.normal(fsr.fold_in(key, i), tuple(shape), spec=spec) * std)
+        # drawn in float32 (the stream of the unsharded init), then kept in the parameters' dtype
+        out.append((fsr.normal(fsr.fold_in(key, i), tuple(shape), spec=spec) * std).to(dtype))
     return optree.tree_unflatten(treedef, out)

@@ -87,7 +87,7 @@ def value_and_grad(
         count = lax.psum(count, plan_.data_axes)  # [] -> [], target tokens of the global batch
 
     def first_fn(shared: PyTree, tok: torch.Tensor) -> torch.Tensor:
-        table = use_params(shared["embed"], lay.specs["embed"], plan_)  # [V/tp, d/fsdp] -> [V/tp, d]
+        table = use_params(shared["embed"], lay.specs["embed"], plan_, cfg.precision)  # [V/tp, d/fsdp] -> [V/tp, d]
         return embed_tokens(table, tok, lay)  # [b/m, s] -> [b/m, s(/tp), d]
 
     def stage_fn(chunk: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
