@@ -30,6 +30,7 @@ import optree
 import torch
 
 from ._arraytype import Coords, is_array
+from ._backend.base import settle
 from ._backend.sim import SimWorld
 from ._context import DeviceContext, enter
 from ._mesh import Mesh
@@ -120,6 +121,7 @@ class DeviceBody:
         with enter(DeviceContext(self.mesh, dev, self.check_vma, mine)), mode:
             out = self.f(*args)
             out_leaves, out_def = optree.tree_flatten(out, is_leaf=is_array)
+            out_leaves = [settle(t) for t in out_leaves]  # no pending collective leaves the call
             if _differentiable(out_leaves):
                 out_leaves = self._vary_outputs(dev, out_leaves, out_def)
         return out_leaves, out_def

@@ -37,6 +37,7 @@ from typing import Any
 import optree
 import torch
 
+from ._backend.base import overlap_scope, settle
 from ._errors import ConfigError
 from ._vma import find_vma, set_vma, tag_leaves, tag_like, tags_of
 
@@ -167,10 +168,12 @@ class _GradCall:
             # a value f closed over that requires grad: keep the graph to it (an outer backward may follow)
             keep = outer and value.requires_grad and reaches_other_leaf([value], leaves)
             if value.requires_grad:
-                found = torch.autograd.grad(value, leaves, allow_unused=True, create_graph=keep)
+                with overlap_scope():  # dist: the gradient reductions travel while the backward goes on
+                    found = torch.autograd.grad(value, leaves, allow_unused=True, create_graph=keep)
             else:  # f does not depend on its inputs: zero gradients, as torch.func gives
                 found = (None,) * len(leaves)
-        grads_flat = [torch.zeros_like(x) if g is None else g for g, x in zip(found, leaves, strict=True)]
+        # a gradient summed over the data axes may still be travelling (dist overlaps them with the backward)
+        grads_flat = [torch.zeros_like(x) if g is None else settle(g) for g, x in zip(found, leaves, strict=True)]
         if not keep:
             value = value.detach()
             aux = optree.tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, aux)

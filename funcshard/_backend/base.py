@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
-from collections.abc import Mapping, Sequence
+import threading
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,6 +23,10 @@ __all__ = [
     "check_p2p",
     "default_timeout",
     "group_members",
+    "overlap_scope",
+    "prefetch_scope",
+    "prefetching",
+    "settle",
 ]
 
 DEFAULT_TIMEOUT = 300.0
@@ -196,3 +202,61 @@ class DeviceHandle:
         Not differentiable (no autograd): for runtimes that do their own backward, as ``pipeline.run``.
         """
         raise NotImplementedError
+
+
+def settle(t: Any) -> Any:
+    """``t`` itself, or, for the pending result of an asynchronous collective (torch's
+    ``AsyncCollectiveTensor``: the dist backend's gradient reductions during a backward), that result once it
+    is done, as a plain tensor. Cheap for anything else (no torch.distributed import).
+
+    Example:
+        >>> import torch
+        >>> x = torch.ones(2)
+        >>> settle(x) is x
+        True
+    """
+    if type(t).__name__ != "AsyncCollectiveTensor":
+        return t
+    out = t.wait()
+    out.__dict__.update(t.__dict__)  # its tags (the varying axes) go with it
+    return out
+
+
+_scope = threading.local()
+
+
+@contextlib.contextmanager
+def overlap_scope() -> Iterator[None]:
+    """Within it (``fs.value_and_grad``'s own ``torch.autograd.grad``), the dist backend may issue the backward's
+    gradient reductions asynchronously: every gradient leaves through that call and is :func:`settle`-d there,
+    and inside the graph a pending result waits at its first use. A plain ``.backward()``, which stores gradients
+    in ``.grad`` where nothing settles them, stays synchronous."""
+    prev = getattr(_scope, "on", False)
+    _scope.on = True
+    try:
+        yield
+    finally:
+        _scope.on = prev
+
+
+def overlap_allowed() -> bool:
+    """Whether this thread is inside :func:`overlap_scope`."""
+    return getattr(_scope, "on", False)
+
+
+@contextlib.contextmanager
+def prefetch_scope(on: bool = True) -> Iterator[None]:
+    """Within it (``ops.fsdp_gather(..., prefetch=True)``), the dist backend's all-gathers return at once and are
+    waited for where their result is first read (the gathered weights of the next layer travel while this
+    layer computes)."""
+    prev = getattr(_scope, "prefetch", False)
+    _scope.prefetch = on
+    try:
+        yield
+    finally:
+        _scope.prefetch = prev
+
+
+def prefetching() -> bool:
+    """Whether this thread is inside :func:`prefetch_scope`."""
+    return getattr(_scope, "prefetch", False)

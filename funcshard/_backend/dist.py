@@ -36,7 +36,17 @@ import torch
 import torch.distributed as dist
 
 from .._errors import MeshError, ShardingError
-from .base import DeviceHandle, P2POp, P2PWork, PeerError, check_p2p, default_timeout, group_members
+from .base import (
+    DeviceHandle,
+    P2POp,
+    P2PWork,
+    PeerError,
+    check_p2p,
+    default_timeout,
+    group_members,
+    overlap_allowed,
+    prefetching,
+)
 
 __all__ = [
     "DistDevice",
@@ -51,6 +61,40 @@ __all__ = [
     "shutdown",
     "tensor_device",
 ]
+
+
+def overlap_enabled() -> bool:
+    """Whether the backward's gradient reductions are issued asynchronously (``FUNCSHARD_OVERLAP``, default on):
+    the all-reduce / reduce-scatter that a backward node starts returns at once, as torch's functional
+    collectives do, and is waited on where its result is first used, so the rest of the backward computes
+    while it travels (DDP's overlap, in DDP's order: last layers first)."""
+    return os.environ.get("FUNCSHARD_OVERLAP", "1") != "0"
+
+
+#: called with each pending result the backward issues (a test's window on the overlap; None: nothing)
+issued_hook: Any = None
+
+
+def _issued(t: Any) -> Any:
+    if issued_hook is not None:
+        issued_hook(t)
+    return t
+
+
+def _in_backward() -> bool:
+    """In a backward that ``fs.value_and_grad`` runs (``overlap_scope``): its gradients are settled on the way out."""
+    return overlap_allowed() and torch._C._current_autograd_node() is not None
+
+
+try:  # torch's functional collectives: a tensor that waits for its collective at its first use
+    import torch.distributed._functional_collectives as _funcol
+
+    # torch 2.13's names (and the older ones)
+    _funcol_gather: Any = getattr(_funcol, "all_gather_single", None) or _funcol.all_gather_tensor
+    _funcol_scatter: Any = getattr(_funcol, "reduce_scatter_single", None) or _funcol.reduce_scatter_tensor
+except ImportError:  # pragma: no cover - torch without them: every collective is synchronous
+    _funcol = None
+
 
 # torch 2.13 renamed the flat collectives; keep both spellings working (torch >= 2.4).
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -324,6 +368,10 @@ class DistDevice(DeviceHandle):
     def all_reduce(self, x: torch.Tensor, axes: tuple[str, ...], op: str) -> torch.Tensor:
         g, members, _, _ = self._group(axes)
         out = x.detach().clone(memory_format=torch.contiguous_format)
+        if op == "sum" and _funcol is not None and _in_backward() and overlap_enabled():
+            # a gradient's sum: issued now, waited for at its first use (the backward goes on meanwhile)
+            with _waiting("psum", axes, members):
+                return _issued(_funcol.all_reduce(x.detach().contiguous(), "sum", g))  # [*s] -> [*s] (pending)
         red = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op]
         with _waiting({"sum": "psum", "max": "pmax", "min": "pmin"}[op], axes, members):
             dist.all_reduce(out, op=red, group=g)  # [*s] -> [*s]
@@ -332,6 +380,11 @@ class DistDevice(DeviceHandle):
     def all_gather(self, x: torch.Tensor, axes: tuple[str, ...]) -> torch.Tensor:
         g, members, gr, _ = self._group(axes)
         n = len(members)
+        if _funcol is not None and prefetching() and overlap_enabled():
+            with _waiting("all_gather", axes, members):  # issued now, waited for where it is first read
+                pending = _issued(_funcol_gather(x.detach().reshape(-1).contiguous(), 0, g))
+            out = pending.view(n, *x.shape)  # [n * |s|] -> [n, *s] (still pending: a view)
+            return out if gr == sorted(gr) else out[gr]
         out = torch.empty(n * x.numel(), dtype=x.dtype, device=x.device)
         with _waiting("all_gather", axes, members):
             _all_gather(out, x.detach().reshape(-1).contiguous(), group=g)  # [*s] -> [n * |s|] (group-rank order)
@@ -343,6 +396,11 @@ class DistDevice(DeviceHandle):
         inp = x.detach()
         if gr != sorted(gr):
             inp = inp[_inverse(gr)]  # logical order -> group-rank order
+        if _funcol is not None and _in_backward() and overlap_enabled():
+            # FSDP's gradient reduce-scatter: issued now, waited for at its first use
+            with _waiting("psum_scatter", axes, members):
+                out = _issued(_funcol_scatter(inp.reshape(-1).contiguous(), "sum", 0, g))  # -> [|s|]
+            return out.view(x.shape[1:])
         out = torch.empty(x[0].numel(), dtype=x.dtype, device=x.device)
         with _waiting("psum_scatter", axes, members):
             _reduce_scatter(out, inp.reshape(-1).contiguous(), group=g)  # [n * |s|] -> [|s|]

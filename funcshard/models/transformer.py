@@ -93,7 +93,9 @@ def rope(x: torch.Tensor, theta: float, offset: int | torch.Tensor = 0) -> torch
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
 
 
-def use_params(p: PyTree, specs: PyTree, plan: ParallelPlan, precision: Precision | None = None) -> PyTree:
+def use_params(
+    p: PyTree, specs: PyTree, plan: ParallelPlan, precision: Precision | None = None, *, prefetch: bool = False
+) -> PyTree:
     """Parameters as the computation needs them: gathered over ``plan.fsdp`` (ZeRO-3), and varying over the
     replica axes (``dp``, ``cp``), so their gradients are summed there (one bucketed all-reduce); under mixed
     precision in its compute dtype (gathered in it, gradients reduced in its reduce dtype). With neither
@@ -104,6 +106,7 @@ def use_params(p: PyTree, specs: PyTree, plan: ParallelPlan, precision: Precisio
         specs: their spec tree (only read when ``plan.fsdp`` is on).
         plan: the parallel plan.
         precision: the mixed-precision policy (``fs.Precision``), or None.
+        prefetch: issue the gathers now and return a function giving the tree (``fsdp_gather(prefetch=True)``).
 
     Returns:
         The tree with the ``fsdp`` axis gathered out of every leaf.
@@ -114,7 +117,9 @@ def use_params(p: PyTree, specs: PyTree, plan: ParallelPlan, precision: Precisio
         True
     """
     # [.., s/fsdp, ..] -> [.., s, ..]
-    return fsdp_gather(p, specs, axis=plan.fsdp, replicate_axis=plan.replica_axes, precision=precision)
+    return fsdp_gather(
+        p, specs, axis=plan.fsdp, replicate_axis=plan.replica_axes, precision=precision, prefetch=prefetch
+    )
 
 
 def _vary(x: torch.Tensor, axis: str | None) -> torch.Tensor:

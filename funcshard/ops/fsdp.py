@@ -28,6 +28,7 @@ import optree
 import torch
 
 from .. import lax, pytree
+from .._backend.base import prefetch_scope
 from .._context import maybe_current
 from .._errors import ShardingError
 from .._precision import Precision
@@ -58,6 +59,7 @@ def fsdp_gather(
     replicate_axis: str | tuple[str, ...] | None = None,
     bucket: bool = True,
     precision: Precision | None = None,
+    prefetch: bool = False,
 ) -> Any:
     """All-gather every parameter sharded over ``axis`` along its sharded dim (forward); the backward is
     the reduce-scatter, so gradients keep the parameters' layout.
@@ -78,9 +80,13 @@ def fsdp_gather(
             ``compute_dtype`` (the all-gather moves that dtype: half the bytes of float32 for bfloat16), and the
             gradients are reduce-scattered (and all-reduced over ``replicate_axis``) in its ``reduce_dtype``,
             then handed back in the parameters' own dtype. ``None``: no cast.
+        prefetch: issue the all-gathers now and return a function that gives the tree when called: under
+            ``dist`` the gathers travel meanwhile (FSDP2's prefetch: the next layer's weights while this layer
+            computes); under ``sim`` they are done at once. The numbers are the same.
 
     Returns:
-        The tree with ``axis`` gathered out of every leaf (other axes, e.g. ``tp``, stay sharded).
+        The tree with ``axis`` gathered out of every leaf (other axes, e.g. ``tp``, stay sharded); with
+        ``prefetch``, a function of no arguments returning it.
 
     Raises:
         ShardingError: ``specs`` does not fit ``params``, or ``axis`` is not the minor-most axis of a dim.
@@ -96,11 +102,12 @@ def fsdp_gather(
     mixed = precision is not None and precision.is_mixed
     if axis is None:  # not sharded: at most the replicas' gradient sum (identity forward, psum backward)
         if not mixed:
-            return params if replicate_axis is None else lax.pvary(params, replicate_axis)
-        if replicate_axis is None:
-            return precision.cast_to_compute(params)
-        # cast forward; backward: the gradients summed over the replicas in the reduce dtype, one bucket
-        return _vary_cast(params, replicate_axis, precision.compute_dtype, precision.reduce_dtype)
+            done = params if replicate_axis is None else lax.pvary(params, replicate_axis)
+        elif replicate_axis is None:
+            done = precision.cast_to_compute(params)
+        else:  # cast forward; backward: the gradients summed over the replicas in the reduce dtype, one bucket
+            done = _vary_cast(params, replicate_axis, precision.compute_dtype, precision.reduce_dtype)
+        return (lambda: done) if prefetch else done
     flat_specs = pytree.broadcast_prefix(specs, params, prefix_is_leaf=is_spec, where="fsdp_gather: ")
     if replicate_axis is not None:
         # identity forward; backward: one bucketed psum over the replicas of all the shards' gradients (in the
@@ -120,15 +127,22 @@ def fsdp_gather(
                 dims[i] = d
     out = list(leaves)
     cast = (precision.compute_dtype, precision.reduce_dtype) if mixed else None
-    for idx in _buckets(leaves, dims, bucket):
-        gathered = _gather_bucket([leaves[i] for i in idx], [dims[i] for i in idx], axis, cast)
-        for i, full in zip(idx, gathered, strict=True):
-            out[i] = full
+    issued = []
+    with prefetch_scope(prefetch):
+        for idx in _buckets(leaves, dims, bucket):
+            issued.append((idx, _issue_bucket([leaves[i] for i in idx], axis, cast)))
     if mixed:  # the leaves not sharded over axis: cast (their gradients come back in the parameters' dtype)
         for i, leaf in enumerate(leaves):
             if i not in dims and isinstance(leaf, torch.Tensor) and leaf.is_floating_point():
                 out[i] = leaf.to(precision.compute_dtype)
-    return optree.tree_unflatten(treedef, out)
+
+    def finish() -> Any:
+        for idx, g in issued:
+            for i, full in zip(idx, _unpack_bucket(g, [leaves[i] for i in idx], [dims[i] for i in idx]), strict=True):
+                out[i] = full
+        return optree.tree_unflatten(treedef, out)
+
+    return finish if prefetch else finish()
 
 
 def _vary_cast(params: Any, axis: str | tuple[str, ...], dtype: torch.dtype, grad_dtype: torch.dtype) -> Any:
@@ -160,23 +174,25 @@ def _buckets(leaves: list[Any], dims: dict[int, int], bucket: bool) -> list[list
     return list(groups.values())
 
 
-def _gather_bucket(
-    shards: list[torch.Tensor], dims: list[int], axis: str, cast: tuple[torch.dtype, torch.dtype] | None = None
-) -> list[torch.Tensor]:
-    """All-gather ``shards`` over ``axis``, each along its own dim ``dims[i]``, in one collective: the shards
-    flattened into one buffer, gathered, split and laid back out (device ``r``'s block of each leaf is block
-    ``r`` of its dim). ``cast``: (forward dtype, gradient dtype) of mixed precision."""
+def _issue_bucket(
+    shards: list[torch.Tensor], axis: str, cast: tuple[torch.dtype, torch.dtype] | None = None
+) -> torch.Tensor:
+    """All-gather ``shards`` over ``axis`` in one collective: one leaf as it is (``[n, *s]``), several flattened
+    into one buffer (``[n, sum numel_i]``). ``cast``: (forward dtype, gradient dtype) of mixed precision. Under
+    ``dist`` with a prefetch the result is pending until :func:`_unpack_bucket` first reads it."""
+    x = shards[0] if len(shards) == 1 else torch.cat([t.reshape(-1) for t in shards])  # [sum numel_i]
+    if cast is None or not x.is_floating_point():
+        return lax.all_gather(x, axis, dim=0, tiled=False)  # [*s] -> [n, *s]
+    return lax.all_gather_cast(x, axis, dim=0, tiled=False, dtype=cast[0], grad_dtype=cast[1])  # [*s] -> [n, *s]
 
-    def gather(x: torch.Tensor, dim: int, tiled: bool) -> torch.Tensor:
-        if cast is None or not x.is_floating_point():
-            return lax.all_gather(x, axis, dim=dim, tiled=tiled)
-        return lax.all_gather_cast(x, axis, dim=dim, tiled=tiled, dtype=cast[0], grad_dtype=cast[1])
 
+def _unpack_bucket(g: torch.Tensor, shards: list[torch.Tensor], dims: list[int]) -> list[torch.Tensor]:
+    """The gathered leaves of :func:`_issue_bucket`'s ``g``, each laid back out along its own dim ``dims[i]``
+    (device ``r``'s block of each leaf is block ``r`` of its dim)."""
     if len(shards) == 1:
-        return [gather(shards[0], dims[0], True)]  # [.., s_d/n, ..] -> [.., s_d, ..]
-    n = lax.axis_size(axis)
-    flat = torch.cat([t.reshape(-1) for t in shards])  # [sum numel_i]: this device's shards, one after another
-    g = gather(flat, 0, False)  # [sum numel_i] -> [n, sum numel_i]
+        d = dims[0]
+        return [g.movedim(0, d).flatten(d, d + 1)]  # [n, .., s_d/n, ..] -> [.., n, s_d/n, ..] -> [.., s_d, ..]
+    n = g.shape[0]
     out = []
     for t, d, part in zip(shards, dims, g.split([t.numel() for t in shards], dim=1), strict=True):
         # [n, numel_i] -> [n, .., s_d/n, ..] -> [.., n, s_d/n, ..] -> [.., s_d, ..]

@@ -177,13 +177,24 @@ def embed_tokens(table: torch.Tensor, tokens: torch.Tensor, lay: Layout) -> torc
 def run_layers(x: torch.Tensor, layers: dict[str, torch.Tensor], cfg: Config, lay: Layout) -> torch.Tensor:
     """The decoder layers stacked on the leading dim of ``layers``' leaves, in order, on ``x [b, s(/tp), d]``."""
     stacked = {k: torch.unbind(v, 0) for k, v in layers.items()}  # [n, ...] -> n x [...]
-    reshard = cfg.reshard_after_forward and lay.plan.fsdp is not None and cfg.remat != "none"
-    for i in range(len(next(iter(stacked.values())))):
-        p = {k: v[i] for k, v in stacked.items()}
-        if reshard:  # gathered inside the layer's remat region: freed after its forward, gathered again after
+    n = len(next(iter(stacked.values())))
+    if cfg.reshard_after_forward and lay.plan.fsdp is not None and cfg.remat != "none":
+        for i in range(n):  # gathered inside the layer's remat region: freed after its forward, gathered again
+            p = {k: v[i] for k, v in stacked.items()}
             x = layer(x, p, cfg, lay.plan, gather=lambda p: use_params(p, lay.layer_specs, lay.plan, cfg.precision))
-        else:
-            x = layer(x, use_params(p, lay.layer_specs, lay.plan, cfg.precision), cfg, lay.plan)
+        return x
+
+    def fetch(i: int) -> Callable[[], dict[str, torch.Tensor]]:  # layer i's gathers issued now (dist: in flight)
+        return use_params(
+            {k: v[i] for k, v in stacked.items()}, lay.layer_specs, lay.plan, cfg.precision, prefetch=True
+        )
+
+    nxt = fetch(0)
+    for i in range(n):
+        p = nxt()
+        if i + 1 < n:  # FSDP2's prefetch: the next layer's weights travel while this layer computes
+            nxt = fetch(i + 1)
+        x = layer(x, p, cfg, lay.plan)
     return x
 
 
