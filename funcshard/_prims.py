@@ -76,6 +76,12 @@ def _to(x: torch.Tensor, bd: int | None, dim: int) -> torch.Tensor:
     return x if bd == dim else x.movedim(bd, dim)
 
 
+# for the other modules of collectives (``_prims_cast``): the same helpers under public names
+Dims = _Dims
+nbytes = _nbytes
+move_batch = _to
+
+
 class AllReduce(torch.autograd.Function):
     """All-reduce ``[*s] -> [*s]`` with ``op`` in ``"sum"``, ``"max"``, ``"min"`` (``name`` is the public
     collective it stands for, for the communication counts).

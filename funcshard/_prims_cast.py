@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ._prims import AllReduce, ReduceScatter, _Dims, _nbytes, _to, call
+from ._prims import AllReduce, Dims, ReduceScatter, call, move_batch, nbytes
 from ._stats import record
 
 if TYPE_CHECKING:
@@ -55,7 +55,7 @@ class AllGatherCast(torch.autograd.Function):
         x: torch.Tensor, dev: Any, axes: tuple[str, ...], dtype: torch.dtype, grad_dtype: torch.dtype
     ) -> torch.Tensor:
         xc = _cast(x, dtype)
-        record(dev.rank, "all_gather", axes, _nbytes(xc))
+        record(dev.rank, "all_gather", axes, nbytes(xc))
         return dev.all_gather(xc, axes)  # [*s] (dtype) -> [n, *s] (dtype)
 
     @staticmethod
@@ -75,14 +75,16 @@ class AllGatherCast(torch.autograd.Function):
     @staticmethod
     def vmap(
         info: VmapInfo,
-        in_dims: _Dims,
+        in_dims: Dims,
         x: torch.Tensor,
         dev: Any,
         axes: tuple[str, ...],
         dtype: torch.dtype,
         grad_dtype: torch.dtype,
     ) -> tuple[torch.Tensor, int]:
-        return call(AllGatherCast, _to(x, in_dims[0], 0), dev, axes, dtype, grad_dtype), 1  # [B, *s] -> [n, B, *s]
+        return call(
+            AllGatherCast, move_batch(x, in_dims[0], 0), dev, axes, dtype, grad_dtype
+        ), 1  # [B, *s] -> [n, B, *s]
 
 
 class PvaryCast(torch.autograd.Function):
@@ -139,11 +141,11 @@ class PvaryCast(torch.autograd.Function):
     @staticmethod
     def vmap(
         info: VmapInfo,
-        in_dims: _Dims,
+        in_dims: Dims,
         dev: Any,
         axes: tuple[str, ...],
         dtype: torch.dtype,
         grad_dtype: torch.dtype,
         *xs: torch.Tensor,
-    ) -> tuple[tuple[torch.Tensor, ...], _Dims]:
+    ) -> tuple[tuple[torch.Tensor, ...], Dims]:
         return call(PvaryCast, dev, axes, dtype, grad_dtype, *xs), tuple(in_dims[4:])  # k x [*s_i] -> same

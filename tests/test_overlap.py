@@ -3,7 +3,8 @@
 Under ``dist``, inside ``fs.value_and_grad``, each bucket's gradient all-reduce (DDP) or reduce-scatter (FSDP) is
 issued when the backward reaches it and returns at once; it is waited for where its result is first used. So when
 the backward computes its last gradient (the input's, below every layer), every layer's reduction has been issued
-(and returned a pending result: the call did not wait for it). The numbers are those of the synchronous run, and no pending value leaves the call.
+(and returned a pending result: the call did not wait for it). The numbers are those of the synchronous run,
+and no pending value leaves the call. Under FSDP the next layer's all-gather is issued before this layer computes.
 """
 
 from __future__ import annotations
