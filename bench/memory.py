@@ -172,9 +172,8 @@ def _batch(args: argparse.Namespace) -> tuple[Any, Any]:
 
 def _module_step(variant: str, args: argparse.Namespace, model: Any) -> Any:
     """The torch module rows: ``step(tokens, targets) -> loss`` (gradients in ``.grad``, AdamW with --optim)."""
-    import torch
-
     import _memory_peers as peers
+    import torch
 
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3) if args.optim else None
     bf16 = variant == "module_bf16"  # (fsdp2_bf16_keep: the MixedPrecisionPolicy casts)
@@ -241,7 +240,10 @@ def _mesh_step(variant: str, cfg: Any, args: argparse.Namespace, backend: str) -
     params = fs.shard_map(lambda k: llama.init(k, cfg), mesh=mesh, in_specs=(P(),), out_specs=specs)(fs.random.key(0))
     if not args.optim:
         f = fs.shard_map(
-            lambda p, t, y: llama.value_and_grad(p, t, y, cfg), mesh=mesh, in_specs=(specs, bs, bs), out_specs=(P(), specs)
+            lambda p, t, y: llama.value_and_grad(p, t, y, cfg),
+            mesh=mesh,
+            in_specs=(specs, bs, bs),
+            out_specs=(P(), specs),
         )
         return (lambda t, y: _first(f(params, t, y))), mesh
     opt = fs.optim.adamw(1e-3)
@@ -271,9 +273,8 @@ def _scalar(x: Any) -> float:
 
 def _one(variant: str, args: argparse.Namespace) -> dict[str, Any]:
     """Run one step of a one-process variant (``1 proc`` or ``sim x4``) in this process; its numbers."""
-    import torch
-
     import _memory_peers as peers
+    import torch
 
     torch.manual_seed(0)
     torch.set_num_threads(args.threads)
@@ -304,10 +305,9 @@ def _rank(variant: str, args: argparse.Namespace) -> dict[str, Any]:
     """One rank of a ``4 procs`` variant (started with torchrun's environment); its numbers."""
     import datetime
 
+    import _memory_peers as peers
     import torch
     import torch.distributed as dist
-
-    import _memory_peers as peers
 
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=600))
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -453,7 +453,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seq", type=int, default=256)
     ap.add_argument("--batch", type=int, default=8, help="global batch (split over the ranks of the 4-process rows)")
     ap.add_argument("--threads", type=int, default=2, help="torch threads of the one-process rows (ranks: 1 each)")
-    ap.add_argument("--fsdp-remat", default="full", help="Config.remat of fsdp4_keep / fsdp4_reshard (full / selective)")
+    ap.add_argument(
+        "--fsdp-remat", default="full", help="Config.remat of fsdp4_keep / fsdp4_reshard (full / selective)"
+    )
     ap.add_argument("--optim", action="store_true", help="include the AdamW update in the step")
     ap.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset of " + ", ".join(VARIANTS))
     ap.add_argument("--json", default=None, metavar="PATH", help="also write the rows to PATH as JSON")

@@ -151,6 +151,8 @@ ENVIRONMENT = """environment:
                      (default 300; sim and torchrun alike)
   FUNCSHARD_AUDIT    1: check --no-check-vma steps under torchrun as sim does
                      (raise where the untracked gradient would be wrong)
+  FUNCSHARD_OVERLAP  0: under torchrun, issue gradient reductions and FSDP
+                     gathers synchronously (default 1: overlapped with compute)
   TRITON_INTERPRET   Triton's own: 1 runs funcshard.ops.triton's kernels on CPU
                      with Triton's interpreter (set it before triton is
                      imported); unset, they run on CUDA only
