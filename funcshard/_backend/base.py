@@ -226,17 +226,22 @@ _scope = threading.local()
 
 
 @contextlib.contextmanager
-def overlap_scope() -> Iterator[None]:
+def _flag(name: str, on: bool) -> Iterator[None]:
+    """Set this thread's scope flag ``name`` to ``on`` for the block, then restore it."""
+    prev = getattr(_scope, name, False)
+    setattr(_scope, name, on)
+    try:
+        yield
+    finally:
+        setattr(_scope, name, prev)
+
+
+def overlap_scope() -> contextlib.AbstractContextManager[None]:
     """Within it (``fs.value_and_grad``'s own ``torch.autograd.grad``), the dist backend may issue the backward's
     gradient reductions asynchronously: every gradient leaves through that call and is :func:`settle`-d there,
     and inside the graph a pending result waits at its first use. A plain ``.backward()``, which stores gradients
     in ``.grad`` where nothing settles them, stays synchronous."""
-    prev = getattr(_scope, "on", False)
-    _scope.on = True
-    try:
-        yield
-    finally:
-        _scope.on = prev
+    return _flag("on", True)
 
 
 def overlap_allowed() -> bool:
@@ -244,17 +249,11 @@ def overlap_allowed() -> bool:
     return getattr(_scope, "on", False)
 
 
-@contextlib.contextmanager
-def prefetch_scope(on: bool = True) -> Iterator[None]:
+def prefetch_scope(on: bool = True) -> contextlib.AbstractContextManager[None]:
     """Within it (``ops.fsdp_gather(..., prefetch=True)``), the dist backend's all-gathers return at once and are
     waited for where their result is first read (the gathered weights of the next layer travel while this
     layer computes)."""
-    prev = getattr(_scope, "prefetch", False)
-    _scope.prefetch = on
-    try:
-        yield
-    finally:
-        _scope.prefetch = prev
+    return _flag("prefetch", on)
 
 
 def prefetching() -> bool:
