@@ -95,16 +95,24 @@ class DeviceBody:
         # FUNCSHARD_AUDIT=1 too
         self.audit = not check_vma and (mesh.backend == "sim" or os.environ.get("FUNCSHARD_AUDIT") == "1")
         self.tagged: list[torch.Tensor] = []  # every tensor tagged during the call (cleared after it)
+        self.compiled: Any = None  # under dist with shard_map(compile=...): its _compile.CompiledBody
 
     def __call__(self, dev: Any, leaves: list[list[Any]]) -> Result:
-        # each device owns what it may write: a copy-on-write clone of every input block (no copy is made
-        # unless the function writes to it in place), so no write reaches another device or the caller
+        return self.run(dev, self.own(leaves))
+
+    def own(self, leaves: list[list[Any]]) -> list[list[Any]]:
+        """Each device owns what it may write: a copy-on-write clone of every input block (no copy is made
+        unless the function writes to it in place), so no write reaches another device or the caller."""
+        donated = self.inputs.donated
+        if donated is None:
+            return [[_own(t) for t in arg] for arg in leaves]
+        # donated blocks are handed over as they are: the call may write into them (then they are deleted)
+        return [[t if d else _own(t) for t, d in zip(arg, ds, strict=True)] for arg, ds in zip(leaves, donated)]
+
+    def run(self, dev: Any, leaves: list[list[Any]]) -> Result:
+        """Reshard, tag and call ``f`` on blocks this device owns (see :meth:`own`)."""
         inputs = self.inputs
         donated = inputs.donated
-        if donated is None:
-            leaves = [[_own(t) for t in arg] for arg in leaves]
-        else:  # donated blocks are handed over as they are: the call may write into them (then they are deleted)
-            leaves = [[t if d else _own(t) for t, d in zip(arg, ds, strict=True)] for arg, ds in zip(leaves, donated)]
         if inputs.resharded:  # below the transform: move blocks to their in_spec, untracked
             _tag_args(leaves, inputs.layouts, self.tagged)
             with enter(DeviceContext(self.mesh, dev, False)):
@@ -175,7 +183,10 @@ class DistExecutor:
         self.coords: list[Coords] = [tuple(self.device.coords.values())]
 
     def run(self, body: DeviceBody, plan: PlanFn) -> list[Result]:
-        return [body(self.device, device_args(self.coords[0], body.inputs.blocks))]
+        leaves = device_args(self.coords[0], body.inputs.blocks)
+        if body.compiled is not None:  # shard_map(..., compile=...): the body's recorded graph, compiled
+            return [body.compiled.run(body, self.device, leaves)]
+        return [body(self.device, leaves)]
 
 
 def executor_for(mesh: Mesh) -> Executor:

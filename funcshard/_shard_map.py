@@ -21,6 +21,7 @@ from typing import Any
 import optree
 
 from ._arraytype import Array, is_array
+from ._compile import CompiledBody, compile_options, warn_sim
 from ._context import maybe_current
 from ._errors import ShardingError
 from ._executor import DeviceBody, executor_for
@@ -42,6 +43,7 @@ def shard_map(
     out_specs: Any,
     check_vma: bool = True,
     donate: int | tuple[int, ...] = (),
+    compile: bool | dict[str, Any] = False,
 ) -> Callable[..., Any]:
     """Map ``f`` over the devices of ``mesh``: each device runs ``f`` on its local shards.
 
@@ -58,20 +60,29 @@ def shard_map(
             (``fs.optim``'s updates do: a step then holds one copy of the params and moments), and the Arrays
             are deleted after the call (using one again raises). Blocks that are views or shared (the first
             ``device_put`` of a tensor) are copied on write instead; plain tensors are never written.
+        compile: under ``"dist"``, record each device's body once per input signature into one graph of torch
+            ops (the vma tracking, pytrees and checks run then, once; the collectives are ops of the graph)
+            and run it through ``torch.compile`` with no graph break; ``True``, or a dict of
+            ``torch.compile`` options (``backend``, ``mode``, ``options``, ``fullgraph``, ``dynamic``). As
+            ``jax.jit``, Python values the body closes over are frozen at the first call; reading a tensor's
+            value in Python (``int(x)``) raises. Not differentiable from outside (take the gradients inside,
+            as a train step does). Under ``"sim"`` ignored with a warning: simulated devices are threads
+            that meet in Python, which a compiled graph cannot hold.
 
     Returns:
         A function of global values (``fs.Array``s, or plain tensors taken as the full value) returning
         ``fs.Array``s laid out by ``out_specs``. Usable as a decorator.
 
     Raises:
-        ShardingError: specs that do not fit the arguments or outputs (path, shape, spec, mesh named).
+        ShardingError: specs that do not fit the arguments or outputs (path, shape, spec, mesh named), or a
+            ``compile`` value that is not a bool or a dict of ``torch.compile`` options.
 
     Example:
         >>> g = shard_map(lambda x: fs.psum(x, "dp"), mesh=mesh, in_specs=(P("dp"),), out_specs=P())  # doctest: +SKIP
     """
     if f is None:
         return lambda g: shard_map(
-            g, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=check_vma, donate=donate
+            g, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=check_vma, donate=donate, compile=compile
         )
     if not callable(f):
         raise ShardingError(f"shard_map: expected a function as first argument, found {type(f).__name__}.")
@@ -80,10 +91,16 @@ def shard_map(
 
     donated = _donate_argnums(donate)
     cache = InputCache()
+    options = compile_options(compile)
+    compiled = None
+    if options is not None and mesh.backend != "sim":  # one device per process: its body compiles
+        compiled = CompiledBody(f"shard_map({getattr(f, '__name__', 'f')})", options)
 
     @functools.wraps(f)
     def mapped(*args: Any) -> Any:
-        return _call(f, mesh, in_specs, out_specs, bool(check_vma), args, cache, donated)
+        if options is not None and compiled is None:
+            warn_sim(f"shard_map({getattr(f, '__name__', 'f')})", id(mapped))
+        return _call(f, mesh, in_specs, out_specs, bool(check_vma), args, cache, donated, compiled)
 
     return mapped
 
@@ -97,6 +114,7 @@ def _call(
     args: tuple[Any, ...],
     cache: InputCache,
     donate: tuple[int, ...] = (),
+    compiled: CompiledBody | None = None,
 ) -> Any:
     """prepare (check and cut the arguments) -> run (on the backend's executor) -> assemble (the outputs)."""
     name = f"shard_map({getattr(f, '__name__', 'f')})"
@@ -109,13 +127,13 @@ def _call(
     if donate:
         inputs.donated = donated_blocks(name, args, donate)
         try:
-            return _run(name, f, mesh, out_specs, check_vma, inputs, cache)
+            return _run(name, f, mesh, out_specs, check_vma, inputs, cache, compiled)
         finally:  # consumed, whether or not the call got through (its blocks may be half written)
             for i in donate:
                 for leaf in optree.tree_leaves(args[i], is_leaf=is_array):
                     if isinstance(leaf, Array):
                         leaf.delete(f"donated to {name} (donate={donate})")
-    return _run(name, f, mesh, out_specs, check_vma, inputs, cache)
+    return _run(name, f, mesh, out_specs, check_vma, inputs, cache, compiled)
 
 
 def _donate_argnums(donate: int | tuple[int, ...]) -> tuple[int, ...]:
@@ -136,6 +154,7 @@ def _run(
     check_vma: bool,
     inputs: Inputs,
     cache: InputCache,
+    compiled: CompiledBody | None = None,
 ) -> Any:
     executor = executor_for(mesh)
 
@@ -147,6 +166,7 @@ def _run(
         return cache.out_plan(name, mesh, out_specs, out_def, leaves)
 
     body = DeviceBody(f, mesh, check_vma, inputs, device_plan)
+    body.compiled = compiled
 
     results = executor.run(body, plan)
     try:

@@ -18,7 +18,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-__all__ = ["CommStats", "comm_stats", "record"]
+__all__ = ["CommStats", "capture", "comm_stats", "record"]
 
 _lock = threading.Lock()
 _active: list[CommStats] = []
@@ -113,11 +113,38 @@ class CommStats:
 
 def record(rank: int, name: str, axes: tuple[str, ...], nbytes: int) -> None:
     """Add one call to every open :func:`comm_stats` block (cheap when none is open)."""
+    log = getattr(_capturing, "log", None)
+    if log is not None:
+        log.append((rank, name, axes, nbytes))
     if not _active:
         return
     with _lock:
         for s in _active:
             s._add(rank, name, axes, nbytes)
+
+
+_capturing = threading.local()
+
+
+@contextmanager
+def capture() -> Iterator[list[tuple[int, str, tuple[str, ...], int]]]:
+    """The calls :func:`record` gets in this thread within the block, as ``(rank, name, axes, nbytes)`` (they are
+    still recorded as usual): a compiled body records its collectives once, when it is traced, and replays
+    them at each call.
+
+    Example:
+        >>> with capture() as log:
+        ...     record(0, "psum", ("tp",), 8)
+        >>> log
+        [(0, 'psum', ('tp',), 8)]
+    """
+    prev = getattr(_capturing, "log", None)
+    log: list[tuple[int, str, tuple[str, ...], int]] = []
+    _capturing.log = log
+    try:
+        yield log
+    finally:
+        _capturing.log = prev
 
 
 @contextmanager

@@ -65,12 +65,12 @@ def find_vma(t: torch.Tensor) -> frozenset[str] | None:
     transform such as ``torch.vmap(..., out_dims=1)`` hands back a fresh view of a tagged result), or None
     when it carries none."""
     while True:
-        v = t.__dict__.get(_ATTR)
+        v = getattr(t, _ATTR, None)
         if v is not None:
             return v
         base = t._base
         if base is not None:
-            v = base.__dict__.get(_ATTR)
+            v = getattr(base, _ATTR, None)
             if v is not None:
                 return v
         if not _is_wrapped(t):
@@ -86,7 +86,7 @@ def get_vma(t: torch.Tensor) -> frozenset[str]:
 
 def set_vma(t: torch.Tensor, axes: frozenset[str]) -> torch.Tensor:
     """Tag ``t`` as varying over ``axes``; return ``t``."""
-    t.__dict__[_ATTR] = axes
+    setattr(t, _ATTR, axes)
     return t
 
 
@@ -94,7 +94,7 @@ def _tag_through(t: torch.Tensor, axes: frozenset[str]) -> None:
     """Tag ``t`` and, under torch.func, the tensors it wraps: the transform hands the innermost one back
     to the caller (torch keeps a tensor's Python object, tag included, for as long as the tensor lives)."""
     while True:
-        t.__dict__[_ATTR] = axes
+        setattr(t, _ATTR, axes)
         if not _is_wrapped(t):
             return
         t = _unwrap(t)
@@ -104,7 +104,8 @@ def clear_vma(tensors: Iterable[Any]) -> None:
     """Remove the tags of ``tensors`` (non-tensors are skipped)."""
     for t in tensors:
         if isinstance(t, torch.Tensor):
-            t.__dict__.pop(_ATTR, None)
+            if hasattr(t, _ATTR):
+                delattr(t, _ATTR)
 
 
 def pvary_to(x: torch.Tensor, want: frozenset[str], dev: Any) -> torch.Tensor:
@@ -355,7 +356,7 @@ class VmaMode(TorchFunctionMode):
                 f"{missing}. Write it out of place (y = x + v), or make it varying first: "
                 f"x = fs.pvary(x, {tuple(missing)})."
             )
-        target.__dict__[_ATTR] = union
+        setattr(target, _ATTR, union)
 
     def _grad(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         out = func(*args, **kwargs)

@@ -27,6 +27,8 @@ __all__ = [
     "prefetch_scope",
     "prefetching",
     "settle",
+    "trace_scope",
+    "tracing",
 ]
 
 DEFAULT_TIMEOUT = 300.0
@@ -259,3 +261,16 @@ def prefetch_scope(on: bool = True) -> contextlib.AbstractContextManager[None]:
 def prefetching() -> bool:
     """Whether this thread is inside :func:`prefetch_scope`."""
     return getattr(_scope, "prefetch", False)
+
+
+def trace_scope() -> contextlib.AbstractContextManager[None]:
+    """Within it (``shard_map(..., compile=...)`` recording a device's body into a graph), the dist backend's
+    collectives are torch's functional collectives, which the graph records as ops (so the compiler sees them,
+    and no pending result escapes), and the optimisers keep their step count a tensor (a Python number read
+    from a tensor would be frozen into the graph)."""
+    return _flag("trace", True)
+
+
+def tracing() -> bool:
+    """Whether this thread records a body into a graph (:func:`trace_scope`)."""
+    return getattr(_scope, "trace", False)

@@ -46,6 +46,7 @@ from .base import (
     group_members,
     overlap_allowed,
     prefetching,
+    tracing,
 )
 
 __all__ = [
@@ -84,6 +85,14 @@ def _issued(t: Any) -> Any:
 def _in_backward() -> bool:
     """In a backward that ``fs.value_and_grad`` runs (``overlap_scope``): its gradients are settled on the way out."""
     return overlap_allowed() and torch._C._current_autograd_node() is not None
+
+
+def _functional(overlap: bool) -> bool:
+    """Whether a collective goes through torch's functional collectives (it returns at once and is waited for
+    at its first use): always while a body is recorded into a compiled graph (``shard_map(compile=...)``: the
+    graph holds them as ops), and where ``overlap`` says its result may be pending (a gradient reduction in
+    the backward, a prefetched gather) and ``FUNCSHARD_OVERLAP`` is on."""
+    return _funcol is not None and (tracing() or (overlap and overlap_enabled()))
 
 
 try:  # torch's functional collectives: a tensor that waits for its collective at its first use
@@ -367,20 +376,21 @@ class DistDevice(DeviceHandle):
 
     def all_reduce(self, x: torch.Tensor, axes: tuple[str, ...], op: str) -> torch.Tensor:
         g, members, _, _ = self._group(axes)
+        what = {"sum": "psum", "max": "pmax", "min": "pmin"}[op]
+        if _functional(op == "sum" and _in_backward()):
+            # a gradient's sum (or any, in a compiled graph): issued now, waited for at its first use
+            with _waiting(what, axes, members):
+                return _issued(_funcol.all_reduce(x.detach().contiguous(), op, g))  # [*s] -> [*s] (pending)
         out = x.detach().clone(memory_format=torch.contiguous_format)
-        if op == "sum" and _funcol is not None and _in_backward() and overlap_enabled():
-            # a gradient's sum: issued now, waited for at its first use (the backward goes on meanwhile)
-            with _waiting("psum", axes, members):
-                return _issued(_funcol.all_reduce(x.detach().contiguous(), "sum", g))  # [*s] -> [*s] (pending)
         red = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op]
-        with _waiting({"sum": "psum", "max": "pmax", "min": "pmin"}[op], axes, members):
+        with _waiting(what, axes, members):
             dist.all_reduce(out, op=red, group=g)  # [*s] -> [*s]
         return out
 
     def all_gather(self, x: torch.Tensor, axes: tuple[str, ...]) -> torch.Tensor:
         g, members, gr, _ = self._group(axes)
         n = len(members)
-        if _funcol is not None and prefetching() and overlap_enabled():
+        if _functional(prefetching()):
             with _waiting("all_gather", axes, members):  # issued now, waited for where it is first read
                 pending = _issued(_funcol_gather(x.detach().reshape(-1).contiguous(), 0, g))
             out = pending.view(n, *x.shape)  # [n * |s|] -> [n, *s] (still pending: a view)
@@ -396,7 +406,7 @@ class DistDevice(DeviceHandle):
         inp = x.detach()
         if gr != sorted(gr):
             inp = inp[_inverse(gr)]  # logical order -> group-rank order
-        if _funcol is not None and _in_backward() and overlap_enabled():
+        if _functional(_in_backward()):
             # FSDP's gradient reduce-scatter: issued now, waited for at its first use
             with _waiting("psum_scatter", axes, members):
                 out = _issued(_funcol_scatter(inp.reshape(-1).contiguous(), "sum", 0, g))  # -> [|s|]
@@ -413,6 +423,9 @@ class DistDevice(DeviceHandle):
         if reorder:
             inp = inp[_inverse(gr)]  # logical order -> group-rank order
         flat = inp.reshape(-1).contiguous()
+        if tracing():
+            out = _funcol.all_to_all_single(flat, None, None, g).view(x.shape)  # [n * |s|] -> [n * |s|]
+            return out[gr] if reorder else out
         out = torch.empty_like(flat)
         with _waiting("all_to_all", axes, members):
             dist.all_to_all_single(out, flat, group=g)  # [n * |s|] -> [n * |s|] (group-rank order)
@@ -422,6 +435,8 @@ class DistDevice(DeviceHandle):
     def ppermute(self, x: torch.Tensor, axes: tuple[str, ...], perm: tuple[tuple[int, int], ...]) -> torch.Tensor:
         g, members, _, idx = self._group(axes)
         send = x.detach().contiguous()
+        if tracing():
+            return _traced_ppermute(send, g, members, idx, perm)
         out = torch.zeros_like(send)
         ops = []
         for src, dst in perm:
@@ -442,6 +457,11 @@ class DistDevice(DeviceHandle):
         receives between the same pair are matched by tag, in posting order)."""
         if not ops:
             return []
+        if tracing():
+            raise ShardingError(
+                "p2p: point-to-point sends (the pipeline runtime's) cannot be recorded into a compiled graph; "
+                "drop compile= from the shard_map of a pipelined step (a pp axis), or compile the stage function."
+            )
         g, members, _, idx = self._group(axes)
         if any(not op.peer < len(members) or op.peer == idx for op in ops):
             check_p2p(self.mesh, self.coords, axes, ops)  # raises, naming the peer
@@ -466,6 +486,25 @@ class DistDevice(DeviceHandle):
         for i, (op, q) in enumerate(zip(ops, p2p_ops, strict=True)):
             out.append(_DistWork(op, q.tensor, list(works) if coalesced else [works[i]], axes, [self.rank, q.peer]))
         return out
+
+
+def _traced_ppermute(
+    send: torch.Tensor, g: Any, members: list[int], idx: int, perm: tuple[tuple[int, int], ...]
+) -> torch.Tensor:
+    """``ppermute`` as one functional all-to-all with uneven splits (there is no functional send / receive): this
+    device sends its whole block to its ``dst`` (nothing to the others) and receives one block from its ``src``;
+    a device that receives nothing gets zeros."""
+    n, k = len(members), send.numel()
+    dst = next((d for s, d in perm if s == idx), None)
+    src = next((s for s, d in perm if d == idx), None)
+    in_splits = [k if j == dst else 0 for j in range(n)]  # group-rank order is logical order here: sorted members
+    out_splits = [k if j == src else 0 for j in range(n)]
+    order = sorted(range(n), key=lambda j: members[j])  # logical index of each group rank
+    flat = send.reshape(-1) if dst is not None else send.reshape(-1)[:0]  # what goes out: [|s|] or [0]
+    got = _funcol.all_to_all_single(
+        flat, [out_splits[j] for j in order], [in_splits[j] for j in order], g
+    )  # [|s|] or [0] -> [|s|] or [0]
+    return got.view(send.shape) if src is not None else torch.zeros_like(send)
 
 
 def initialized() -> bool:

@@ -7,6 +7,7 @@ from typing import Any
 import optree
 import torch
 
+from .._backend.base import tracing
 from .._context import is_donated
 from .._errors import ConfigError
 from .._spec import P
@@ -70,6 +71,16 @@ def adamw(
     return Optimizer(h.init, h.transform, h.state_specs, name=fn, apply=h.apply)
 
 
+def _addcdiv(
+    p: torch.Tensor, m: torch.Tensor, d: torch.Tensor, value: float | torch.Tensor, in_place: bool = False
+) -> torch.Tensor:
+    """``p + value * m / d`` (in place with ``in_place``); ``value`` a number, or a 0-dim tensor in a compiled step."""
+    if isinstance(value, torch.Tensor):
+        upd = torch.div(m, d).mul_(value)  # addcdiv's order: value * (m / d)
+        return p.add_(upd) if in_place else p + upd
+    return p.addcdiv_(m, d, value=value) if in_place else torch.addcdiv(p, m, d, value=value)
+
+
 class _AdamW:
     """The hyperparameters of one :func:`adamw` and its pure functions."""
 
@@ -85,7 +96,8 @@ class _AdamW:
         """The leaves of grads, moments and params, checked, and this step's lr, step size and bias correction."""
         b1, b2 = self.b1, self.b2
         check_state(where, state, AdamWState)
-        step = check_count(where, state.count) + 1
+        count = check_count(where, state.count, read=not tracing())  # compiled: it stays a tensor
+        step = count + 1 if isinstance(count, int) else (count + 1).to(torch.float64)
         _, g_leaves, _ = named_leaves(where, "grads", grads)
         m_leaves = check_like(where, "state.mu", state.mu, grads, "grads")
         v_leaves = check_like(where, "state.nu", state.nu, grads, "grads")
@@ -117,7 +129,7 @@ class _AdamW:
         ups = []
         for k, (m, d) in enumerate(zip(ms, dens, strict=True)):
             if self.wd != 0:
-                ups.append(torch.addcdiv(p_leaves[k] * -(lr_t * self.wd), m, d, value=-step_size))
+                ups.append(_addcdiv(p_leaves[k] * -(lr_t * self.wd), m, d, -step_size))
             else:
                 ups.append(torch.div(m, d).mul(-step_size))
         return optree.tree_unflatten(treedef, ups), new_state
@@ -132,7 +144,7 @@ class _AdamW:
         for p, m, d in zip(p_leaves, ms, dens, strict=True):
             if self.wd != 0:
                 p = p * (1 - lr_t * self.wd)  # decoupled weight decay
-            new.append(torch.addcdiv(p, m, d, value=-step_size))
+            new.append(_addcdiv(p, m, d, -step_size))
         return optree.tree_unflatten(treedef, new), new_state
 
     def _apply_in_place(self, grads: PyTree, state: Any, params: PyTree) -> tuple[PyTree, AdamWState]:
@@ -150,7 +162,7 @@ class _AdamW:
             den = v.sqrt().div_(bc2_sqrt).add_(self.eps)
             if self.wd != 0:
                 p.mul_(1 - lr_t * self.wd)  # decoupled weight decay
-            p.addcdiv_(m, den, value=-step_size)
+            _addcdiv(p, m, den, -step_size, in_place=True)
         return params, AdamWState(state.count + 1, state.mu, state.nu)
 
     def state_specs(self, param_specs: PyTree) -> AdamWState:

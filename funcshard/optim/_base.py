@@ -186,12 +186,14 @@ def check_state(fn: str, state: Any, cls: type) -> None:
         )
 
 
-def check_count(fn: str, count: Any) -> int:
+def check_count(fn: str, count: Any, *, read: bool = True) -> Any:
+    """``count`` checked to be a 0-dim tensor: its value as an int, or (``read=False``: a compiled step, where a
+    number read from a tensor would be frozen into the graph) the tensor itself."""
     if isinstance(count, Array):
         array_error(fn, "state.count")
     if not isinstance(count, torch.Tensor) or count.dim() != 0:
         raise ShardingError(f"{fn}: state.count must be a 0-dim tensor (spec P()), found {count!r}.")
-    return int(count)
+    return int(count) if read else count
 
 
 def check_nonneg(fn: str, **values: float) -> None:

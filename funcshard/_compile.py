@@ -1,0 +1,243 @@
+"""``shard_map(..., compile=...)``: a device's body recorded once into a graph of torch ops, then compiled.
+
+As ``jax.jit`` does, the body is traced (``make_fx``, at the level of torch's ops) at the first call of each
+input signature, while it runs for real: everything Python does around the ops (the varying-axes tracking
+with its ``pvary``s, pytrees, spec checks, the optimisers' bookkeeping, ``fs.comm_stats``' counts) happens
+then, once, and what remains is one graph of tensor ops, forward, backward and update alike. The dist
+backend's collectives are recorded as torch's functional collectives, ops of that graph, so ``torch.compile``
+sees the whole step (``fullgraph=True``: no graph break at all) and inductor may overlap communication with
+compute. Later calls with the same signature run the compiled graph; the vma tags and communication counts
+of the traced call are put back on its outputs and into open ``fs.comm_stats`` blocks.
+
+The recorded graph is a pure function of the tensor arguments: a Python value the body closes over, or
+reads from a constant tensor, is frozen at the trace (JAX's rule). A read of a value that depends on the
+arguments (``int(x)``, ``x.item()``, ``if x.any():``) would be frozen wrongly, so it is refused with an error
+naming the line; value checks that cannot be held in a graph (the token ids' range) are skipped.
+
+Only the ``"dist"`` backend compiles: simulated devices are threads of one process that meet in Python
+(conditions and shared buffers), which a graph of tensor ops cannot hold; under ``"sim"`` the body runs
+eagerly, with one warning saying so.
+
+Example:
+    >>> # under torchrun --nproc-per-node 2:
+    >>> # step = fs.shard_map(step_fn, mesh=mesh, in_specs=..., out_specs=..., compile=True)
+    >>> # step = fs.shard_map(step_fn, ..., compile={"backend": "aot_eager"})  # options for torch.compile
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import traceback
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ._backend.base import trace_scope
+from ._errors import ShardingError
+from ._stats import capture, record
+from ._vma import set_vma, tags_of
+
+__all__ = ["CompiledBody", "compile_options", "warn_sim"]
+
+_COMPILE_KEYS = ("backend", "mode", "options", "fullgraph", "dynamic")
+
+
+def compile_options(compile: bool | dict[str, Any] | None) -> dict[str, Any] | None:
+    """The ``torch.compile`` options of ``shard_map(compile=...)``, or None for no compilation.
+
+    Raises:
+        ShardingError: ``compile`` is neither a bool nor a dict of ``torch.compile`` options.
+
+    Example:
+        >>> compile_options(True)
+        {'backend': 'inductor', 'fullgraph': True, 'dynamic': False}
+        >>> compile_options(False) is None
+        True
+    """
+    if compile is None or compile is False:
+        return None
+    if compile is True:
+        compile = {}
+    if not isinstance(compile, dict) or not all(k in _COMPILE_KEYS for k in compile):
+        raise ShardingError(
+            f"shard_map: compile must be True, False or a dict of torch.compile options (keys among "
+            f"{list(_COMPILE_KEYS)}), found {compile!r}; e.g. compile={{'backend': 'aot_eager'}}."
+        )
+    return {"backend": "inductor", "fullgraph": True, "dynamic": False, **compile}
+
+
+_warned: set[int] = set()
+_warn_lock = threading.Lock()
+
+
+def warn_sim(name: str, key: int) -> None:
+    """Warn once per shard_map function that ``compile=`` is ignored under ``"sim"``."""
+    with _warn_lock:
+        if key in _warned:
+            return
+        _warned.add(key)
+    warnings.warn(
+        f"{name}: compile= is ignored on a 'sim' mesh, whose body runs eagerly: its simulated devices are threads "
+        f"of this process that meet in Python (conditions and shared buffers) at every collective, which a "
+        f"compiled graph of tensor ops cannot hold. Under torchrun (backend 'dist') the body is compiled.",
+        UserWarning,
+        stacklevel=3,
+    )
+
+
+def _hashable(v: Any) -> Any:
+    try:
+        hash(v)
+    except TypeError:
+        return ("id", id(v))
+    return (type(v), v)
+
+
+def _signature(body: Any, leaves: list[list[Any]]) -> tuple[Any, ...]:
+    """What a recorded graph is specific to: the arguments' structure, layouts and tensor metadata, the other
+    leaves' values, and the grad mode."""
+    inputs = body.inputs
+    metas = tuple(
+        (tuple(t.shape), t.stride(), t.dtype, t.device, t.requires_grad)
+        if isinstance(t, torch.Tensor)
+        else _hashable(t)
+        for arg in leaves
+        for t in arg
+    )
+    donated = None if inputs.donated is None else tuple(map(tuple, inputs.donated))
+    specs = tuple(map(tuple, inputs.specs))
+    layouts = tuple(map(tuple, inputs.layouts))
+    return (tuple(inputs.treedefs), specs, layouts, donated, metas, torch.is_grad_enabled())
+
+
+def _mutated_inputs(gm: torch.fx.GraphModule) -> set[int]:
+    """The positions of the placeholders the graph writes to (in place, directly or through a view)."""
+    owner: dict[torch.fx.Node, int] = {}
+    for i, node in enumerate(n for n in gm.graph.nodes if n.op == "placeholder"):
+        owner[node] = i
+    written: set[int] = set()
+    for node in gm.graph.nodes:
+        schema = getattr(node.target, "_schema", None)
+        if node.op != "call_function" or schema is None:
+            continue
+        for arg_schema, arg in zip(schema.arguments, node.args, strict=False):
+            info = arg_schema.alias_info
+            if info is not None and info.is_write and isinstance(arg, torch.fx.Node) and arg in owner:
+                written.add(owner[arg])
+        ret = schema.returns[0].alias_info if schema.returns else None
+        if ret is not None and node.args and isinstance(node.args[0], torch.fx.Node) and node.args[0] in owner:
+            owner[node] = owner[node.args[0]]  # a view of an argument: writing to it writes the argument
+    return written
+
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+_OWN_FILES = {os.path.join(_HERE, "_vma.py"), os.path.join(_HERE, "_compile.py")}
+
+
+def _value_read(name: str, err: RuntimeError) -> ShardingError:
+    """The error for a body that reads, in Python, the value of a tensor computed from its arguments (make_fx
+    refuses it), naming the line: the innermost frame outside torch and funcshard's vma mode."""
+    frames = [
+        f
+        for f in traceback.extract_tb(err.__traceback__)
+        if f"{os.sep}torch{os.sep}" not in f.filename and f.filename not in _OWN_FILES
+    ]
+    where = f"{frames[-1].filename}:{frames[-1].lineno}: {frames[-1].line}" if frames else "(unknown line)"
+    return ShardingError(
+        f"{name} (compile=...): the body reads the value of a tensor computed from its arguments in Python "
+        f"(int(x), float(x), x.item(), bool(x), an if on a tensor) at {where}. A compiled body is recorded "
+        f"once, so that value would be frozen at the first call's. Keep it a tensor (torch.where instead of an "
+        f"if), or drop compile= for this function."
+    )
+
+
+class _Graph:
+    """One recorded and compiled body: how to call it and how to rebuild its outputs."""
+
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        out_def: Any,
+        out_leaves: list[Any],
+        tags: list[frozenset[str] | None],
+        comm: list[tuple[int, str, tuple[str, ...], int]],
+        copy: set[int],
+    ) -> None:
+        self.fn, self.out_def, self.comm = fn, out_def, comm
+        self.template = [None if isinstance(t, torch.Tensor) else t for t in out_leaves]
+        self.tags = tags
+        self.copy = copy  # positions of tensor arguments the graph writes to but the caller did not donate
+
+    def __call__(self, tensors: list[torch.Tensor]) -> tuple[list[Any], Any]:
+        if self.copy:
+            tensors = [t.clone() if i in self.copy else t for i, t in enumerate(tensors)]
+        outs = iter(self.fn(*tensors))
+        leaves = []
+        for t, tag in zip(self.template, self.tags, strict=True):
+            if t is None:
+                t = next(outs)
+                if tag:
+                    set_vma(t, tag)
+            leaves.append(t)
+        for r in self.comm:
+            record(*r)
+        return leaves, self.out_def
+
+
+class CompiledBody:
+    """The compiled graphs of one ``shard_map`` function, one per input signature (see the module docstring)."""
+
+    def __init__(self, name: str, options: dict[str, Any]) -> None:
+        self.name, self.options = name, options
+        self.graphs: dict[tuple[Any, ...], _Graph] = {}
+
+    def run(self, body: Any, dev: Any, leaves: list[list[Any]]) -> tuple[list[Any], Any]:
+        """``body`` on this device's ``leaves``: recorded (and run) at a new signature, else the compiled graph."""
+        if torch.is_grad_enabled() and any(
+            isinstance(t, torch.Tensor) and t.requires_grad for arg in leaves for t in arg
+        ):
+            raise ShardingError(
+                f"{self.name} (compile=...): an argument requires grad, but a compiled body is not differentiated "
+                f"from outside the shard_map. Take the gradients inside the body (fs.value_and_grad, as a train "
+                f"step does), pass detached values, or drop compile=."
+            )
+        key = _signature(body, leaves)
+        graph = self.graphs.get(key)
+        if graph is None:
+            result, self.graphs[key] = self._trace(body, dev, leaves)
+            return result
+        return graph([t for arg in leaves for t in arg if isinstance(t, torch.Tensor)])
+
+    def _trace(self, body: Any, dev: Any, leaves: list[list[Any]]) -> tuple[tuple[list[Any], Any], _Graph]:
+        from torch.fx.experimental.proxy_tensor import make_fx
+
+        owned = body.own(leaves)  # the traced run writes into its own copies, as an eager call would
+        box: list[tuple[list[Any], Any]] = []
+
+        def flat_body(*tensors: torch.Tensor) -> list[torch.Tensor]:
+            it = iter(tensors)
+            args = [[next(it) if isinstance(t, torch.Tensor) else t for t in arg] for arg in owned]
+            out_leaves, out_def = body.run(dev, args)
+            box.append((out_leaves, out_def))
+            return [t for t in out_leaves if isinstance(t, torch.Tensor)]
+
+        tensors = [t for arg in owned for t in arg if isinstance(t, torch.Tensor)]
+        try:
+            with trace_scope(), capture() as comm:
+                gm = make_fx(flat_body, tracing_mode="real")(*tensors)
+        except RuntimeError as e:
+            if "_local_scalar_dense" in str(e):
+                raise _value_read(self.name, e) from None
+            raise
+        out_leaves, out_def = box[-1]
+        donated = [False] * len(tensors)
+        if body.inputs.donated is not None:
+            flags = zip(leaves, body.inputs.donated, strict=True)
+            donated = [d for arg, ds in flags for t, d in zip(arg, ds, strict=True) if isinstance(t, torch.Tensor)]
+        copy = {i for i in _mutated_inputs(gm) if not donated[i]}
+        fn = torch.compile(gm, **self.options)
+        tags = tags_of(out_leaves)
+        return (out_leaves, out_def), _Graph(fn, out_def, list(out_leaves), tags, list(comm), copy)

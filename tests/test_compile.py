@@ -1,0 +1,147 @@
+"""``shard_map(..., compile=...)``: a compiled Llama train step equals the eager one under dist, in one graph.
+
+The compiler here is ``aot_eager`` (torch.compile's graph capture and AOTAutograd, without inductor's code
+generation), so the tests stay within a minute on two CPU cores; ``bench/compile.py`` runs inductor and reports
+the speedup.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import optree
+import pytest
+import torch
+from _dist_pool import run_body
+
+import funcshard as fs
+from funcshard import P, optim
+from funcshard.models import llama
+
+CFG = llama.Config(vocab_size=32, dim=16, n_layers=1, n_heads=2, n_kv_heads=2, ffn_dim=32, max_seq_len=8)
+COMPILE = {"backend": "aot_eager"}
+
+
+def _train(mesh: fs.Mesh, compile: bool | dict, donate: tuple[int, ...] = ()) -> tuple[list[float], list, dict]:
+    """Three AdamW steps of the Llama: the losses, the final params (full), the communication of the last step."""
+    specs, bs = llama.param_specs(CFG, mesh), llama.batch_spec(mesh)
+    opt = optim.adamw(1e-2, weight_decay=0.1)
+    sspecs = opt.state_specs(specs)
+
+    def step_fn(p, s, x, y):
+        loss, g = llama.value_and_grad(p, x, y, CFG)
+        p, s = opt.update(g, s, p)
+        return loss, p, s
+
+    gen = torch.Generator().manual_seed(0)
+    x, y = (torch.randint(0, CFG.vocab_size, (4, 8), generator=gen) for _ in range(2))
+    p = fs.shard_map(lambda k: llama.init(k, CFG), mesh=mesh, in_specs=(P(),), out_specs=specs)(fs.random.key(0))
+    s = fs.shard_map(opt.init, mesh=mesh, in_specs=(specs,), out_specs=sspecs)(p)
+    step = fs.shard_map(
+        step_fn,
+        mesh=mesh,
+        in_specs=(specs, sspecs, bs, bs),
+        out_specs=(P(), specs, sspecs),
+        donate=donate,
+        compile=compile,
+    )
+    losses = []
+    for _ in range(3):
+        with fs.comm_stats() as stats:
+            loss, p, s = step(p, s, x, y)
+        losses.append(float(fs.device_get(loss)))
+    comm = {(name, axis): stats.calls(name, axis) for name in ("psum", "pmax") for axis in mesh.axis_names}
+    return losses, [fs.device_get(t) for t in optree.tree_leaves(p)], comm
+
+
+def _compiled_vs_eager(mesh: fs.Mesh, donate: tuple[int, ...]) -> dict:
+    from torch._dynamo.utils import counters
+
+    eager = _train(mesh, False)
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = _train(mesh, COMPILE, donate)
+    return {
+        "eager": eager,
+        "compiled": compiled,
+        "graph_breaks": sum(counters["graph_break"].values()),
+        "graphs": counters["stats"]["unique_graphs"],
+    }
+
+
+@pytest.mark.parametrize(("shape", "donate"), [({"dp": 2}, ()), ({"tp": 2}, (0, 1))], ids=["dp2", "tp2-donated"])
+def test_compiled_train_step_equals_eager_under_dist(shape: dict[str, int], donate: tuple[int, ...]) -> None:
+    for r in run_body("dist", _compiled_vs_eager, shape, donate):
+        (e_loss, e_params, e_comm), (c_loss, c_params, c_comm) = r["eager"], r["compiled"]
+        torch.testing.assert_close(torch.tensor(c_loss), torch.tensor(e_loss), rtol=1e-5, atol=0)
+        for a, b in zip(c_params, e_params, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+        assert c_comm == e_comm  # the collectives recorded at the trace are counted at every compiled call
+        assert r["graph_breaks"] == 0 and r["graphs"] == 1  # the whole step, forward + backward + AdamW: one graph
+
+
+def _collectives(mesh: fs.Mesh) -> list[list[torch.Tensor]]:
+    """Every collective, forward and backward, compiled and eager (a ppermute that leaves a device without a
+    block, too)."""
+
+    def body(x, w):
+        def loss(x, w):
+            h = fs.all_gather(x * w, "a", dim=0, tiled=True)  # [2, 4] -> [4, 4]
+            h = fs.psum_scatter(h.sin(), "a", dim=1, tiled=True)  # [4, 4] -> [4, 2]
+            h = fs.all_to_all(h, "a", 0, 1, tiled=True)  # [4, 2] -> [2, 4]
+            h = fs.ppermute(h, "a", [(0, 1), (1, 0)]) + fs.ppermute(h, "a", [(0, 1)])  # [2, 4] -> [2, 4]
+            return fs.psum((h * fs.pmax(h, "a")).sum(), "a")
+
+        return fs.value_and_grad(loss, argnums=(0, 1))(x, w)
+
+    gen = torch.Generator().manual_seed(0)
+    x, w = torch.randn(4, 4, generator=gen), torch.randn(2, 8, generator=gen)
+    specs = (P("a"), P(None, "a"))
+    outs = []
+    for compile in (False, COMPILE):
+        f = fs.shard_map(body, mesh=mesh, in_specs=specs, out_specs=(P(), specs), compile=compile)
+        outs.append([fs.device_get(t) for t in optree.tree_leaves(f(x, w))])
+    return outs
+
+
+def test_every_collective_compiles_under_dist() -> None:
+    for eager, compiled in run_body("dist", _collectives, {"a": 2}):
+        for c, e in zip(compiled, eager, strict=True):
+            torch.testing.assert_close(c, e, rtol=1e-5, atol=1e-6)
+
+
+def _value_read(mesh: fs.Mesh) -> str:
+    def f(x):
+        if x.sum() > 0:  # a Python branch on a value: frozen in a recorded graph
+            return x * 2
+        return x
+
+    g = fs.shard_map(f, mesh=mesh, in_specs=(P("dp"),), out_specs=P("dp"), compile=COMPILE)
+    with pytest.raises(fs.ShardingError, match=r"reads the value of a tensor.*test_compile\.py") as e:
+        g(torch.ones(4))
+    return str(e.value)
+
+
+def test_value_read_in_a_compiled_body_is_refused_under_dist() -> None:
+    for msg in run_body("dist", _value_read, {"dp": 2}):
+        assert "if x.sum() > 0" in msg and "torch.where" in msg
+
+
+def test_compile_under_sim_runs_eagerly_with_one_warning() -> None:
+    mesh = fs.make_mesh({"dp": 2}, backend="sim")
+    f = fs.shard_map(lambda x: fs.psum(x * 2, "dp"), mesh=mesh, in_specs=(P("dp"),), out_specs=P(), compile=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        outs = [fs.device_get(f(torch.arange(4.0))) for _ in range(2)]
+    assert len([w for w in caught if "compile= is ignored" in str(w.message)]) == 1
+    assert "threads" in str(caught[0].message)
+    for out in outs:
+        torch.testing.assert_close(out, torch.tensor([4.0, 8.0]))
+
+
+def test_compile_option_is_checked() -> None:
+    mesh = fs.make_mesh({"dp": 2}, backend="sim")
+    with pytest.raises(fs.ShardingError, match=r"torch\.compile options"):
+        fs.shard_map(lambda x: x, mesh=mesh, in_specs=(P(),), out_specs=P(), compile="yes")
+    with pytest.raises(fs.ShardingError, match=r"torch\.compile options"):
+        fs.shard_map(lambda x: x, mesh=mesh, in_specs=(P(),), out_specs=P(), compile={"bakend": "inductor"})
