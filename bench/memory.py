@@ -58,11 +58,12 @@ import gc
 import json
 import os
 import resource
-import socket
 import subprocess
 import sys
 import time
 from typing import Any
+
+from _launch import free_port
 
 # variant -> (where it runs, its peer or None)
 ROWS: dict[str, tuple[str, str | None]] = {
@@ -362,12 +363,6 @@ def _rank(variant: str, args: argparse.Namespace) -> dict[str, Any]:
     return {"step_mib": mib, "before_mib": peak.before, "loss": value, "rank": rank, "peak_reset": peak.reset}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _launch(variant: str, passthrough: list[str], timeout: float) -> dict[str, Any]:
     """Run ``variant`` in fresh processes (4 gloo ranks for a ``4 procs`` one); its row, or raise."""
     # a fixed mmap threshold: every tensor over 64 KiB gets its own mapping, returned to the OS when freed, so
@@ -379,7 +374,7 @@ def _launch(variant: str, passthrough: list[str], timeout: float) -> dict[str, A
         if out.returncode:
             raise RuntimeError(out.stderr[-3000:])
         return json.loads(out.stdout.strip().splitlines()[-1])
-    port = _free_port()
+    port = free_port()
     procs = []
     for r in range(WORLD):
         renv = {

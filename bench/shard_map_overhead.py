@@ -28,9 +28,7 @@ Usage:
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
-import socket
 import statistics
 import sys
 import time
@@ -39,8 +37,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
+from _launch import launch
 
 import funcshard as fs
 from funcshard import P
@@ -254,43 +252,6 @@ def run(args: argparse.Namespace) -> None:
         print(f"expected: 2 all-reduces of [{b}, {d}] fp32 = 2 x {payload:,} bytes (the manual variant makes the same)")
 
 
-# ---------------------------------------------------------------- launching
-
-
-def _spawned(rank: int, port: int, args: argparse.Namespace) -> None:
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        WORLD_SIZE=str(WORLD),
-        LOCAL_RANK=str(rank),
-        CUDA_VISIBLE_DEVICES="",
-    )
-    _main_dist(args)
-
-
-def _main_dist(args: argparse.Namespace) -> None:
-    if not dist.is_initialized():
-        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
-    if dist.get_world_size() != WORLD:
-        raise SystemExit(f"this benchmark runs on {WORLD} processes, found {dist.get_world_size()}")
-    run(args)
-    dist.barrier()
-    dist.destroy_process_group()
-    # funcshard keeps its per-axis process groups in a module-level cache; a gloo group still referenced at
-    # interpreter teardown sometimes aborts the process ("terminate called without an active exception").
-    # Leave without the teardown: the run is complete and its output written.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--batch", type=int, default=64)
@@ -307,10 +268,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.steps < 20:
         ap.error("--steps must be at least 20")
     args.load_before = os.getloadavg()[0]
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun
-        _main_dist(args)
-    else:
-        mp.spawn(_spawned, args=(_free_port(), args), nprocs=WORLD, join=True)
+    launch(run, args, WORLD, timeout_s=120)
     return 0
 
 
