@@ -38,11 +38,15 @@ Rows and the peer each is divided by:
 Asking for a row runs its peer too. ``--json PATH`` writes the rows (variant, where, MiB, peer, peer MiB,
 ratio, loss, per-rank MiB) and the sizes.
 
-Measured (2-core CPU shared with another job; ``--dim 384 --layers 8 --heads 8 --kv-heads 4 --ffn 1024``,
-13,179,264 parameters, batch 8 x 256; forward + backward; one run each): see the table in
-``bench/memory.py``'s last section below.
+Measured (2-core CPU shared with other jobs; the default sizes: 13,179,264 parameters, global batch 8 x 256;
+forward + backward; one run; MiB = the max over the 4 ranks):
 
-MEASURED_TABLE
+    variant              where         MiB  peer                 peer MiB   ratio
+    dp4_dist             4 procs     132.0  ddp4                    133.0   0.99x
+    fsdp4_dist_keep      4 procs     185.2  fsdp2_keep              184.6   1.00x
+    fsdp4_dist_reshard   4 procs     135.3  fsdp2_reshard_ckpt       53.1   2.55x
+    fsdp4_dist_bf16      4 procs      98.3  fsdp2_bf16_keep          98.1   1.00x
+    cp4_dist             4 procs     132.8  ddp4                    133.0   1.00x
 
 Usage:
     python bench/memory.py                      # the 13M-parameter Llama, every row: ~6 minutes on 2 cores
