@@ -328,6 +328,68 @@ def test_stage_fn_must_keep_shape() -> None:
         f((w1, w2), x.reshape(4, MB, D), t.reshape(4, MB, D))
 
 
+def _vma_ops_per_step(monkeypatch: pytest.MonkeyPatch, sched) -> tuple[int, int, int]:
+    """One step under sim with check_vma: (ops the vma mode saw outside the user's functions, ops it saw inside
+    them, pvary it inserted), summed over the devices."""
+    import threading
+
+    from funcshard import _vma
+
+    inside = threading.local()
+    seen = {"out": 0, "in": 0, "pvary": 0}
+    mode_fn, pvary_to = _vma.VmaMode.__torch_function__, _vma.pvary_to
+
+    def counted(self, func, types, args=(), kwargs=None):
+        seen["in" if getattr(inside, "on", False) else "out"] += 1
+        return mode_fn(self, func, types, args, kwargs)
+
+    def counted_pvary(x, want, dev):
+        y = pvary_to(x, want, dev)
+        seen["pvary"] += y is not x
+        return y
+
+    def user(fn):
+        def wrapped(*args):
+            inside.on = True
+            try:
+                return fn(*args)
+            finally:
+                inside.on = False
+
+        return wrapped
+
+    monkeypatch.setattr(_vma.VmaMode, "__torch_function__", counted)
+    monkeypatch.setattr(_vma, "pvary_to", counted_pvary)
+    p, v, m = sched.n_stages, sched.n_virtual, sched.n_microbatches
+    w1, w2, x, t = _data(p * v, m * MB)
+    mesh = fs.make_mesh({"pp": p}, backend="sim")
+    f = fs.shard_map(
+        lambda params, xs, ts: run(sched, user(_layer), params, xs, targets=ts, loss_fn=user(_mse)),
+        mesh=mesh,
+        in_specs=(P("pp"), P(), P()),
+        out_specs=(P(), P("pp")),
+    )
+    args = ((w1[stage_order(sched)], w2[stage_order(sched)]), x.reshape(m, MB, D), t.reshape(m, MB, D))
+    f(*args)
+    seen.update(out=0, pvary=0)
+    seen["in"] = 0
+    f(*args)
+    return seen["out"], seen["in"], seen["pvary"]
+
+
+@pytest.mark.parametrize("name", ["1f1b", "interleaved"])
+def test_vma_mode_sees_only_the_user_functions(monkeypatch: pytest.MonkeyPatch, name: str) -> None:
+    """The runtime's own tensor work (slicing microbatches, detaching, receive buffers, autograd.grad, gradient
+    accumulation) does not go through the vma mode's Python dispatch: what the mode sees outside ``stage_fn`` /
+    ``loss_fn`` is a fixed number of ops per step (shard_map's and the loss reduction's), not a number per action
+    (about 20 per action before), and no pvary is inserted (the targets are tagged as the output they meet)."""
+    small = _vma_ops_per_step(monkeypatch, _schedule(name, 2, 4))
+    large = _vma_ops_per_step(monkeypatch, _schedule(name, 2, 8))
+    assert large[1] > small[1] > 0  # the user's ops: more microbatches, more ops
+    assert large[0] == small[0] < 80  # the runtime's: the same for twice the actions (was ~20 per action)
+    assert small[2] == large[2] == 0
+
+
 VOCAB = 11
 
 

@@ -44,6 +44,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -239,11 +240,17 @@ def run(
     """
     _check(schedule, stage_params, microbatches, targets, axis, input_grad)
     plan = plans(schedule)  # validated
-    stage = _Stage(schedule, stage_fn, stage_params, microbatches, targets, loss_fn, axis)
-    stage.first_fn, stage.input_grad = first_fn, input_grad
-    stage.set_shared(shared_params)
-    stage.execute(plan[stage.me])
-    return stage.result()
+    # The runtime's own tensor work (slicing, detaching, receive buffers, the backward's autograd.grad, gradient
+    # accumulation) runs with torch functions off, so the vma mode sees only the user's functions (the mode's
+    # Python dispatch costs several microseconds per op); the runtime tags what it hands them itself.
+    tf_on = torch._C._is_torch_function_enabled()
+    with torch._C.DisableTorchFunction():
+        stage = _Stage(schedule, stage_fn, stage_params, microbatches, targets, loss_fn, axis)
+        stage.first_fn, stage.input_grad, stage.tf_on = first_fn, input_grad, tf_on
+        stage.set_shared(shared_params)
+        stage.execute(plan[stage.me])
+        stage_grads = stage.stage_grads()
+    return stage.result(stage_grads)
 
 
 @dataclass
@@ -272,6 +279,9 @@ class _Stage:
     ) -> None:
         ctx = current("pipeline.run")
         self.vma, self.device, self.mesh = ctx.check_vma, ctx.device, ctx.mesh
+        # whether the caller runs with torch functions on (the vma mode, when shard_map tracks): the user's
+        # functions and the collectives run so, the runtime's own work without (see run)
+        self.tf_on = True
         self.schedule, self.stage_fn, self.loss_fn, self.axis = schedule, stage_fn, loss_fn, axis
         self.first_fn: Callable[..., torch.Tensor] | None = None
         self.input_grad = False
@@ -280,6 +290,7 @@ class _Stage:
         self.last = schedule.n_virtual_stages - 1
         self.me = lax.axis_index_int(axis)
         self.mb_axes = get_vma(microbatches) if self.vma else frozenset()
+        self.tgt_axes = (get_vma(targets) | {axis}) if self.vma and targets is not None else frozenset()
         # the activation: that of a microbatch, or (with first_fn) known once virtual stage 0 has run
         self.act = _Activation(tuple(microbatches.shape[1:]), microbatches.dtype, self.mb_axes | {axis})
         self.loss_sum: torch.Tensor | None = None  # float64 sum of the loss over microbatches (last stage)
@@ -287,7 +298,11 @@ class _Stage:
         self.loss_axes: frozenset[str] = frozenset()
         self.leaves, self.treedef = optree.tree_flatten(stage_params)
         v = schedule.n_virtual
-        self.chunk_leaves = [[leaf.detach()[c].requires_grad_(True) for leaf in self.leaves] for c in range(v)]
+        self.leaf_axes = [get_vma(leaf) if self.vma else frozenset() for leaf in self.leaves]
+        self.chunk_leaves = [
+            [self.tagged(leaf.detach()[c], ax).requires_grad_(True) for leaf, ax in zip(self.leaves, self.leaf_axes)]
+            for c in range(v)
+        ]
         self.chunk_params = [optree.tree_unflatten(self.treedef, ls) for ls in self.chunk_leaves]
         self.grad_acc: list[list[torch.Tensor | None]] = [[None] * len(self.leaves) for _ in range(v)]
         self.received: dict[Send, torch.Tensor] = {}  # hand-offs within the stage (the turn of a V)
@@ -321,6 +336,10 @@ class _Stage:
 
     def tagged(self, t: torch.Tensor, axes: frozenset[str]) -> torch.Tensor:
         return set_vma(t, axes) if self.vma else t
+
+    def user(self) -> contextlib.AbstractContextManager[Any]:
+        """Around the user's functions and the collectives: torch functions (the vma mode) as the caller had them."""
+        return torch._C._EnableTorchFunction() if self.tf_on else contextlib.nullcontext()
 
     def zeros(self) -> torch.Tensor:
         a = self.act
@@ -382,7 +401,7 @@ class _Stage:
     def take(self, x: Send) -> torch.Tensor:
         """Block ``x``: handed over within the stage, or waited for right now."""
         if x.src == self.me:
-            return self.received.pop(x)
+            return self.tagged(self.received.pop(x), self.act.axes)
         got = cast(torch.Tensor, self.recv_works.pop(x).wait())  # a receive's work returns its buffer
         return self.tagged(got, self.act.axes)
 
@@ -418,28 +437,33 @@ class _Stage:
             mask = sum(1 << i for i, n in enumerate(names) if n in a.axes)
             vec[:3] = torch.tensor([_DTYPES.index(a.dtype) + 1, len(a.shape), mask])
             vec[3 : 3 + len(a.shape)] = torch.tensor(a.shape, dtype=torch.int64)
-        got = lax.psum(self.tagged(vec, frozenset([self.axis])), self.axis).tolist()  # [3 + 8] -> [3 + 8]
+        with self.user():
+            got = lax.psum(self.tagged(vec, frozenset([self.axis])), self.axis).tolist()  # [3 + 8] -> [3 + 8]
         dims = tuple(int(d) for d in got[3 : 3 + int(got[1])])
         axes = frozenset(n for i, n in enumerate(names) if int(got[2]) >> i & 1) if self.vma else frozenset()
         self.act = _Activation(dims, _DTYPES[int(got[0]) - 1], axes | {self.axis} if self.vma else frozenset())
 
     def forward(self, a: Action, vs: int, got: torch.Tensor | None) -> torch.Tensor | None:
         """``F``: run the chunk on the received (or first) activation; keep the graph; the output to send."""
-        src = self.microbatches[a.microbatch] if got is None else got
-        x = _detached(src)
-        if vs == 0:  # the raw microbatch, as varying over the axis as what the stages compute from it
-            x = self.tagged(x, self.mb_axes | {self.axis})
-        with torch._C.DisableTorchFunction():
-            x.requires_grad_(vs > 0 or self.input_grad)
+        if got is None:  # the raw microbatch, as varying over the axis as what the stages compute from it
+            x = self.tagged(self.microbatches[a.microbatch].detach(), self.mb_axes | {self.axis})
+        else:
+            x = _detached(got)
+        x.requires_grad_(vs > 0 or self.input_grad)
         with torch.enable_grad():
-            h = x
-            if vs == 0 and self.first_fn is not None:
-                h = self.first_fn(*self.shared_args(), x)
-            y = self.checked(self.stage_fn(self.chunk_params[a.chunk], h), vs)
+            with self.user():
+                h = x
+                if vs == 0 and self.first_fn is not None:
+                    h = self.first_fn(*self.shared_args(), x)
+                y = self.stage_fn(self.chunk_params[a.chunk], h)
+            y = self.checked(y, vs)
             if vs == self.last:
-                tgt = () if self.targets is None else (self.targets[a.microbatch],)
-                loss = self.loss_fn(*self.shared_args(), y, *tgt) / self.m
-                self.add_loss(loss)
+                # varying over the axis, as the output it meets (no pvary inserted per microbatch: no gradient)
+                tgt = () if self.targets is None else (self.tagged(self.targets[a.microbatch], self.tgt_axes),)
+                with self.user():
+                    raw = self.loss_fn(*self.shared_args(), y, *tgt)
+                loss = raw / self.m
+                self.add_loss(raw, loss)
                 self.saved[(a.microbatch, vs)] = (x, loss)
                 return None
         self.saved[(a.microbatch, vs)] = (x, y)
@@ -448,12 +472,16 @@ class _Stage:
     def shared_args(self) -> tuple[PyTree, ...]:
         return (self.shared,) if self.has_shared else ()
 
-    def add_loss(self, loss: torch.Tensor) -> None:
+    def add_loss(self, raw: torch.Tensor, loss: torch.Tensor) -> None:
+        """Add ``loss`` (``raw``, the user's value, divided by ``m``) to the step's float64 sum."""
+        if not isinstance(raw, torch.Tensor) or raw.dim() != 0:
+            found = tuple(raw.shape) if isinstance(raw, torch.Tensor) else type(raw).__name__
+            raise ShardingError(f"pipeline.run: loss_fn returned {found}; return a 0-dim tensor (the mean loss).")
         value = loss.detach().to(torch.float64)
         self.loss_sum = value if self.loss_sum is None else self.loss_sum + value
         self.loss_dtype = loss.dtype
         if self.vma:
-            self.loss_axes = get_vma(loss)
+            self.loss_axes = get_vma(raw)
 
     def checked(self, y: Any, vs: int) -> torch.Tensor:
         """``stage_fn``'s output, checked to keep the activation's shape, dtype and varying axes (virtual
@@ -547,18 +575,26 @@ class _Stage:
         axes = frozenset(n for i, n in enumerate(names) if int(got[2].item()) >> i & 1) - {self.axis}
         return self.tagged(got[0].to(dtype), axes)
 
-    def result(self) -> tuple[torch.Tensor, Any]:
-        """The mean loss (invariant over the axis) and the gradients of this stage's parameters (and of the
-        shared parameters and the input, summed over the axis)."""
-        loss = self.loss_result()
+    def stage_grads(self) -> PyTree:
+        """The accumulated gradients of this stage's parameters, stacked over its chunks in their structure,
+        each varying over what its parameter varies over."""
         out_leaves = []
-        for i, leaf in enumerate(self.leaves):
+        for i, (leaf, axes) in enumerate(zip(self.leaves, self.leaf_axes, strict=True)):
             per_chunk = [
                 torch.zeros_like(self.chunk_leaves[c][i]) if g is None else g
                 for c, g in enumerate(acc[i] for acc in self.grad_acc)
             ]
-            out_leaves.append(torch.stack(per_chunk).to(leaf.dtype))  # v x [*s] -> [v, *s]
-        stage_grads = optree.tree_unflatten(self.treedef, out_leaves)
+            if len(per_chunk) == 1:  # the accumulator (a fresh tensor) as the one chunk: no copy
+                g = per_chunk[0].unsqueeze(0)  # [*s] -> [1, *s]
+            else:
+                g = torch.stack(per_chunk)  # v x [*s] -> [v, *s]
+            out_leaves.append(self.tagged(g.to(leaf.dtype), axes))
+        return optree.tree_unflatten(self.treedef, out_leaves)
+
+    def result(self, stage_grads: PyTree) -> tuple[torch.Tensor, Any]:
+        """The mean loss (invariant over the axis) and the gradients: ``stage_grads`` (this stage's parameters,
+        from :meth:`stage_grads`), and those of the shared parameters and the input, summed over the axis."""
+        loss = self.loss_result()
         if not self.has_shared and not self.input_grad:
             return loss, stage_grads
         shared = None
