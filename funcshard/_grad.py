@@ -39,7 +39,7 @@ import torch
 
 from ._backend.base import overlap_scope, settle
 from ._errors import ConfigError
-from ._vma import find_vma, set_vma, tag_leaves, tag_like, tags_of
+from ._vma import EMPTY, find_vma, set_vma, tag_leaves, tag_like, tag_through, tags_of
 
 __all__ = ["has_tangent", "reaches_other_leaf", "value_and_grad"]
 
@@ -140,24 +140,29 @@ class _GradCall:
                     f"{self.name}: argnums={self.argnums!r} names positional argument {i}, but the function was "
                     f"called with {len(args)} positional arguments."
                 )
-        if _plain_autograd_ok(args, kwargs, self.nums):
-            return self._plain(args, kwargs)
+        # each differentiated argument flattened once, for the check and for the plain path
+        flat = [optree.tree_flatten(args[i], none_is_leaf=True) for i in self.nums]
+        if _plain_autograd_ok(args, kwargs, self.nums, flat):
+            return self._plain(args, kwargs, flat)
         return self._func(args, kwargs)
 
-    def _plain(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, PyTree]:
+    def _plain(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any], flat: list[tuple[list[Any], Any]]
+    ) -> tuple[Any, PyTree]:
         """Gradients by ``torch.autograd.grad`` on detached leaf copies of the differentiated arguments."""
         args = list(args)
         leaves: list[torch.Tensor] = []
+        tags: list[frozenset[str] | None] = []  # each copy's tag, for its gradient
         with torch._C.DisableTorchFunction():
-            for i in self.nums:
-                flat, treedef = optree.tree_flatten(args[i], none_is_leaf=True)
+            for i, (xs, treedef) in zip(self.nums, flat, strict=True):
                 copies = []
-                for x in flat:
+                for x in xs:
                     c = x.detach().requires_grad_()
                     v = find_vma(x)
                     if v is not None:  # the tag the argument had (untagged stays untagged: check_vma=False)
                         set_vma(c, v)
                     copies.append(c)
+                    tags.append(v)
                 leaves.extend(copies)
                 args[i] = optree.tree_unflatten(treedef, copies)
         outer = torch.is_grad_enabled()
@@ -172,11 +177,17 @@ class _GradCall:
                     found = torch.autograd.grad(value, leaves, allow_unused=True, create_graph=keep)
             else:  # f does not depend on its inputs: zero gradients, as torch.func gives
                 found = (None,) * len(leaves)
-        # a gradient summed over the data axes may still be travelling (dist overlaps them with the backward)
-        grads_flat = [torch.zeros_like(x) if g is None else settle(g) for g, x in zip(found, leaves, strict=True)]
+        # a gradient summed over the data axes may still be travelling (dist overlaps them with the backward);
+        # each gradient varies over what its input varies over (untagged input: invariant)
+        grads_flat = []
+        for g, x, v in zip(found, leaves, tags, strict=True):
+            g = torch.zeros_like(x) if g is None else settle(g)
+            tag_through(g, EMPTY if v is None else v)
+            grads_flat.append(g)
         if not keep:
             value = value.detach()
-            aux = optree.tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, aux)
+            if aux is not None:
+                aux = optree.tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, aux)
         if self.has_aux:  # inner passed only aux's tensors: put them back among the other leaves
             assert self.aux is not None  # set by inner
             treedef, aux_leaves = self.aux
@@ -184,13 +195,13 @@ class _GradCall:
             aux = optree.tree_unflatten(
                 treedef, [next(it_aux) if isinstance(x, torch.Tensor) else x for x in aux_leaves]
             )
-        it = iter(grads_flat)
         per_arg = []
-        for i in self.nums:
-            treedef = optree.tree_structure(args[i], none_is_leaf=True)
-            per_arg.append(optree.tree_unflatten(treedef, [next(it) for _ in range(treedef.num_leaves)]))
+        start = 0
+        for xs, treedef in flat:
+            per_arg.append(optree.tree_unflatten(treedef, grads_flat[start : start + len(xs)]))
+            start += len(xs)
         grads = per_arg[0] if isinstance(self.argnums, int) else tuple(per_arg)
-        return self._finish(args, value, aux, grads)
+        return self._finish(args, value, aux, grads, grads_tagged=True)
 
     def _func(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, PyTree]:
         """Gradients by ``torch.func.grad_and_value`` (composes with an enclosing transform)."""
@@ -208,11 +219,13 @@ class _GradCall:
             aux = optree.tree_unflatten(treedef, [next(it) if isinstance(x, torch.Tensor) else x for x in leaves])
         return self._finish(args, value, aux, grads)
 
-    def _finish(self, args: Any, value: Any, aux: Any, grads: PyTree) -> tuple[Any, PyTree]:
-        """The tags put back (value and aux as inside ``f``, gradients like their inputs); JAX's order."""
-        single = isinstance(self.argnums, int)
+    def _finish(self, args: Any, value: Any, aux: Any, grads: PyTree, grads_tagged: bool = False) -> tuple[Any, PyTree]:
+        """The tags put back (value and aux as inside ``f``, gradients like their inputs, unless
+        ``grads_tagged``: done already); JAX's order."""
         tag_leaves(value, self.tags.get("value", []))
-        if single:
+        if grads_tagged:
+            pass
+        elif isinstance(self.argnums, int):
             tag_like(grads, args[self.nums[0]])
         else:
             for g, i in zip(grads, self.nums, strict=True):
@@ -223,15 +236,17 @@ class _GradCall:
         return (value, aux), grads
 
 
-def _plain_autograd_ok(args: tuple[Any, ...], kwargs: dict[str, Any], nums: tuple[int, ...]) -> bool:
+def _plain_autograd_ok(
+    args: tuple[Any, ...], kwargs: dict[str, Any], nums: tuple[int, ...], flat: list[tuple[list[Any], Any]]
+) -> bool:
     """Whether plain ``torch.autograd.grad`` gives what ``torch.func.grad_and_value`` would, at less memory:
     no torch.func transform around the call, no forward-mode AD tangent on an argument, floating-point
     tensors to differentiate, and no argument that requires grad under an enabled outer autograd (which may
-    want the gradients' graph)."""
+    want the gradients' graph). ``flat``: each differentiated argument's leaves (None a leaf) and structure."""
     if torch._C._are_functorch_transforms_active() or has_tangent((args, kwargs)):
         return False
-    for i in nums:
-        for x in optree.tree_leaves(args[i], none_is_leaf=True):
+    for xs, _ in flat:
+        for x in xs:
             if not isinstance(x, torch.Tensor) or not (x.is_floating_point() or x.is_complex()):
                 return False  # torch.func raises its own error for these
     if torch.is_grad_enabled():
@@ -273,15 +288,33 @@ def reaches_other_leaf(outs: list[torch.Tensor], own: list[torch.Tensor]) -> boo
     ids = {id(x) for x in own}
     if any(o.grad_fn is None and o.requires_grad and id(o) not in ids for o in outs):  # an output is such a leaf
         return True
+    acc = _accumulate_grad()
     seen: set[int] = set()
-    stack = [o.grad_fn for o in outs]
+    stack = [o.grad_fn for o in outs if o.grad_fn is not None]
+    alive = list(stack)  # every node seen stays referenced, so no id in ``seen`` is reused by a newer object
     while stack:
         node = stack.pop()
-        if node is None or id(node) in seen:
+        if type(node) is acc:  # a leaf's node: only these have a .variable
+            if id(node.variable) not in ids:
+                return True
             continue
-        seen.add(id(node))
-        var = getattr(node, "variable", None)
-        if var is not None and id(var) not in ids:
-            return True
-        stack.extend(n for n, _ in node.next_functions)
+        for n, _ in node.next_functions:
+            if n is not None:
+                k = id(n)
+                if k not in seen:
+                    seen.add(k)
+                    stack.append(n)
+                    alive.append(n)
     return False
+
+
+_ACC: list[type] = []
+
+
+def _accumulate_grad() -> type:
+    """The type of the autograd node of a leaf that requires grad (``AccumulateGrad``)."""
+    if not _ACC:
+        with torch.enable_grad():
+            leaf = torch.zeros(1, requires_grad=True)
+            _ACC.append(type(leaf.view_as(leaf).grad_fn.next_functions[0][0]))
+    return _ACC[0]

@@ -27,6 +27,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch._functorch.autograd_function import custom_function_call as _custom_function_call
 from torch._functorch.utils import unwrap_dead_wrappers as _unwrap_dead
 
 from ._stats import record
@@ -40,25 +41,29 @@ __all__ = [
     "AllReduce",
     "AllToAll",
     "Ppermute",
+    "Prim",
     "Pvary",
     "PvaryBucket",
     "ReduceScatter",
     "SplitInvariant",
     "call",
+    "group_size",
 ]
 
 _Dims = tuple[int | None, ...]
 
 
 def call(fn: type[torch.autograd.Function], *args: Any) -> Any:
-    """``fn.apply(*args)`` without its per-call ``inspect.signature`` when no torch.func transform is
-    active (all our arguments are positional, so there are no defaults to bind): ~3 us instead of ~13 us.
+    """``fn.apply(*args)`` without its per-call ``inspect.signature`` (all our arguments are positional, so there
+    are no defaults to bind): ~3 us instead of ~13 us outside torch.func, and under a torch.func transform
+    straight to the ``custom_function_call`` that ``Function.apply`` ends in there.
 
-    The C++ ``apply`` it calls is the one ``Function.apply`` ends in: it records the backward and, when a
-    ``torch.autograd.forward_ad`` level is active and an input is a dual tensor, calls the ``jvp`` rule.
+    The C++ ``apply`` it calls outside torch.func is the one ``Function.apply`` ends in: it records the backward
+    and, when a ``torch.autograd.forward_ad`` level is active and an input is a dual tensor, calls the ``jvp``
+    rule.
     """
     if torch._C._are_functorch_transforms_active():
-        return fn.apply(*args)
+        return _custom_function_call(fn, *args)
     return super(torch.autograd.Function, fn).apply(*_unwrap_dead(args))  # type: ignore[misc]
 
 
@@ -76,13 +81,36 @@ def _to(x: torch.Tensor, bd: int | None, dim: int) -> torch.Tensor:
     return x if bd == dim else x.movedim(bd, dim)
 
 
+def group_size(dev: Any, axes: tuple[str, ...]) -> int:
+    """How many devices the group of ``dev`` over ``axes`` has."""
+    shape = dev.mesh.shape
+    n = 1
+    for a in axes:
+        n *= shape[a]
+    return n
+
+
+class Prim(torch.autograd.Function):
+    """Base of the collectives' Functions: ``apply`` is :func:`call` (no ``inspect.signature`` per call).
+
+    Under a torch.func transform, torch's ``custom_function_call`` ends each level by calling the Function's
+    ``apply`` on the unwrapped operands; ``Function.apply`` would bind the arguments to ``forward``'s
+    signature there, every call. Ours are all positional, with no defaults: nothing to bind.
+    """
+
+    @classmethod
+    def apply(cls, *args: Any) -> Any:  # type: ignore[override]
+        """``cls``'s forward on ``args``, recorded for autograd (and torch.func) as ``Function.apply`` does."""
+        return call(cls, *args)
+
+
 # for the other modules of collectives (``_prims_cast``): the same helpers under public names
 Dims = _Dims
 nbytes = _nbytes
 move_batch = _to
 
 
-class AllReduce(torch.autograd.Function):
+class AllReduce(Prim):
     """All-reduce ``[*s] -> [*s]`` with ``op`` in ``"sum"``, ``"max"``, ``"min"`` (``name`` is the public
     collective it stands for, for the communication counts).
 
@@ -144,7 +172,7 @@ class AllReduce(torch.autograd.Function):
         return y, 0
 
 
-class Pvary(torch.autograd.Function):
+class Pvary(Prim):
     """Mark a value varying over ``axes``.
 
     - forward: ``y = x`` (a view; the value becomes varying over ``axes``).
@@ -184,7 +212,7 @@ class Pvary(torch.autograd.Function):
         return call(Pvary, x, dev, axes), in_dims[0]  # [.., B, ..] -> [.., B, ..]
 
 
-class PvaryBucket(torch.autograd.Function):
+class PvaryBucket(Prim):
     """:class:`Pvary` of several tensors of one dtype, with one collective for all of them.
 
     - forward: ``ys = xs`` (views).
@@ -212,6 +240,9 @@ class PvaryBucket(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *gs: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+        if group_size(ctx.dev, ctx.axes) == 1:  # the sum over one member: the cotangents as they are
+            record(ctx.dev.rank, "psum", ctx.axes, sum(_nbytes(g) for g in gs))  # counted as the all-reduce
+            return (None, None, *gs)
         flat = torch.cat([g.reshape(-1) for g in gs])  # k x [*s_i] -> [sum |s_i|]
         total = call(AllReduce, flat, ctx.dev, ctx.axes, "sum", "psum")  # [sum |s_i|] -> [sum |s_i|]
         parts = total.split([s.numel() for s in ctx.shapes])
@@ -236,7 +267,7 @@ class PvaryBucket(torch.autograd.Function):
         return call(PvaryBucket, dev, axes, *xs), tuple(in_dims[2:])  # k x [*s_i] -> same
 
 
-class AllGather(torch.autograd.Function):
+class AllGather(Prim):
     """All-gather ``[*s] -> [n, *s]`` (row i from group member i).
 
     - forward: ``y[i] = x on member i``; the result varies over ``axes``.
@@ -277,7 +308,7 @@ class AllGather(torch.autograd.Function):
         return call(AllGather, _to(x, in_dims[0], 0), dev, axes), 1  # [B, *s] -> [n, B, *s]
 
 
-class ReduceScatter(torch.autograd.Function):
+class ReduceScatter(Prim):
     """Reduce-scatter ``[n, *s] -> [*s]``: member i keeps row i of the sum over the group.
 
     - forward: ``y = sum over members m of x_m[i]`` on member i.
@@ -318,7 +349,7 @@ class ReduceScatter(torch.autograd.Function):
         return call(ReduceScatter, _to(x, in_dims[0], 1), dev, axes), 0  # [n, B, *s] -> [B, *s]
 
 
-class AllToAll(torch.autograd.Function):
+class AllToAll(Prim):
     """All-to-all ``[n, *s] -> [n, *s]``: row j goes to member j, row i of the result came from member i.
 
     - forward: ``y[i] = x_i[me]``.
@@ -359,7 +390,7 @@ class AllToAll(torch.autograd.Function):
         return call(AllToAll, _to(x, in_dims[0], 1), dev, axes), 1  # [n, B, *s] -> [n, B, *s]
 
 
-class Ppermute(torch.autograd.Function):
+class Ppermute(Prim):
     """Send ``[*s] -> [*s]`` along the ``(src, dst)`` pairs of ``perm``; members that receive nothing get zeros.
 
     - forward: ``y = x on src`` for the pair ``(src, me)``, else zeros.
@@ -406,7 +437,7 @@ class Ppermute(torch.autograd.Function):
         return call(Ppermute, _to(x, in_dims[0], 0), dev, axes, perm), 0  # [B, *s] -> [B, *s]
 
 
-class AllGatherInvariant(torch.autograd.Function):
+class AllGatherInvariant(Prim):
     """All-gather ``[*s] -> [n, *s]`` whose result is the same on every member (invariant over ``axes``).
 
     - forward: ``y[i] = x on member i``.
@@ -448,7 +479,7 @@ class AllGatherInvariant(torch.autograd.Function):
         return call(AllGatherInvariant, _to(x, in_dims[0], 0), dev, axes, index), 1  # [B, *s] -> [n, B, *s]
 
 
-class SplitInvariant(torch.autograd.Function):
+class SplitInvariant(Prim):
     """Take this member's row ``[n, *s] -> [*s]`` of a value invariant over ``axes`` (no communication); the
     transpose of :class:`AllGatherInvariant`.
 

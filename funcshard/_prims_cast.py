@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ._prims import AllReduce, Dims, ReduceScatter, call, move_batch, nbytes
+from ._prims import AllReduce, Dims, Prim, ReduceScatter, call, move_batch, nbytes
 from ._stats import record
 
 if TYPE_CHECKING:
@@ -33,7 +33,7 @@ def _cast(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return x if x.dtype == dtype else x.to(dtype)
 
 
-class AllGatherCast(torch.autograd.Function):
+class AllGatherCast(Prim):
     """All-gather ``[*s] -> [n, *s]`` of ``x`` cast to ``dtype``; the gradient reduced in ``grad_dtype``.
 
     - forward: ``y[i] = x.to(dtype) on member i``; the result varies over ``axes`` (as ``AllGather``).
@@ -87,7 +87,7 @@ class AllGatherCast(torch.autograd.Function):
         ), 1  # [B, *s] -> [n, B, *s]
 
 
-class PvaryCast(torch.autograd.Function):
+class PvaryCast(Prim):
     """Several tensors cast to ``dtype`` and marked varying over ``axes``; their gradients summed in
     ``grad_dtype`` with one collective.
 

@@ -41,6 +41,7 @@ __all__ = [
     "set_vma",
     "tag_leaves",
     "tag_like",
+    "tag_through",
     "tags_of",
     "vary_output",
 ]
@@ -98,6 +99,9 @@ def _tag_through(t: torch.Tensor, axes: frozenset[str]) -> None:
         if not _is_wrapped(t):
             return
         t = _unwrap(t)
+
+
+tag_through = _tag_through  # for the other modules (``_grad``): the same helper under a public name
 
 
 def clear_vma(tensors: Iterable[Any]) -> None:
@@ -243,16 +247,6 @@ def _is_tensor(a: Any) -> bool:
     return isinstance(a, torch.Tensor)
 
 
-def _tensors(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:
-    out = []
-    for a in (*args, *kwargs.values()):
-        if isinstance(a, torch.Tensor):
-            out.append(a)
-        elif isinstance(a, (list, tuple)):
-            out.extend(b for b in a if isinstance(b, torch.Tensor))
-    return out
-
-
 _active = threading.local()  # .mode: the VmaMode this thread runs under, if any
 
 
@@ -309,21 +303,45 @@ class VmaMode(TorchFunctionMode):
         return out
 
     def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
-        kwargs = kwargs or {}
-        if func in _PASS:
-            return func(*args, **kwargs)
-        if func in _GRAD:
-            return self._grad(func, args, kwargs)
+        # runs for every torch op inside shard_map: one pass over the operands, the tag read inline (the common
+        # operand carries its own tag; views, torch.func wrappers and untagged constants take the slow path)
+        special = _SPECIAL.get(func)
+        if special is not None:
+            return special(self, func, args, kwargs or {})
+        if not kwargs and len(args) == 1 and isinstance(args[0], torch.Tensor):
+            # one tensor operand (a unary op, a property read such as x.shape or x.T): nothing can mix
+            a = args[0]
+            v = getattr(a, _ATTR, None)
+            if v is None:
+                v = get_vma(a)
+            out = func(a)
+            if v:
+                self._tag_out(out, v)
+            return out
+        if kwargs is None:
+            kwargs = {}
         union: frozenset[str] = EMPTY
         first: frozenset[str] | None = None
         mixed = False
-        for t in _tensors(args, kwargs):
-            v = get_vma(t)
-            if first is None:
-                first = union = v
-            elif v is not first and v != first:
-                mixed = True
-                union = union | v
+        for a in (*args, *kwargs.values()) if kwargs else args:
+            if isinstance(a, torch.Tensor):
+                v = getattr(a, _ATTR, None)
+                if v is None:
+                    v = get_vma(a)
+                if first is None:
+                    first = union = v
+                elif v is not first and v != first:
+                    mixed = True
+                    union = union | v
+            elif isinstance(a, (list, tuple)):  # an op's list operand (torch.cat's): one level deep
+                for b in a:
+                    if isinstance(b, torch.Tensor):
+                        v = get_vma(b)
+                        if first is None:
+                            first = union = v
+                        elif v is not first and v != first:
+                            mixed = True
+                            union = union | v
         if not union:  # every operand invariant: nothing to tag (the common case for constants)
             return func(*args, **kwargs)
         if mixed:
@@ -333,13 +351,17 @@ class VmaMode(TorchFunctionMode):
             if not self.audit:
                 args, kwargs = self._agree((args, kwargs), union, skip=target)
         out = func(*args, **kwargs)
+        self._tag_out(out, union)
+        return out
+
+    def _tag_out(self, out: Any, union: frozenset[str]) -> None:
+        """Tag an op's result (a tensor, or the tensors of a tuple / list) with ``union``."""
         if isinstance(out, torch.Tensor):
             self._tag(out, union)
         elif isinstance(out, (tuple, list)):
             for o in out:
                 if isinstance(o, torch.Tensor):
                     self._tag(o, union)
-        return out
 
     def _widen_inplace(self, func: Any, target: torch.Tensor, union: frozenset[str]) -> None:
         if self.audit:
@@ -358,6 +380,9 @@ class VmaMode(TorchFunctionMode):
             )
         setattr(target, _ATTR, union)
 
+    def _pass(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        return func(*args, **kwargs)
+
     def _grad(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         out = func(*args, **kwargs)
         inputs = kwargs.get("inputs", args[1] if len(args) > 1 else None)
@@ -366,6 +391,13 @@ class VmaMode(TorchFunctionMode):
         if inputs is not None:  # torch.func.grad / vjp hand back the tensors these wrap: tag_like tags those too
             tag_like(tuple(out), tuple(inputs), audited=self.audit)
         return out
+
+
+#: the autograd entry points the mode lets through (its method for each): backward untouched, grad re-tagging
+_SPECIAL: dict[Any, Callable[..., Any]] = {
+    **{f: VmaMode._pass for f in _PASS},
+    **{f: VmaMode._grad for f in _GRAD},
+}
 
 
 # -- tags across a transform boundary ------------------------------------------------------------------------

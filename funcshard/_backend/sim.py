@@ -73,7 +73,7 @@ class _Aborted(Exception):
 
 
 class _Slot:
-    __slots__ = ("done", "first", "members", "n", "reads", "vals")
+    __slots__ = ("done", "first", "members", "n", "reads", "result", "vals")
 
     def __init__(self, n: int, members: list[int]) -> None:
         self.n = n
@@ -82,6 +82,7 @@ class _Slot:
         self.done = False
         self.reads = 0
         self.members = members
+        self.result: Any = None  # what ``combine`` made of the payloads (see SimWorld.exchange)
 
 
 @contextlib.contextmanager
@@ -220,10 +221,23 @@ class SimWorld:
             self.cond.notify_all()
 
     # -- the rendezvous -----------------------------------------------------------------------------
-    def exchange(self, dev: SimDevice, kind: str, axes: tuple[str, ...], payload: Any, meta: Any) -> list[Any]:
-        """Deposit ``payload`` and return every group member's payload, in logical order."""
-        members, idx = group_members(self.mesh, dev.coords, axes)
-        others = tuple(dev.coords[a] for a in self.mesh.axis_names if a not in axes)
+    def exchange(
+        self,
+        dev: SimDevice,
+        kind: str,
+        axes: tuple[str, ...],
+        payload: Any,
+        meta: Any,
+        combine: Callable[[list[Any]], Any] | None = None,
+    ) -> Any:
+        """Deposit ``payload`` and return every group member's payload, in logical order.
+
+        With ``combine``, the last member to arrive calls it once on the payloads (in logical order) while the
+        others wait, and every member gets its result: the payloads are read only while their owners wait
+        here, so they need no copy, and the group's reduction is computed once instead of once per member.
+        """
+        members, idx = dev.group(axes)
+        others = dev.others(axes)
         with self.cond:
             if self.error is not None or self.abandoned:
                 raise _Aborted
@@ -247,9 +261,16 @@ class SimWorld:
                 raise _Aborted
             slot.vals[idx] = payload
             if len(slot.vals) == slot.n:
-                slot.done = True
                 for m in slot.members:
                     self.status[m] = "running"
+                if combine is not None:  # the others wait (their payloads untouched) while it is computed
+                    self.cond.release()
+                    try:
+                        result = combine([slot.vals[i] for i in range(slot.n)])
+                    finally:
+                        self.cond.acquire()
+                    slot.result = result
+                slot.done = True
                 self.cond.notify_all()
             else:
                 self.status[dev.rank] = ("waiting", _describe(kind, meta), axes, seq)
@@ -268,11 +289,11 @@ class SimWorld:
                     )
                     raise _Aborted
                 self.cond.wait(timeout=min(left, 1.0))
-            vals = [slot.vals[i] for i in range(slot.n)]
+            out = slot.result if combine is not None else [slot.vals[i] for i in range(slot.n)]
             slot.reads += 1
             if slot.reads == slot.n:
                 del self.slots[key]
-            return vals
+            return out
 
     # -- point-to-point ------------------------------------------------------------------------------
     def p2p(self, dev: SimDevice, ops: Sequence[P2POp], axes: tuple[str, ...]) -> list[_SimWork]:
@@ -435,6 +456,21 @@ class _SimWork(P2PWork):
         return self.done
 
 
+def _reduce(vals: list[torch.Tensor], op: str) -> torch.Tensor:
+    """``vals[0] op vals[1] op ...`` in this order, into a new tensor (the same bits on every member)."""
+    with torch.no_grad():
+        if op == "sum":
+            out = torch.add(vals[0], vals[1])
+            for v in vals[2:]:
+                out.add_(v)
+        else:
+            fn = torch.maximum if op == "max" else torch.minimum
+            out = fn(vals[0], vals[1])
+            for v in vals[2:]:
+                fn(out, v, out=out)
+    return out
+
+
 class SimDevice(DeviceHandle):
     """One simulated device."""
 
@@ -443,22 +479,34 @@ class SimDevice(DeviceHandle):
         self.mesh = world.mesh
         self.rank = rank
         self.coords = world.mesh.coords_of(rank)
+        self._groups: dict[tuple[str, ...], tuple[list[int], int]] = {}
+        self._others: dict[tuple[str, ...], tuple[int, ...]] = {}
+
+    def group(self, axes: tuple[str, ...]) -> tuple[list[int], int]:
+        """The ranks of this device's group over ``axes`` (logical order) and its index in it (cached)."""
+        hit = self._groups.get(axes)
+        if hit is None:
+            hit = self._groups[axes] = group_members(self.mesh, self.coords, axes)
+        return hit
+
+    def others(self, axes: tuple[str, ...]) -> tuple[int, ...]:
+        """This device's coordinates on the axes other than ``axes`` (which group over ``axes`` it is in)."""
+        hit = self._others.get(axes)
+        if hit is None:
+            hit = self._others[axes] = tuple(self.coords[a] for a in self.mesh.axis_names if a not in axes)
+        return hit
 
     def _x(self, kind: str, x: torch.Tensor, axes: tuple[str, ...], meta: Any = ()) -> tuple[list[Any], int]:
         vals = self.world.exchange(self, kind, axes, x.detach().clone(), meta)
-        return vals, group_members(self.mesh, self.coords, axes)[1]
+        return vals, self.group(axes)[1]
 
     def all_reduce(self, x: torch.Tensor, axes: tuple[str, ...], op: str) -> torch.Tensor:
-        vals, _ = self._x("all_reduce", x, axes, (op, tuple(x.shape), x.dtype))
-        out = vals[0].clone()
-        for v in vals[1:]:
-            if op == "sum":
-                out.add_(v)
-            elif op == "max":
-                torch.maximum(out, v, out=out)
-            else:
-                torch.minimum(out, v, out=out)
-        return out
+        if len(self.group(axes)[0]) == 1:  # a group of one: the reduction is the value itself
+            return x.detach().clone()
+        total = self.world.exchange(
+            self, "all_reduce", axes, x.detach(), (op, tuple(x.shape), x.dtype), lambda vals: _reduce(vals, op)
+        )
+        return total.clone()  # [*s] -> [*s]: this device's own copy of the group's reduction
 
     def all_gather(self, x: torch.Tensor, axes: tuple[str, ...]) -> torch.Tensor:
         vals, _ = self._x("all_gather", x, axes, (tuple(x.shape), x.dtype))
