@@ -15,7 +15,7 @@ import torch
 import funcshard as fs
 from funcshard import P
 from funcshard.pipeline import PipelineGrads, by_name, gpipe, interleaved_1f1b, one_f_one_b, run, zero_bubble_h1
-from funcshard.pipeline.plan import stage_plan
+from funcshard.pipeline.plan import loss_route, plans, stage_plan
 from funcshard.pipeline.runtime import stage_order, ticks, virtual_stage_order
 
 D, H, MB = 4, 6, 3  # feature dim, hidden dim, rows per microbatch
@@ -189,7 +189,8 @@ def _expected_sends(sched, stage: int) -> int:
 
 @pytest.mark.parametrize("name", ["1f1b", "zb_h1", "interleaved", "gpipe", "zbv"])
 def test_message_count(name: str) -> None:
-    """One point-to-point message per block that crosses stages, no ppermute (no empty rounds), one psum."""
+    """One point-to-point message per block that crosses stages, no ppermute (no empty rounds), no collective:
+    the loss reaches every stage inside blocks it receives anyway."""
     p, m = 4, 8
     sched = _schedule(name, p, m)
     mesh = fs.make_mesh({"pp": p}, backend="sim")
@@ -204,11 +205,14 @@ def test_message_count(name: str) -> None:
     with fs.comm_stats() as st:
         f((w1[order], w2[order]), x.reshape(m, MB, D), t.reshape(m, MB, D))
     assert st.calls("ppermute") == 0
+    route = loss_route(sched)
+    assert route is not None and len(route) == p - 1  # one block into each stage but the loss's
     for s in range(p):
         expected = _expected_sends(sched, s)
+        notes = sum(x.src == s for x in route)  # blocks that also carry the loss: 3 float64 more
         assert st.calls("send", "pp", device=s) == expected
-        assert st.bytes("send", "pp", device=s) == expected * MB * D * 8  # one [MB, D] float64 block each
-        assert st.calls("psum", "pp", device=s) == 1  # the loss
+        assert st.bytes("send", "pp", device=s) == expected * MB * D * 8 + notes * 24  # [MB, D] float64 blocks
+        assert st.calls("psum", "pp", device=s) == 0  # the loss came with the blocks: no collective at the end
     total = sum(st.calls("send", "pp", device=s) for s in range(p))
     hops = p * sched.n_virtual - 1 if sched.placement_kind != "v" else 2 * p - 2  # a V turns within stage p-1
     assert total == 2 * m * hops
@@ -511,6 +515,54 @@ def test_input_grad_needs_float_microbatches() -> None:
     )
     with pytest.raises(fs.ShardingError, match="input_grad=True needs floating-point microbatches"):
         f((w1, w2), shared, tok.reshape(4, MB), tgt.reshape(4, MB))
+
+
+@pytest.mark.parametrize(("name", "p", "m"), [c for c in CASES if c[1] == 4] + [("1f1b", 1, 4)])
+def test_loss_route_reaches_every_stage(name: str, p: int, m: int) -> None:
+    """Every shipped schedule has a loss route: each stage but the one holding the last virtual stage receives
+    exactly one block that carries the loss, sent by a stage that has it by then (the runtime raises if not;
+    the loss tests above check the values), and ``plans`` marks every stage's plan routed."""
+    sched = _schedule(name, p, m)
+    route = loss_route(sched)
+    holder = sched.stage_of(sched.n_virtual_stages - 1)[0]
+    assert route is not None
+    assert sorted(x.dst for x in route) == [s for s in range(p) if s != holder]
+    assert all(x.src != x.dst for x in route)
+    for plan in plans(sched):
+        assert plan.routed
+        assert plan.notes == {x for x in route if plan.stage in (x.src, x.dst)}
+
+
+def test_loss_without_a_route_is_one_psum(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where a plan has no loss route, the loss is reduced with one psum over the axis, to the same value."""
+    import dataclasses
+
+    from funcshard.pipeline import runtime
+
+    unrouted = {}
+
+    def no_route(sched):
+        unrouted[id(sched)] = tuple(dataclasses.replace(q, notes=frozenset(), routed=False) for q in plans(sched))
+        return unrouted[id(sched)]
+
+    monkeypatch.setattr(runtime, "plans", no_route)
+    p, m = 2, 4
+    sched = one_f_one_b(p, m)
+    w1, w2, x, t = _data(p, m * MB)
+    ref_loss, ref_g1, _ = _reference(w1, w2, x, t)
+    f = fs.shard_map(
+        lambda params, xs, ts: run(sched, _layer, params, xs, targets=ts, loss_fn=_mse),
+        mesh=fs.make_mesh({"pp": p}, backend="sim"),
+        in_specs=(P("pp"), P(), P()),
+        out_specs=(P(), P("pp")),
+    )
+    with fs.comm_stats() as st:
+        loss, (g1, _) = f((w1, w2), x.reshape(m, MB, D), t.reshape(m, MB, D))
+    assert unrouted and st.calls("psum", "pp", device=0) == st.calls("psum", "pp", device=1) == 1
+    for s in range(p):  # blocks only, no loss note: m [MB, D] float64 blocks out of each stage
+        assert st.bytes("send", "pp", device=s) == m * MB * D * 8
+    torch.testing.assert_close(fs.device_get(loss).reshape(()), ref_loss, rtol=1e-5, atol=1e-12)
+    torch.testing.assert_close(fs.device_get(g1), ref_g1, rtol=1e-5, atol=1e-12)
 
 
 def test_v_schedules_hand_off_the_turn_locally() -> None:

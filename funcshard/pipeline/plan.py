@@ -23,12 +23,12 @@ Example:
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from .schedules import Action, Schedule, ScheduleError
 
-__all__ = ["LOOKAHEAD", "Send", "StagePlan", "Step", "Tick", "messages", "plans", "stage_plan", "ticks"]
+__all__ = ["LOOKAHEAD", "Send", "StagePlan", "Step", "Tick", "loss_route", "messages", "plans", "stage_plan", "ticks"]
 
 LOOKAHEAD = 2  # units between posting a receive and the unit that waits on it
 UNIT_COSTS = {"F": 1.0, "B": 1.0, "W": 1.0, "comm": 0.0}
@@ -85,11 +85,17 @@ class StagePlan:
         stage: the stage.
         units: its actions in execution order, grouped in units (one action, or an overlapped F&B pair).
         posts: ``posts[i]``: the receives from other stages to post before unit ``i``.
+        notes: the blocks, sent or received by this stage, that also carry the step's loss (see
+            :func:`loss_route`); empty when ``routed`` is False.
+        routed: every stage learns the loss from the blocks it receives (:func:`plans` sets it), so the
+            runtime needs no collective to hand the loss to every stage.
     """
 
     stage: int
     units: tuple[tuple[Step, ...], ...]
     posts: tuple[tuple[Send, ...], ...]
+    notes: frozenset[Send] = frozenset()
+    routed: bool = False
 
     @property
     def sends(self) -> list[Send]:
@@ -205,6 +211,44 @@ def _sends(schedule: Schedule, stage: int, owner: dict[int, int]) -> list[Send]:
     return out
 
 
+def loss_route(schedule: Schedule, stage_plans: tuple[StagePlan, ...] | None = None) -> frozenset[Send] | None:
+    """The blocks that carry the step's loss to every stage, or None if the blocks cannot reach some stage.
+
+    The loss is complete on the stage holding the last virtual stage once its last ``F`` there has run. From
+    then on a block that stage sends can carry it, and a stage that has received such a block can pass it on
+    in the blocks it sends afterwards. Each other stage gets it in one block: the first it consumes whose
+    sender, by its own list's order, already has the loss when it sends it. So the loss reaches every stage
+    with the activations and gradients it receives anyway (no extra message, no collective at the end of the
+    step). Pure data: computed from the plans, the same on every stage.
+
+    Example:
+        >>> from funcshard.pipeline import one_f_one_b
+        >>> sorted(str(x) for x in loss_route(one_f_one_b(3, 4)))  # the last gradients, down the stages
+        ['B3>0', 'B3>1']
+    """
+    sp = stage_plans if stage_plans is not None else tuple(stage_plan(schedule, s) for s in range(schedule.n_stages))
+    steps = [[st for unit in plan.units for st in unit] for plan in sp]
+    last = schedule.n_virtual_stages - 1
+    sent_at = {st.send: i for row in steps for i, st in enumerate(row) if st.send is not None}
+    never = max((len(row) for row in steps), default=0) + 1
+    known = [never] * len(steps)  # known[s]: the first step of s whose sends can carry the loss
+    holder = _owner(schedule)[last]
+    known[holder] = max(i for i, st in enumerate(steps[holder]) if st.action.kind == "F" and st.virtual_stage == last)
+    carrier: dict[int, Send] = {}
+    changed = True
+    while changed:  # known[] only decreases: this ends
+        changed = False
+        for d, row in enumerate(steps):
+            for k in range(min(known[d], len(row))):
+                x = row[k].recv
+                if x is not None and x.src != d and sent_at[x] >= known[x.src]:
+                    known[d], carrier[d], changed = k, x, True
+                    break
+    if any(k == never for k in known):
+        return None
+    return frozenset(x for d, x in carrier.items() if d != holder)
+
+
 _CACHE: dict[int, tuple[Schedule, Any, tuple[StagePlan, ...]]] = {}
 _CACHE_SIZE = 32
 _LOCK = threading.Lock()
@@ -240,6 +284,12 @@ def plans(schedule: Schedule) -> tuple[StagePlan, ...]:
             return hit[2]
     schedule.validate()
     out = tuple(stage_plan(schedule, s) for s in range(schedule.n_stages))
+    route = loss_route(schedule, out)
+    if route is not None:
+        out = tuple(
+            replace(plan, notes=frozenset(x for x in route if plan.stage in (x.src, x.dst)), routed=True)
+            for plan in out
+        )
     with _LOCK:
         while len(_CACHE) >= _CACHE_SIZE:
             del _CACHE[next(iter(_CACHE))]

@@ -45,6 +45,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import math
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -296,6 +297,12 @@ class _Stage:
         self.loss_sum: torch.Tensor | None = None  # float64 sum of the loss over microbatches (last stage)
         self.loss_dtype: torch.dtype | None = None
         self.loss_axes: frozenset[str] = frozenset()
+        self.n_losses = 0
+        # [loss sum, dtype index, axes mask] (float64), once known: made by the stage holding the last virtual
+        # stage after its last F there, carried to the others by the blocks of the plan's loss route
+        self.note: torch.Tensor | None = None
+        self.notes: frozenset[Send] = frozenset()
+        self.routed = False
         self.leaves, self.treedef = optree.tree_flatten(stage_params)
         v = schedule.n_virtual
         self.leaf_axes = [get_vma(leaf) if self.vma else frozenset() for leaf in self.leaves]
@@ -356,6 +363,7 @@ class _Stage:
         probing = self.first_fn is not None and self.p > 1
         first = probing and self.me == self.schedule.stage_of(0)[0]
         self.posts, self.next_post = plan.posts, 0
+        self.notes, self.routed = plan.notes, plan.routed
         if probing and not first:
             self.probe()
         if not first:
@@ -380,13 +388,21 @@ class _Stage:
         """One batch of point-to-point operations: ``sends``, and the receives planned up to unit ``upto``."""
         ops, recvs = [], []
         for x, t in sends:
+            if x in self.notes:  # the block and the loss note behind it, as bytes: [block bytes + 24]
+                if self.note is None:
+                    raise RuntimeError(f"pipeline.run: stage {self.me} must send the loss with {x} before knowing it")
+                t = torch.cat([t.reshape(-1).view(torch.uint8), self.note.view(torch.uint8)])
             ops.append(P2POp("send", t, x.dst, x.tag(self.m)))
             record(self.device.rank, "send", (self.axis,), t.numel() * t.element_size())
         a = self.act
         with torch._C.DisableTorchFunction():
             while self.next_post <= min(upto, len(self.posts) - 1):
                 for x in self.posts[self.next_post]:
-                    buf = torch.empty(a.shape, dtype=a.dtype, device=self.microbatches.device)
+                    if x in self.notes:
+                        n = math.prod(a.shape) * a.dtype.itemsize + _NOTE_BYTES
+                        buf = torch.empty(n, dtype=torch.uint8, device=self.microbatches.device)
+                    else:
+                        buf = torch.empty(a.shape, dtype=a.dtype, device=self.microbatches.device)
                     ops.append(P2POp("recv", buf, x.src, x.tag(self.m)))
                     recvs.append(x)
                 self.next_post += 1
@@ -403,6 +419,10 @@ class _Stage:
         if x.src == self.me:
             return self.tagged(self.received.pop(x), self.act.axes)
         got = cast(torch.Tensor, self.recv_works.pop(x).wait())  # a receive's work returns its buffer
+        if x in self.notes:  # [block bytes + 24] -> the block, and the loss note
+            a = self.act
+            self.note = got[-_NOTE_BYTES:].clone().view(torch.float64)
+            got = got[:-_NOTE_BYTES].view(a.dtype).view(a.shape)
         return self.tagged(got, self.act.axes)
 
     def run_step(self, step: Step) -> torch.Tensor | None:
@@ -482,6 +502,17 @@ class _Stage:
         self.loss_dtype = loss.dtype
         if self.vma:
             self.loss_axes = get_vma(raw)
+        self.n_losses += 1
+        if self.n_losses == self.m:
+            self.note = self.loss_vector()
+
+    def loss_vector(self) -> torch.Tensor:
+        """``[loss sum, dtype index, axes mask]`` in float64: this stage's part of the loss (zeros if none)."""
+        vec = torch.zeros(3, dtype=torch.float64, device=self.microbatches.device)
+        if self.loss_sum is not None and self.loss_dtype is not None:
+            mask = sum(1 << i for i, n in enumerate(self.mesh.axis_names) if n in self.loss_axes)
+            vec = torch.stack([self.loss_sum, vec[0] + _float_dtype_index(self.loss_dtype), vec[0] + mask])
+        return vec
 
     def checked(self, y: Any, vs: int) -> torch.Tensor:
         """``stage_fn``'s output, checked to keep the activation's shape, dtype and varying axes (virtual
@@ -563,14 +594,18 @@ class _Stage:
                     acc.add_(g)
 
     def loss_result(self) -> torch.Tensor:
-        """The mean loss, invariant over the axis: the last stage's sum, its dtype and varying axes in one
-        psum over the axis (the other stages add zeros)."""
+        """The mean loss, invariant over the axis: the last stage's sum, its dtype and varying axes, from the
+        note the plan's loss route brought to this stage (the same float64 values on every stage), or, where
+        the plan has no route, in one psum over the axis (the other stages add zeros)."""
         names = self.mesh.axis_names
-        vec = torch.zeros(3, dtype=torch.float64, device=self.microbatches.device)
-        if self.loss_sum is not None and self.loss_dtype is not None:
-            mask = sum(1 << i for i, n in enumerate(names) if n in self.loss_axes)
-            vec = torch.stack([self.loss_sum, vec[0] + _float_dtype_index(self.loss_dtype), vec[0] + mask])
-        got = lax.psum(self.tagged(vec, frozenset([self.axis])), self.axis)  # [3] -> [3], invariant over axis
+        if self.routed:
+            if self.note is None:
+                raise RuntimeError(f"pipeline.run: stage {self.me} ended its step without the loss its plan routes")
+            got = self.note
+        else:
+            vec = self.tagged(self.loss_vector(), self.loss_axes | {self.axis})
+            with self.user():
+                got = lax.psum(vec, self.axis)  # [3] -> [3], invariant over the axis
         dtype = _FLOATS[int(got[1].item())]
         axes = frozenset(n for i, n in enumerate(names) if int(got[2].item()) >> i & 1) - {self.axis}
         return self.tagged(got[0].to(dtype), axes)
@@ -617,6 +652,7 @@ class _Stage:
 
 
 _FLOATS = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+_NOTE_BYTES = 24  # the loss note: 3 float64
 
 
 def _detached(t: torch.Tensor) -> torch.Tensor:
