@@ -370,12 +370,23 @@ class _Call:
     rng: Any = None
 
 
-def _no_hooks() -> Any:
-    return torch.autograd.graph.saved_tensors_hooks(_same, _same)
+def _save_nothing() -> Any:
+    """Saved-tensor hooks for the remat forward's graph, which is dropped unused: it saves nothing (so its
+    activations are freed as soon as the forward no longer needs them) and runs no user hook (e.g. CPU offloading).
+
+    The hook must not hand back the tensor itself: a tensor an op saves of its own output (``tanh``, ``exp``,
+    softmax, attention's output and log-sum-exp) would then hold its ``grad_fn``, which holds it: a cycle through
+    C++ that Python's collector cannot see, and every layer's activations would outlive the step.
+    """
+    return torch.autograd.graph.saved_tensors_hooks(_drop, _never)
 
 
-def _same(t: torch.Tensor) -> torch.Tensor:
-    return t
+def _drop(t: torch.Tensor) -> None:
+    return None
+
+
+def _never(packed: None) -> torch.Tensor:
+    raise RuntimeError("remat: the forward's graph is only walked, never differentiated")  # not reached
 
 
 def _copies(xs: tuple[torch.Tensor, ...], tags: list[frozenset[str] | None], grad: list[bool]) -> list[torch.Tensor]:
@@ -407,7 +418,7 @@ class _Remat(torch.autograd.Function):
         try:
             # under grad, as the recomputation will run: the same ops reach aten (matmul folds by requires_grad)
             # (a graph dropped at once: a user's saved-tensor hooks, such as CPU offloading, are not run for it)
-            with torch.enable_grad(), _device_scope(call.dctx, devices, call.vma_mode), _no_hooks(), rec:
+            with torch.enable_grad(), _device_scope(call.dctx, devices, call.vma_mode), _save_nothing(), rec:
                 out = call.f(*args, **kwargs)
         finally:
             _local.recorder = prev
@@ -473,11 +484,15 @@ class _Remat(torch.autograd.Function):
             if devices is not None:
                 devices.done()
             flat = [t for t in optree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+            del out
+            # the recomputed outputs' own memory is not needed for their backward: differentiate from their
+            # graph edges, so an output no op saved (a block's last residual add) is freed before the backward
             pairs = [
-                (o, g if g is not None else torch.zeros_like(o))
+                (_edge(o), g if g is not None else torch.zeros_like(o))
                 for o, g in zip(flat, grads[: ctx.n_out], strict=True)
                 if o.requires_grad
             ]
+            del flat
             wrt = [x for x, n in zip(ins, needs, strict=True) if n and x.requires_grad]
             found: tuple[torch.Tensor | None, ...] = ()
             if pairs and wrt:
@@ -494,6 +509,11 @@ class _Remat(torch.autograd.Function):
         for x, n in zip(ins, needs, strict=True):
             result.append(next(it, None) if n and x.requires_grad else None)
         return tuple(result)
+
+
+def _edge(t: torch.Tensor) -> Any:
+    """Where ``t``'s gradient enters its graph (the tensor itself for a leaf, e.g. an argument handed back)."""
+    return t if t.grad_fn is None else torch.autograd.graph.get_gradient_edge(t)
 
 
 def _flatten_out(call: _Call, out: Any) -> list[torch.Tensor]:
@@ -586,8 +606,13 @@ def remat(
         if not any(x.requires_grad for x in xs):
             return f(*args, **kwargs)
 
+        # the call outlives its backward (autograd keeps every node until the whole backward is done), so it
+        # must not hold the arguments: only their places (the tensors are saved for the backward, and released
+        # by autograd once this node's backward has run)
+        skeleton = [None if isinstance(t, torch.Tensor) else t for t in leaves]
+
         def rebuild(tensors: list[Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
-            new = list(leaves)
+            new = list(skeleton)
             for i, t in zip(pos, tensors, strict=True):
                 new[i] = t
             return optree.tree_unflatten(treedef, new)
