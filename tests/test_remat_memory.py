@@ -11,8 +11,8 @@
 from __future__ import annotations
 
 import dataclasses
-import functools
 import gc
+import os
 from typing import Any
 
 import optree
@@ -180,9 +180,17 @@ def _fsdp_peaks(mesh: fs.Mesh, remat: str, reshard: bool) -> tuple[list[int], to
     return counts.peaks(), fs.device_get(loss), fs.device_get(grads)
 
 
-def _reshard_body(mesh: fs.Mesh, remat: str) -> tuple[list[int], list[int], bool]:
-    keep, loss_k, grads_k = _fsdp_peaks(mesh, remat, False)
-    reshard, loss_r, grads_r = _fsdp_peaks(mesh, remat, True)
+def _reshard_body(mesh: fs.Mesh, remat: str, overlap: str) -> tuple[list[int], list[int], bool]:
+    before = os.environ.get("FUNCSHARD_OVERLAP")
+    os.environ["FUNCSHARD_OVERLAP"] = overlap  # dist: whether the backward's reduce-scatters are left pending
+    try:
+        keep, loss_k, grads_k = _fsdp_peaks(mesh, remat, False)
+        reshard, loss_r, grads_r = _fsdp_peaks(mesh, remat, True)
+    finally:
+        if before is None:
+            del os.environ["FUNCSHARD_OVERLAP"]
+        else:
+            os.environ["FUNCSHARD_OVERLAP"] = before
     same = torch.equal(loss_k, loss_r) and all(
         torch.equal(a, b) for a, b in zip(optree.tree_leaves(grads_k), optree.tree_leaves(grads_r), strict=True)
     )
@@ -191,13 +199,25 @@ def _reshard_body(mesh: fs.Mesh, remat: str) -> tuple[list[int], list[int], bool
 
 @pytest.mark.parametrize("remat", ["full", "selective"])
 def test_reshard_after_forward_frees_the_gathered_weights_of_all_but_one_layer(remat):
-    run = functools.partial(run_body, "sim")
     gathered = _layer_bytes(FSDP_CFG)  # one layer's gathered (full) weights
     expected = (FSDP_CFG.n_layers - 1) * gathered
-    for keep, reshard, same in run(_reshard_body, {"fsdp": 4}, remat):
+    for keep, reshard, same in run_body("sim", _reshard_body, {"fsdp": 4}, remat, "1"):
         assert same, "resharding changed a number"
-        assert len(keep) == len(reshard) >= 1
+        assert len(keep) == len(reshard) == 4
         for k, r in zip(keep, reshard, strict=True):
             freed = k - r
             # the keep run holds all L layers' gathered weights at its peak, the resharding run one layer's
             assert expected - gathered / 16 <= freed <= expected + gathered / 3, (freed / gathered, k, r)
+
+
+@pytest.mark.parametrize("overlap", ["0", "1"])
+def test_reshard_after_forward_frees_the_gathered_weights_under_dist(overlap):
+    gathered = _layer_bytes(FSDP_CFG)
+    expected = (FSDP_CFG.n_layers - 1) * gathered
+    for keep, reshard, same in run_body("dist", _reshard_body, {"fsdp": 4}, "full", overlap):
+        assert same, "resharding changed a number"
+        (k,), (r,) = keep, reshard
+        if overlap == "0":  # as under sim
+            assert expected - gathered / 16 <= k - r <= expected + gathered / 3, ((k - r) / gathered, k, r)
+        else:  # the pending reduce-scatters (FUNCSHARD_OVERLAP) hold up to a layer's gradient bucket more
+            assert expected - gathered <= k - r <= expected + gathered / 3, ((k - r) / gathered, k, r)
