@@ -6,7 +6,7 @@ import contextlib
 import math
 import os
 import threading
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -227,15 +227,21 @@ def settle(t: Any) -> Any:
 _scope = threading.local()
 
 
-@contextlib.contextmanager
-def _flag(name: str, on: bool) -> Iterator[None]:
-    """Set this thread's scope flag ``name`` to ``on`` for the block, then restore it."""
-    prev = getattr(_scope, name, False)
-    setattr(_scope, name, on)
-    try:
-        yield
-    finally:
-        setattr(_scope, name, prev)
+class _Flag(contextlib.AbstractContextManager):
+    """Set this thread's scope flag ``name`` to ``on`` for the block, then restore it (a plain class: entered
+    on every ``fs.value_and_grad`` call, where a generator-based context manager costs several frames)."""
+
+    __slots__ = ("name", "on", "prev")
+
+    def __init__(self, name: str, on: bool) -> None:
+        self.name, self.on = name, on
+
+    def __enter__(self) -> None:
+        self.prev = getattr(_scope, self.name, False)
+        setattr(_scope, self.name, self.on)
+
+    def __exit__(self, *exc: object) -> None:
+        setattr(_scope, self.name, self.prev)
 
 
 def overlap_scope() -> contextlib.AbstractContextManager[None]:
@@ -243,7 +249,7 @@ def overlap_scope() -> contextlib.AbstractContextManager[None]:
     gradient reductions asynchronously: every gradient leaves through that call and is :func:`settle`-d there,
     and inside the graph a pending result waits at its first use. A plain ``.backward()``, which stores gradients
     in ``.grad`` where nothing settles them, stays synchronous."""
-    return _flag("on", True)
+    return _Flag("on", True)
 
 
 def overlap_allowed() -> bool:
@@ -255,7 +261,7 @@ def prefetch_scope(on: bool = True) -> contextlib.AbstractContextManager[None]:
     """Within it (``ops.fsdp_gather(..., prefetch=True)``), the dist backend's all-gathers return at once and are
     waited for where their result is first read (the gathered weights of the next layer travel while this
     layer computes)."""
-    return _flag("prefetch", on)
+    return _Flag("prefetch", on)
 
 
 def prefetching() -> bool:
@@ -268,7 +274,7 @@ def trace_scope() -> contextlib.AbstractContextManager[None]:
     collectives are torch's functional collectives, which the graph records as ops (so the compiler sees them,
     and no pending result escapes), and the optimisers keep their step count a tensor (a Python number read
     from a tensor would be frozen into the graph)."""
-    return _flag("trace", True)
+    return _Flag("trace", True)
 
 
 def tracing() -> bool:
