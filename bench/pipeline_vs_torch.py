@@ -223,27 +223,33 @@ class Case:
 # ---------------------------------------------------------------- measuring
 
 
-def timed(fn: Callable[[], Any]) -> float:
-    """Seconds of one step on the slowest rank (the ranks start together)."""
+def timed(fn: Callable[[], Any]) -> tuple[float, float]:
+    """Seconds of one step on the slowest rank (the ranks start together), and the CPU seconds the step took
+    on all ranks together (``time.process_time``: this process's threads, gloo's included; far less noisy
+    than the wall clock on a shared host)."""
     dist.barrier()
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     fn()
+    cpu = time.process_time() - c0
     dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
     dist.all_reduce(dt, op=dist.ReduceOp.MAX)
-    return dt.item()
+    got = torch.tensor([cpu], dtype=torch.float64)
+    dist.all_reduce(got)
+    return dt.item(), got.item()
 
 
-def medians(case: Case, steps: int, warmup: int = 1) -> dict[str, float]:
-    """Median step time per library, the two interleaved (the order alternates every step)."""
+def medians(case: Case, steps: int, warmup: int = 3) -> dict[str, tuple[float, float]]:
+    """Median step time and median CPU time (all ranks) per library, the two interleaved (the order alternates
+    every step)."""
     libs = ["fs", "torch"]
     for _ in range(warmup):
         for lib in libs:
             timed(case.step[lib])
-    times: dict[str, list[float]] = {lib: [] for lib in libs}
+    times: dict[str, list[tuple[float, float]]] = {lib: [] for lib in libs}
     for i in range(steps):
         for lib in libs if i % 2 == 0 else libs[::-1]:
             times[lib].append(timed(case.step[lib]))
-    return {lib: statistics.median(ts) for lib, ts in times.items()}
+    return {lib: (statistics.median(w for w, _ in t), statistics.median(c for _, c in t)) for lib, t in times.items()}
 
 
 _COUNT = {"on": False, "send": 0, "recv": 0, "inside": False}
@@ -313,14 +319,24 @@ def main() -> None:
     fs.process.shutdown()
 
 
+def warm_up(case: Case, steps: int) -> None:
+    """Untimed steps of both libraries: whichever configuration ran first was measured up to 1.2x slower
+    (funcshard's CPU time too), whichever it was; a throwaway configuration takes that place."""
+    for _ in range(steps):
+        for lib in ("fs", "torch"):
+            timed(case.step[lib])
+
+
 def case_a(steps: int, mesh: fs.Mesh, say: Callable[..., None]) -> None:
     say(f"case A: sleeping stages, F={F_S * 1e3:g} ms B={B_S * 1e3:g} ms per stage, p={mesh.shape['pp']}")
     walls: dict[tuple[str, int], dict[str, float]] = {}
+    warm_up(Case("A", "1f1b", 8, mesh), steps)
     for m in (8, 16):
         for name in ("1f1b", "interleaved"):
             case = Case("A", name, m, mesh)
             case.check()
-            med = medians(case, steps)
+            got = medians(case, steps)
+            med = {lib: w for lib, (w, _) in got.items()}
             walls[(name, m)] = med
             v = case.v
             ideal = case.sched.simulate({"F": F_S / v, "B": B_S / v}).makespan
@@ -329,6 +345,7 @@ def case_a(steps: int, mesh: fs.Mesh, say: Callable[..., None]) -> None:
             say(
                 f"  A {name:11s} m={m:<2d}: wall fs {med['fs']:.3f} s, torch {med['torch']:.3f} s, ideal {ideal:.3f} s"
                 f" | wall/ideal fs {rf:.3f}x, torch {rt:.3f}x | fs/torch {med['fs'] / med['torch']:.3f}x [{ok}]"
+                f" | CPU (4 ranks) fs {got['fs'][1] * 1e3:.0f} ms, torch {got['torch'][1] * 1e3:.0f} ms"
             )
     for m in (8, 16):
         for lib in ("fs", "torch"):
@@ -338,19 +355,21 @@ def case_a(steps: int, mesh: fs.Mesh, say: Callable[..., None]) -> None:
 
 def case_b(steps: int, mesh: fs.Mesh, say: Callable[..., None]) -> None:
     say(f"case B: residual MLP stages, D={D} H={H}, {LAYERS} layers per chunk, m=8 microbatches of {ROWS} rows")
+    warm_up(Case("B", "1f1b", 8, mesh), 2 * steps)
     for name in ("1f1b", "interleaved"):
         for check_vma in (True, False):
             case = Case("B", name, 8, mesh, check_vma=check_vma)
             case.check()
-            med = medians(case, steps)
-            r = med["fs"] / med["torch"]
+            got = medians(case, steps)
+            (fw, fc), (tw, tc) = got["fs"], got["torch"]
+            r = fw / tw
             ok = "ok" if r <= TARGET_B or name != "1f1b" else "MISS"
             (fs_s, fs_r), (t_s, t_r) = messages(case.run_fs), messages(case.run_torch)
             same = "ok" if (fs_s, fs_r) == (t_s, t_r) else "MISS"
             say(
-                f"  B {name:11s} check_vma={check_vma!s:5s}: step fs {med['fs'] * 1e3:.1f} ms, torch "
-                f"{med['torch'] * 1e3:.1f} ms, fs/torch {r:.3f}x [{ok}] | messages sent/received fs "
-                f"{fs_s}/{fs_r}, torch {t_s}/{t_r} [{same}]"
+                f"  B {name:11s} check_vma={check_vma!s:5s}: step fs {fw * 1e3:.1f} ms, torch {tw * 1e3:.1f} ms, "
+                f"fs/torch {r:.3f}x [{ok}] | CPU (4 ranks) fs {fc * 1e3:.0f} ms, torch {tc * 1e3:.0f} ms, "
+                f"{fc / tc:.3f}x | messages sent/received fs {fs_s}/{fs_r}, torch {t_s}/{t_r} [{same}]"
             )
 
 
