@@ -18,7 +18,8 @@ them. Then per repeat: ``--warmup`` steps each, then ``--steps`` steps each, A/B
 every step), each step timed from a barrier to a barrier on every rank (the max over ranks); the repeat's
 ratio is median(funcshard) / median(peer). Printed per case: every repeat's ratio, their median (THE number)
 and spread (min-max), the machine load (``os.getloadavg()``) before and after, and the collectives each side
-issues per step (gloo calls seen by ``torch.profiler``; funcshard's also by ``fs.comm_stats``).
+issues per step (gloo calls seen by ``torch.profiler``; funcshard's also by ``fs.comm_stats``); ``--ops N``:
+the N torch ops whose self CPU time differs most between the two sides' steps.
 
 Measured (this 2-core box shared with other engineers; see the report in the README's bench list).
 
@@ -174,13 +175,28 @@ def _timed(side: Side) -> tuple[float, float]:
     return float(wall), float(cpu)
 
 
-def _gloo_calls(side: Side) -> Counter[str]:
-    """The gloo collectives one step of ``side`` issues on this rank (torch.profiler's ``gloo:*`` events)."""
+def _profiled(side: Side) -> tuple[Counter[str], dict[str, tuple[int, float]]]:
+    """One step of ``side`` under torch.profiler on this rank: the gloo collectives it issues (``gloo:*``
+    events), and per torch op its (calls, self CPU ms), every thread."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         side.step(False)
-    return Counter(e.name.removeprefix("gloo:") for e in prof.events() if e.name.startswith("gloo:"))
+    calls = Counter(e.name.removeprefix("gloo:") for e in prof.events() if e.name.startswith("gloo:"))
+    ops = {a.key: (a.count, a.self_cpu_time_total / 1e3) for a in prof.key_averages()}
+    return calls, ops
+
+
+def _op_diff(a: dict[str, tuple[int, float]], b: dict[str, tuple[int, float]], top: int) -> str:
+    """The ``top`` ops whose self CPU time differs most between ``a`` (funcshard) and ``b`` (the peer)."""
+    keys = sorted(set(a) | set(b), key=lambda k: -abs(a.get(k, (0, 0.0))[1] - b.get(k, (0, 0.0))[1]))
+    lines = [f"  {'op':<44} {'fs calls':>8} {'fs ms':>8} {'peer calls':>10} {'peer ms':>8}"]
+    for k in keys[:top]:
+        (ca, ta), (cb, tb) = a.get(k, (0, 0.0)), b.get(k, (0, 0.0))
+        lines.append(f"  {k[:44]:<44} {ca:>8} {ta:>8.1f} {cb:>10} {tb:>8.1f}")
+    tot_a, tot_b = sum(t for _, t in a.values()), sum(t for _, t in b.values())
+    lines.append(f"  {'total self CPU (this rank, one step)':<44} {'':>8} {tot_a:>8.1f} {'':>10} {tot_b:>8.1f}")
+    return "\n".join(lines)
 
 
 def _fmt_calls(c: Counter[str]) -> str:
@@ -211,13 +227,16 @@ def _case(case: str, args: Any, out: list[dict[str, Any]]) -> None:
         raise SystemExit(f"[{case}] funcshard and {peer_side.name} disagree: {losses}")
 
     # -- the collectives per step
-    calls = [_gloo_calls(s) for s in sides]
+    prof = [_profiled(s) for s in sides]
+    calls = [c for c, _ in prof]
     with fs.comm_stats() as stats:
         fs_side.step(False)
     if lead:
         both = f"funcshard {_fmt_calls(calls[0])}; {peer_side.name} {_fmt_calls(calls[1])}"
         print(f"[{case}] gloo calls per step: {both}")
         print(f"[{case}] fs.comm_stats of one step:\n{stats.table()}", flush=True)
+        if args.ops:
+            print(f"[{case}] torch ops, rank 0, one step each:\n{_op_diff(prof[0][1], prof[1][1], args.ops)}")
 
     if args.profile == case:
         prof = cProfile.Profile()
@@ -309,6 +328,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--threads", type=int, default=1, help="torch threads per process")
     ap.add_argument("--compile", default="", help="a torch.compile backend for funcshard's step (default: eager)")
     ap.add_argument("--profile", default="", help="a case: cProfile rank 0's funcshard steps of it")
+    ap.add_argument("--ops", type=int, default=0, help="print the N torch ops whose CPU time differs most per case")
     args = ap.parse_args(argv)
     args.cases = [c for c in args.cases.split(",") if c]
     bad = [c for c in args.cases if c not in CASES]
