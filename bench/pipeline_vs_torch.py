@@ -60,6 +60,9 @@ What is left of the gap, with counters rather than the wall clock:
   loop, and against torch's generic runtime (``ScheduleInterleaved1F1B``) fs is at par in CPU.
 - Whether interleaved (chunks of F=5 ms / B=10 ms) beats 1F1B depends on the load for both libraries: the
   per-action overhead (scheduling of 4 processes on 2 cores, ~1-2 ms an action) is a large part of each chunk.
+  At load 12, even F=30 B=60 ms (5 steps) had interleaved slower for both: interleaved / 1f1b fs 1.107x (m=8),
+  1.309x (m=16), torch 1.185x, 1.427x; fs/torch 1.121x, 1.047x (m=8: 1f1b, interleaved), 1.018x, 0.934x
+  (m=16). At load 2-5 the previous round measured interleaved faster for both at these costs.
 - On this host the wall/ideal of torch itself ranges 1.19x-1.68x between runs, so the 5% target of case A is
   inside the run-to-run noise; fs/torch ranged 0.95x-1.07x.
 """
