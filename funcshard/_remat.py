@@ -59,6 +59,7 @@ import optree
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from ._backend.base import settle
 from ._context import enter, maybe_current
 from ._errors import ConfigError
 from ._grad import has_tangent, reaches_other_leaf
@@ -483,6 +484,9 @@ class _Remat(torch.autograd.Function):
                     out = call.f(*args, **kwargs)
             if devices is not None:
                 devices.done()
+            # the previous region's reductions travelled while this one was recomputed; wait for them before
+            # this one's backward makes its own gradients (so one region's buckets are in flight, not all)
+            _settle_previous()
             flat = [t for t in optree.tree_leaves(out) if isinstance(t, torch.Tensor)]
             del out
             # the recomputed outputs' own memory is not needed for their backward: differentiate from their
@@ -504,11 +508,30 @@ class _Remat(torch.autograd.Function):
                         allow_unused=True,
                         create_graph=create_graph,
                     )
+        _hold_pending(found)
         it = iter(found)
         result: list[torch.Tensor | None] = [None]
         for x, n in zip(ins, needs, strict=True):
             result.append(next(it, None) if n and x.requires_grad else None)
         return tuple(result)
+
+
+def _hold_pending(grads: tuple[torch.Tensor | None, ...]) -> None:
+    """Note the gradients of this backward that are still in flight (dist's overlapped reduce-scatters, e.g.
+    FSDP's, issued inside the recomputed region), for the next remat backward to settle."""
+    pending = [weakref.ref(g) for g in grads if g is not None and type(g).__name__ == "AsyncCollectiveTensor"]
+    _local.pending = pending or None
+
+
+def _settle_previous() -> None:
+    """Wait for the reductions the previous remat backward of this thread left in flight: one region's
+    gradient reductions travel while the next region is recomputed, as FSDP2 keeps one reduce-scatter in flight,
+    not all of them; each holds its full-size input (a layer's gradient bucket) until it is waited for."""
+    pending, _local.pending = getattr(_local, "pending", None), None
+    for ref in pending or ():
+        g = ref()
+        if g is not None:
+            settle(g)
 
 
 def _edge(t: torch.Tensor) -> Any:
