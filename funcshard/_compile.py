@@ -133,6 +133,47 @@ def _mutated_inputs(gm: torch.fx.GraphModule) -> set[int]:
     return written
 
 
+#: called with each recorded graph (after :func:`sink_waits`), before it is compiled (a test's window; None: nothing)
+recorded_hook: Callable[[torch.fx.GraphModule], None] | None = None
+
+
+def _is_wait(node: torch.fx.Node) -> bool:
+    return node.op == "call_function" and node.target is torch.ops._c10d_functional.wait_tensor.default
+
+
+def _writes(node: torch.fx.Node) -> bool:
+    """Whether the op of ``node`` writes into one of its arguments (an in-place op, a ``copy_``)."""
+    schema = getattr(node.target, "_schema", None)
+    return node.op == "call_function" and any(
+        a.alias_info is not None and a.alias_info.is_write for a in getattr(schema, "arguments", ())
+    )
+
+
+def sink_waits(gm: torch.fx.GraphModule) -> int:
+    """Move each collective's ``wait_tensor`` down to just before the first node that uses its result, so
+    the collective travels while the ops in between compute (the recording puts every wait right after its
+    collective: ``make_fx`` waits at once, and inductor does not reorder communication on its own). A wait is
+    never moved past a node that writes into a tensor in place (such a write could touch the collective's
+    buffers). Returns how many waits moved.
+
+    Example:
+        >>> # all_reduce(g1); wait(g1); mm(...); use(g1)  ->  all_reduce(g1); mm(...); wait(g1); use(g1)
+    """
+    moved = 0
+    for node in [n for n in gm.graph.nodes if _is_wait(n)]:
+        users = set(node.users)
+        stop = node.next
+        while stop.op != "output" and stop not in users and not _writes(stop):
+            stop = stop.next
+        if stop is not node.next:
+            stop.prepend(node)  # the wait now runs right before its first user (or the write, or the end)
+            moved += 1
+    if moved:
+        gm.graph.lint()
+        gm.recompile()
+    return moved
+
+
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _OWN_FILES = {os.path.join(_HERE, "_vma.py"), os.path.join(_HERE, "_compile.py")}
 
@@ -238,6 +279,9 @@ class CompiledBody:
             flags = zip(leaves, body.inputs.donated, strict=True)
             donated = [d for arg, ds in flags for t, d in zip(arg, ds, strict=True) if isinstance(t, torch.Tensor)]
         copy = {i for i in _mutated_inputs(gm) if not donated[i]}
+        sink_waits(gm)  # the gradient reductions (and gathers) overlap the compute after them, as in eager
+        if recorded_hook is not None:
+            recorded_hook(gm)
         fn = torch.compile(gm, **self.options)
         tags = tags_of(out_leaves)
         return (out_leaves, out_def), _Graph(fn, out_def, list(out_leaves), tags, list(comm), copy)
