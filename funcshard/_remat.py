@@ -17,6 +17,13 @@ How it is built (an ``autograd.Function``, so it works under ``torch.autograd``,
   it numbered (no recomputation for them; the graph is still built, so their backward is exact) and computes
   the rest; then ``torch.autograd.grad`` of that graph gives the input gradients.
 
+Memory: between the forward and the backward a region holds only its inputs and what the policy saves (the
+forward's dropped graph saves nothing: see ``_save_nothing``; the call keeps no reference to its arguments); its
+backward rebuilds one region at a time and frees it on return (its outputs are differentiated from their graph
+edges, so the region's last result is not kept for it). Under ``dist`` with ``FUNCSHARD_OVERLAP`` a region's
+backward waits for the previous region's in-flight gradient reductions once it has recomputed its own, so one
+region's reduce-scatter inputs are in flight at a time (FSDP2's one), not every layer's.
+
 Inside ``shard_map``: the recomputation runs in the device's context with its vma mode (``check_vma=True``:
 the same ``pvary`` are inserted, so the gradients are those of the global function; the recomputed values
 carry the same tags), and its collectives are **replayed**: every device recomputes the same region at the
