@@ -44,6 +44,8 @@ forward + backward; one run per row; MiB = the max over the 4 ranks for "4 procs
     variant              where         MiB  peer                 peer MiB   ratio
     remat_full           1 proc      129.2  module_ckpt             129.5   1.00x
     remat_selective      1 proc      359.3  module                  520.2   0.69x
+    fsdp4_keep           sim x4      303.9  module_ckpt             129.3   2.35x
+    fsdp4_reshard        sim x4      152.7  module_ckpt             129.3   1.18x
     dp4_dist             4 procs     132.0  ddp4                    133.0   0.99x
     fsdp4_dist_keep      4 procs     185.2  fsdp2_keep              184.6   1.00x
     fsdp4_dist_reshard   4 procs      43.6  fsdp2_reshard_ckpt       53.1   0.82x
@@ -52,7 +54,9 @@ forward + backward; one run per row; MiB = the max over the 4 ranks for "4 procs
 
 (remat_full / remat_selective / fsdp4_dist_reshard after the ``fs.remat`` memory fixes; before them the
 reshard row was 135.3 MiB, 2.55x. With ``FUNCSHARD_OVERLAP=0`` the reshard row is 39.1 MiB: the overlap keeps
-one layer's reduce-scatter in flight. The other rows run no remat and were not re-measured.)
+one layer's reduce-scatter in flight. The sim x4 rows sum four devices, each gathering a full layer (and its
+full gradient) at a time, against one device: not a like-for-like ratio. The other rows run no remat and were
+not re-measured.)
 
 Usage:
     python bench/memory.py                      # the 13M-parameter Llama, every row: ~6 minutes on 2 cores
