@@ -21,10 +21,27 @@ and spread (min-max), the machine load (``os.getloadavg()``) before and after, a
 issues per step (gloo calls seen by ``torch.profiler``; funcshard's also by ``fs.comm_stats``); ``--ops N``:
 the N torch ops whose self CPU time differs most between the two sides' steps.
 
-Measured (this 2-core box shared with other engineers; see the report in the README's bench list).
+Measured on a 2-core box shared with 4-5 other engineers. Wall ratio = median over repeats (min-max); CPU =
+the CPU-time ratio (every thread of every rank: steadier under load); calls = gloo calls per step funcshard /
+peer; load = ``os.getloadavg()[0]`` before -> after. Losses equal at step 0 and step 1 in every case:
+
+    size    procs case  peer        wall ratio           CPU    calls  load         steps x repeats
+    13.2M   2     dp    DDP         1.102 (1.063-1.294)  1.159  13/3   1.35->1.67   5 x 3 (quiet machine)
+    13.2M   2     fsdp  FSDP2       0.902 (0.870-0.929)  0.948  24/26  1.96->2.30   5 x 3 (quiet machine)
+    13.2M   2     tp    DTensor TP  0.917 (0.878-0.973)  0.938  36/61  2.41->2.21   5 x 3 (quiet machine)
+    13.2M   4     fsdp  FSDP2       0.709 (0.655-1.120)  0.970  24/26  13.0->11.9   4 x 3
+    13.2M   2     dp    DDP         1.124 (0.835-1.481)  1.051  13/3   8.3->11.4    5 x 3
+    13.2M   2     fsdp  FSDP2       0.783 (0.634-0.855)  0.978  24/26  9.4->15.7    5 x 3
+    13.2M   2     tp    DTensor TP  0.950 (0.940-1.712)  0.980  36/61  11.5->6.8    3 x 3
+    3.1M    2     dp    DDP         1.037 (1.008-1.066)  -      9/2    6.8->6.6     5 x 2
+    3.1M    2     fsdp  FSDP2       1.013 (0.980-1.046)  -      16/14  5.8->4.7     5 x 2
+    3.1M    2     tp    DTensor TP  0.928 (0.847-1.009)  -      20/33  4.6->4.8     5 x 2
+
+``fsdp`` here keeps the gathered weights (funcshard's default without remat: 11 gathers per step) against
+FSDP2's default, which gathers each block again for its backward (17); ``fsdp_keep`` compares like with like.
 
 Usage:
-    python bench/vs_peers.py --size small --procs 2 --steps 5 --repeats 2       # about a minute
+    python bench/vs_peers.py --size small --procs 2 --steps 3 --repeats 1       # 1-2 min on a quiet host
     python bench/vs_peers.py --size large --procs 2 --cases dp,fsdp,tp
     python bench/vs_peers.py --size large --procs 4 --cases fsdp
     FUNCSHARD_OVERLAP=0 python bench/vs_peers.py ...                              # overlap off
