@@ -29,6 +29,10 @@ peer; load = ``os.getloadavg()[0]`` before -> after. Losses equal at step 0 and 
     13.2M   2     dp    DDP         1.102 (1.063-1.294)  1.159  13/3   1.35->1.67   5 x 3 (quiet machine)
     13.2M   2     fsdp  FSDP2       0.902 (0.870-0.929)  0.948  24/26  1.96->2.30   5 x 3 (quiet machine)
     13.2M   2     tp    DTensor TP  0.917 (0.878-0.973)  0.938  36/61  2.41->2.21   5 x 3 (quiet machine)
+    13.2M   2     dp    DDP         1.064 (1.044-1.081)  1.054  13/3   1.80->1.84   4 x 3 (quiet; again)
+    13.2M   2     dp    DDP         1.118 (1.047-1.202)  1.085  13/3   1.49->1.89   4 x 3 (FUNCSHARD_OVERLAP=0)
+    13.2M   2     fsdp_keep  FSDP2  0.998 (0.995-1.034)  1.037  24/18  1.73->2.14   4 x 3 (reshard_after_forward=False)
+    13.2M   4     fsdp  FSDP2       0.934 (0.904-1.067)  0.960  24/26  3.06->3.63   3 x 3
     13.2M   4     fsdp  FSDP2       0.709 (0.655-1.120)  0.970  24/26  13.0->11.9   4 x 3
     13.2M   2     dp    DDP         1.124 (0.835-1.481)  1.051  13/3   8.3->11.4    5 x 3
     13.2M   2     fsdp  FSDP2       0.783 (0.634-0.855)  0.978  24/26  9.4->15.7    5 x 3
