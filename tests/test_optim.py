@@ -136,6 +136,50 @@ def test_adamw_sharded_with_schedule_matches_torch(run) -> None:
     assert set(run(_adamw_body, MESH, True, True)) == {"ok"}
 
 
+# leaves of several update blocks (funcshard.optim._adamw.CHUNK elements each), one with a ragged last block
+BIG_SPECS = {"w": P(None, "tp"), "b": P("tp"), "n": P()}
+BIG_SHAPES = {"w": (3, 2 * 65_536 + 34), "b": (2 * 131_072 + 6,), "n": (7,)}
+
+
+def _adamw_donated_body(mesh: fs.Mesh) -> tuple[int, bool, bool]:
+    from funcshard.optim._adamw import CHUNK, _chunks
+
+    params = _rand(BIG_SHAPES, 0)
+    grads_seq = [_rand(BIG_SHAPES, k + 1) for k in range(3)]
+    opt = optim.adamw(1e-2, b1=0.9, b2=0.95, eps=1e-8, weight_decay=0.1)
+    sspecs = opt.state_specs(BIG_SPECS)
+    step = fs.shard_map(
+        lambda p, g, s: opt.update(g, s, p),
+        mesh=mesh,
+        in_specs=(BIG_SPECS, BIG_SPECS, sspecs),
+        out_specs=(BIG_SPECS, sspecs),
+        donate=(0, 2),
+    )
+    p = fs.device_put(params, mesh, BIG_SPECS)
+    state = fs.shard_map(opt.init, mesh=mesh, in_specs=(BIG_SPECS,), out_specs=sspecs)(p)
+    for g in grads_seq:
+        p, state = step(p, g, state)
+    ref, topt, ref_leaves, _ = _torch_steps(
+        params,
+        grads_seq,
+        lambda ps: torch.optim.AdamW(ps, lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, foreach=False),
+    )
+    got = fs.device_get(p)
+    exact = all(torch.equal(a, b) for a, b in zip(optree.tree_leaves(got), optree.tree_leaves(ref), strict=True))
+    nu = optree.tree_leaves(fs.device_get(state.nu))
+    exact = exact and all(torch.equal(v, topt.state[r]["exp_avg_sq"]) for r, v in zip(ref_leaves, nu, strict=True))
+    local_w = torch.zeros(3, 65_536 + 17)  # one device's block of "w"
+    blocks = len(list(_chunks(CHUNK, local_w, local_w)))
+    return blocks, exact, len(list(_chunks(0, local_w))) == 1
+
+
+def test_adamw_donated_blocks_match_torch_bit_for_bit(run) -> None:
+    # the in-place update runs block by block (cache-sized): the numbers are torch.optim.AdamW's, bit for bit
+    for blocks, exact, whole in run(_adamw_donated_body, {"tp": 2}):
+        assert blocks == 2 and whole  # a local leaf of 1.5 blocks is cut in two; chunk 0: one block
+        assert exact
+
+
 def test_adamw_transform_plus_apply_updates_matches_update() -> None:
     params, grads = _rand(LLAMA_SHAPES, 0), _rand(LLAMA_SHAPES, 1)
     opt = optim.adamw(1e-2, weight_decay=0.1)
