@@ -387,6 +387,21 @@ class DistDevice(DeviceHandle):
             dist.all_reduce(out, op=red, group=g)  # [*s] -> [*s]
         return out
 
+    def all_reduce_inplace(self, x: torch.Tensor, axes: tuple[str, ...]) -> torch.Tensor:
+        """Sum ``x`` over ``axes`` into ``x`` itself, no copy: ``x`` is a contiguous buffer its caller gives up
+        (a gradient bucket, as DDP reduces its flat bucket in place). In a backward under overlap it is issued
+        now and waited for at its first use, as :meth:`all_reduce`; in a compiled graph it is ``all_reduce``."""
+        if tracing():
+            return self.all_reduce(x, axes, "sum")
+        g, members, _, _ = self._group(axes)
+        buf = x.detach()
+        with _waiting("psum", axes, members):
+            if _functional(_in_backward()):
+                out = torch.ops._c10d_functional.all_reduce_(buf, "sum", g.group_name)  # [*s] -> [*s] in place
+                return _issued(_funcol._maybe_wrap_tensor(out))  # pending
+            dist.all_reduce(buf, group=g)  # [*s] -> [*s] in place
+        return buf
+
     def all_gather(self, x: torch.Tensor, axes: tuple[str, ...]) -> torch.Tensor:
         g, members, gr, _ = self._group(axes)
         n = len(members)
