@@ -7,7 +7,6 @@ import math
 import os
 import threading
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -95,9 +94,11 @@ def group_members(mesh: Any, coords: Mapping[str, int], axes: Sequence[str]) -> 
     return members, idx
 
 
-@dataclass(frozen=True, eq=False)
 class P2POp:
     """One point-to-point operation of a :meth:`DeviceHandle.p2p` batch: not differentiable, no autograd.
+
+    A plain record with slots (one is made per message of a pipeline step: no dataclass machinery); treat it
+    as immutable.
 
     Attributes:
         kind: ``"send"`` (``tensor`` goes to ``peer``) or ``"recv"`` (a block from ``peer`` lands in
@@ -113,20 +114,34 @@ class P2POp:
         'send'
     """
 
-    kind: str
-    tensor: torch.Tensor
-    peer: int
-    tag: int = 0
+    __slots__ = ("kind", "peer", "tag", "tensor")
 
-    def __post_init__(self) -> None:
-        if self.kind not in ("send", "recv"):
-            raise ShardingError(f"P2POp: kind must be 'send' or 'recv', found {self.kind!r}.")
-        if not isinstance(self.tensor, torch.Tensor):
-            raise ShardingError(f"P2POp: tensor must be a torch.Tensor, found {type(self.tensor).__name__}.")
-        for name in ("peer", "tag"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
-                raise ShardingError(f"P2POp: {name} must be an int >= 0, found {v!r}.")
+    def __init__(self, kind: str, tensor: torch.Tensor, peer: int, tag: int = 0) -> None:
+        if not (
+            kind in ("send", "recv")
+            and type(peer) is int
+            and type(tag) is int
+            and peer >= 0
+            and tag >= 0
+            and isinstance(tensor, torch.Tensor)
+        ):
+            _check_op(kind, tensor, peer, tag)
+        self.kind, self.tensor, self.peer, self.tag = kind, tensor, peer, tag
+
+    def __repr__(self) -> str:
+        t = self.tensor
+        return f"P2POp({self.kind!r}, <{tuple(t.shape)} {t.dtype}>, peer={self.peer}, tag={self.tag})"
+
+
+def _check_op(kind: object, tensor: object, peer: object, tag: object) -> None:
+    """Raise for a malformed :class:`P2POp` (the slow path of its constructor)."""
+    if kind not in ("send", "recv"):
+        raise ShardingError(f"P2POp: kind must be 'send' or 'recv', found {kind!r}.")
+    if not isinstance(tensor, torch.Tensor):
+        raise ShardingError(f"P2POp: tensor must be a torch.Tensor, found {type(tensor).__name__}.")
+    for name, v in (("peer", peer), ("tag", tag)):
+        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+            raise ShardingError(f"P2POp: {name} must be an int >= 0, found {v!r}.")
 
 
 class P2PWork:
@@ -137,6 +152,8 @@ class P2PWork:
     Example:
         >>> # works = dev.p2p([P2POp("recv", torch.empty(2, 3), peer=0)], ("pp",)); x = works[0].wait()
     """
+
+    __slots__ = ()
 
     def wait(self) -> torch.Tensor | None:
         raise NotImplementedError

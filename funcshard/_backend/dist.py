@@ -11,9 +11,10 @@ raises :class:`~funcshard._backend.base.PeerError` on each surviving process, na
 the rank(s) it waited for; the processes that saw the failure tell each other through the default store, so
 a process waiting on a live peer that itself waits names the rank that never answered.
 
-Point-to-point operations (:meth:`DistDevice.p2p`) are ``isend`` / ``irecv`` on the group's process group,
-posted together with ``batch_isend_irecv``; each work's ``wait()`` has the same timeout and the same
-:class:`~funcshard._backend.base.PeerError` as a collective.
+Point-to-point operations (:meth:`DistDevice.p2p`) are ``send`` / ``recv`` calls on the group's process group
+(as ``isend`` / ``irecv``; under NCCL one coalesced ``batch_isend_irecv``); each work's ``wait()`` has the same
+timeout and the same :class:`~funcshard._backend.base.PeerError` (naming the operation and the peer) as a
+collective, at the cost of one C++ call when nothing fails.
 
 Example:
     >>> # under torchrun --nproc-per-node 2:
@@ -149,7 +150,15 @@ def _init_default_group() -> None:
 
 
 def _timeout() -> datetime.timedelta:
-    return datetime.timedelta(seconds=default_timeout())
+    """``FUNCSHARD_TIMEOUT`` as a timedelta (parsed again only when the variable changes)."""
+    text = os.environ.get("FUNCSHARD_TIMEOUT")
+    hit = _TIMEOUT.get(text)
+    if hit is None:
+        hit = _TIMEOUT[text] = datetime.timedelta(seconds=default_timeout())
+    return hit
+
+
+_TIMEOUT: dict[str | None, datetime.timedelta] = {}
 
 
 def _mesh_key(mesh: Any) -> tuple[Any, ...]:
@@ -314,36 +323,74 @@ def _waiting(what: str, axes: tuple[str, ...], members: list[int]) -> Iterator[N
     try:
         yield
     except RuntimeError as e:
-        if not any(k in str(e).lower() for k in _PEER_TROUBLE):
+        if not _peer_trouble(e):
             raise
         raise peer_error(what, axes, members, e) from e
 
 
+def _peer_trouble(e: BaseException) -> bool:
+    """Whether torch's error says a peer did not answer or a connection broke."""
+    text = str(e).lower()
+    return any(k in text for k in _PEER_TROUBLE)
+
+
 class _DistWork(P2PWork):
-    """One posted ``isend`` / ``irecv`` (or, where the backend coalesces a batch into one work, the batch's)."""
+    """One posted ``send`` / ``recv`` (or, where NCCL coalesces a batch into one work, the batch's).
+
+    ``wait()`` costs one C++ call when nothing fails: the timeout was computed when the batch was posted, and
+    the error's message (naming the operation, the peer and the axis) is built only on failure.
+    """
+
+    __slots__ = ("axes", "buf", "kind", "pair", "tag", "timeout", "works")
 
     def __init__(
-        self, op: P2POp, tensor: torch.Tensor, works: list[Any], axes: tuple[str, ...], pair: list[int]
+        self,
+        kind: str,
+        buf: torch.Tensor | None,
+        works: tuple[Any, ...],
+        axes: tuple[str, ...],
+        pair: tuple[int, int],
+        tag: int,
+        timeout: datetime.timedelta,
     ) -> None:
-        self.op, self.tensor, self.works, self.axes, self.pair = op, tensor, works, axes, pair
-        self.done = False
+        self.kind, self.buf, self.works, self.axes, self.pair, self.tag, self.timeout = (
+            kind,
+            buf,
+            works,
+            axes,
+            pair,
+            tag,
+            timeout,
+        )
 
     def wait(self) -> torch.Tensor | None:
         """Block until done (``FUNCSHARD_TIMEOUT`` at most); the received buffer, or None for a send."""
-        if not self.done:
-            op, peer = self.op, self.pair[1]
-            what = f"p2p {op.kind} {'to' if op.kind == 'send' else 'from'} rank {peer} (tag {op.tag})"
-            with _waiting(what, self.axes, self.pair):
+        if self.works:
+            try:
                 for w in self.works:
-                    w.wait(_timeout())
-            self.done = True
-            self.works = []  # the block (a send's) is no longer needed
-        return self.op.tensor if self.op.kind == "recv" else None
+                    w.wait(self.timeout)
+            except RuntimeError as e:
+                err = self.failure(e)
+                if err is e:
+                    raise
+                raise err from e
+            self.works = ()  # done: the block (a send's) is no longer needed
+        return self.buf
+
+    def failure(self, e: RuntimeError) -> BaseException:
+        """The error for a wait that failed with ``e``: a :func:`peer_error` naming the operation and the peer
+        when a peer did not answer or its connection broke, else ``e`` itself."""
+        if not _peer_trouble(e):
+            return e
+        peer = self.pair[1]
+        what = f"p2p {self.kind} {'to' if self.kind == 'send' else 'from'} rank {peer} (tag {self.tag})"
+        return peer_error(what, self.axes, list(self.pair), e)
 
     def is_completed(self) -> bool:
         """Whether the operation has finished (without blocking)."""
-        self.done = self.done or all(w.is_completed() for w in self.works)
-        return self.done
+        if self.works and all(w.is_completed() for w in self.works):
+            self.wait()  # done: raises a failure the backend recorded, frees the block
+        return not self.works
 
 
 class DistDevice(DeviceHandle):
@@ -355,7 +402,7 @@ class DistDevice(DeviceHandle):
         self.coords = mesh.coords_of(self.rank)
         self._groups = _GROUPS[_mesh_key(mesh)]
         self._order: dict[tuple[str, ...], tuple[Any, list[int], list[int], int]] = {}
-        self._p2p_ready: set[tuple[str, ...]] = set()
+        self._p2p: dict[tuple[str, ...], tuple[Any, list[int], list[int], int, bool]] = {}
 
     def process_group(self, axes: tuple[str, ...]) -> Any:
         """The torch.distributed process group of this process over ``axes`` (built once, shared)."""
@@ -468,39 +515,105 @@ class DistDevice(DeviceHandle):
         return out
 
     def p2p(self, ops: Sequence[P2POp], axes: tuple[str, ...]) -> list[P2PWork]:
-        """Post ``ops`` over the group ``axes`` in one ``batch_isend_irecv``; one work per op (sends and
-        receives between the same pair are matched by tag, in posting order)."""
-        if not ops:
-            return []
+        """Post ``ops`` over the group ``axes``; one work per op (sends and receives between the same pair are
+        matched by tag, in posting order).
+
+        Under gloo each op is one ``send`` / ``recv`` call on the axis' process group (what ``dist.isend`` /
+        ``irecv`` and ``batch_isend_irecv`` end in, without their per-op Python); under NCCL, which must
+        coalesce a batch into one group call, ``batch_isend_irecv``.
+        """
         if tracing():
             raise ShardingError(
                 "p2p: point-to-point sends (the pipeline runtime's) cannot be recorded into a compiled graph; "
                 "drop compile= from the shard_map of a pipelined step (a pp axis), or compile the stage function."
             )
-        g, members, _, idx = self._group(axes)
+        if not ops:
+            return []
+        ent = self._p2p.get(axes)
+        if ent is None:
+            ent = self._p2p_setup(axes, ops[0].tensor.device)
+        g, members, gr, idx, coalesce = ent
+        n, me, timeout = len(members), self.rank, _timeout()
+        if coalesce:
+            return self._p2p_coalesced(ops, axes, timeout)
+        out: list[P2PWork] = []
+        try:
+            for op in ops:
+                peer, t = op.peer, op.tensor
+                if not peer < n or peer == idx:
+                    check_p2p(self.mesh, self.coords, axes, ops)  # raises, naming the peer
+                if t.requires_grad or not t.is_contiguous() or t.is_complex():
+                    t = _p2p_tensor(op)
+                if op.kind == "send":  # [*s] -> [*s] at the peer
+                    out.append(
+                        _DistWork(
+                            "send", None, (g.send([t], gr[peer], op.tag),), axes, (me, members[peer]), op.tag, timeout
+                        )
+                    )
+                else:
+                    out.append(
+                        _DistWork(
+                            "recv",
+                            op.tensor,
+                            (g.recv([t], gr[peer], op.tag),),
+                            axes,
+                            (me, members[peer]),
+                            op.tag,
+                            timeout,
+                        )
+                    )
+        except RuntimeError as e:
+            if not _peer_trouble(e):
+                raise
+            raise peer_error("p2p", axes, members, e) from e
+        return out
+
+    def _p2p_coalesced(self, ops: Sequence[P2POp], axes: tuple[str, ...], timeout: datetime.timedelta) -> list[P2PWork]:
+        """``p2p`` under NCCL: one ``batch_isend_irecv`` (a coalesced group call)."""
+        g, members, _, idx, _ = self._p2p[axes]
         if any(not op.peer < len(members) or op.peer == idx for op in ops):
             check_p2p(self.mesh, self.coords, axes, ops)  # raises, naming the peer
-        if axes not in self._p2p_ready:
-            if dist.get_backend(g) == "nccl":  # NCCL: a group's first operation must involve all its ranks
-                with _waiting("p2p setup (all-reduce)", axes, members):
-                    dist.all_reduce(torch.zeros(1, device=ops[0].tensor.device), group=g)  # [1] -> [1]
-            self._p2p_ready.add(axes)
-        p2p_ops = []
-        for op in ops:
-            t = op.tensor.detach()
-            if op.kind == "send":
-                t = t.contiguous()
-            elif not t.is_contiguous():
-                raise ShardingError("p2p: a receive buffer must be contiguous; allocate it with torch.empty(shape).")
-            fn = dist.isend if op.kind == "send" else dist.irecv
-            p2p_ops.append(dist.P2POp(fn, t, members[op.peer], group=g, tag=op.tag))
+        p2p_ops = [
+            dist.P2POp(dist.isend if op.kind == "send" else dist.irecv, _p2p_tensor(op), members[op.peer], g, op.tag)
+            for op in ops
+        ]
         with _waiting("p2p", axes, members):
-            works = dist.batch_isend_irecv(p2p_ops)  # each [*s] -> [*s] at its peer
-        coalesced = len(works) != len(p2p_ops)  # one work for the whole batch (NCCL coalescing)
-        out: list[P2PWork] = []
-        for i, (op, q) in enumerate(zip(ops, p2p_ops, strict=True)):
-            out.append(_DistWork(op, q.tensor, list(works) if coalesced else [works[i]], axes, [self.rank, q.peer]))
-        return out
+            works = tuple(dist.batch_isend_irecv(p2p_ops))  # each [*s] -> [*s] at its peer
+        coalesced = len(works) != len(ops)  # one work for the whole batch
+        return [
+            _DistWork(
+                op.kind,
+                op.tensor if op.kind == "recv" else None,
+                works if coalesced else (works[i],),
+                axes,
+                (self.rank, members[op.peer]),
+                op.tag,
+                timeout,
+            )
+            for i, op in enumerate(ops)
+        ]
+
+    def _p2p_setup(self, axes: tuple[str, ...], device: torch.device) -> tuple[Any, list[int], list[int], int, bool]:
+        """(group, logical members, group rank of each, my logical index, whether to coalesce a batch) for
+        point-to-point operations over ``axes``; NCCL's first operation on a group involves all its ranks."""
+        g, members, gr, idx = self._group(axes)
+        coalesce = dist.get_backend(g) == "nccl"
+        if coalesce:  # NCCL: a group's first operation must involve all its ranks
+            with _waiting("p2p setup (all-reduce)", axes, members):
+                dist.all_reduce(torch.zeros(1, device=device), group=g)  # [1] -> [1]
+        ent = self._p2p[axes] = (g, members, gr, idx, coalesce)
+        return ent
+
+
+def _p2p_tensor(op: P2POp) -> torch.Tensor:
+    """What torch.distributed sends from / receives into for ``op``: detached, contiguous (a send's), complex
+    numbers as pairs of reals."""
+    t = op.tensor.detach()
+    if not t.is_contiguous():
+        if op.kind == "recv":
+            raise ShardingError("p2p: a receive buffer must be contiguous; allocate it with torch.empty(shape).")
+        t = t.contiguous()
+    return torch.view_as_real(t) if t.is_complex() else t
 
 
 def _traced_ppermute(
