@@ -70,6 +70,7 @@ What is left of the gap, with counters rather than the wall clock:
 from __future__ import annotations
 
 import argparse
+import datetime
 import os
 import statistics
 import time
@@ -78,7 +79,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.pipelining.schedules as torch_schedules
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B
@@ -266,42 +266,32 @@ def medians(case: Case, steps: int, warmup: int = 3) -> dict[str, tuple[float, f
     return {lib: (statistics.median(w for w, _ in t), statistics.median(c for _, c in t)) for lib, t in times.items()}
 
 
-_COUNT = {"on": False, "send": 0, "recv": 0, "inside": False}
-
-
-def _count(ops: list[Any]) -> None:
-    if _COUNT["on"] and not _COUNT["inside"]:
-        for op in ops:
-            _COUNT["send" if op.op is dist.isend else "recv"] += 1
-
-
-def _install_counters() -> None:
-    """Count the P2P ops each library hands to torch.distributed: torch's pipelining through its ``_batch_p2p``
-    (which may call ``isend`` / ``irecv`` itself), funcshard's through ``dist.batch_isend_irecv``."""
-    torch_batch, dist_batch = torch_schedules._batch_p2p, dist.batch_isend_irecv
-
-    def counted_torch(p2p_ops: list[Any], desc: str | None = None) -> Any:
-        _count(p2p_ops)
-        _COUNT["inside"] = True
-        try:
-            return torch_batch(p2p_ops, desc=desc)
-        finally:
-            _COUNT["inside"] = False
-
-    def counted_dist(p2p_ops: list[Any]) -> Any:
-        _count(p2p_ops)
-        return dist_batch(p2p_ops)
-
-    torch_schedules._batch_p2p = counted_torch
-    dist.batch_isend_irecv = counted_dist
+_COUNT = {"send": 0, "recv": 0}
 
 
 def messages(fn: Callable[[], Any]) -> tuple[int, int]:
-    """(sends, receives) of one step, summed over the ranks."""
-    _COUNT.update(on=True, send=0, recv=0)
+    """(sends, receives) of one step, summed over the ranks: the point-to-point messages each library hands
+    to torch.distributed, counted where both end, the process group's ``send`` / ``recv`` (torch's pipelining
+    reaches them through ``batch_isend_irecv`` and ``isend`` / ``irecv``, funcshard's dist backend directly)."""
+    pg = dist.ProcessGroup
+    send, recv = pg.send, pg.recv  # the functions (for the calls below)
+    send_attr, recv_attr = vars(pg)["send"], vars(pg)["recv"]  # pybind11's method descriptors (to restore)
+
+    def counted_send(self: Any, tensors: list[torch.Tensor], peer: int, tag: int = 0) -> Any:
+        _COUNT["send"] += 1
+        return send(self, tensors, peer, tag)
+
+    def counted_recv(self: Any, tensors: list[torch.Tensor], peer: int, tag: int = 0) -> Any:
+        _COUNT["recv"] += 1
+        return recv(self, tensors, peer, tag)
+
+    _COUNT.update(send=0, recv=0)
     dist.barrier()
-    fn()
-    _COUNT["on"] = False
+    pg.send, pg.recv = counted_send, counted_recv  # type: ignore[method-assign]
+    try:
+        fn()
+    finally:
+        pg.send, pg.recv = send_attr, recv_attr  # type: ignore[method-assign]
     got = torch.tensor([_COUNT["send"], _COUNT["recv"]])
     dist.all_reduce(got)
     return int(got[0]), int(got[1])
@@ -312,19 +302,20 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=7)
     ap.add_argument("--f-ms", type=float, default=10.0, help="case A: forward sleep per stage (ms)")
     ap.add_argument("--b-ms", type=float, default=20.0, help="case A: backward sleep per stage (ms)")
-    ap.add_argument("--case", choices=("A", "B", "AB"), default="AB")
+    ap.add_argument("--case", choices=("A", "B", "AB", "P"), default="AB")
     args = ap.parse_args()
     global F_S, B_S
     F_S, B_S = args.f_ms / 1e3, args.b_ms / 1e3
     torch.set_num_threads(1)
     mesh = fs.make_mesh({"pp": int(os.environ.get("WORLD_SIZE", "4"))}, backend="dist")
     lead = dist.get_rank() == 0
-    _install_counters()
 
     def say(*a: Any) -> None:
         if lead:
             print(*a, flush=True)
 
+    if args.case == "P":
+        case_p(args.steps, mesh, say)
     if "A" in args.case:
         case_a(args.steps, mesh, say)
     if "B" in args.case:
@@ -339,6 +330,56 @@ def warm_up(case: Case, steps: int) -> None:
     for _ in range(steps):
         for lib in ("fs", "torch"):
             timed(case.step[lib])
+
+
+def case_p(steps: int, mesh: fs.Mesh, say: Callable[..., None], n: int = 300) -> None:
+    """Per point-to-point message: ranks 2k and 2k+1 ping-pong one [32, 128] block ``n`` times, through
+    funcshard's ``device.p2p`` and its works' ``wait()``, torch's ``batch_isend_irecv`` (what its pipelining
+    calls), and the process group's own ``send`` / ``recv`` (the floor); the three interleaved, ``steps``
+    rounds. Per message (one send and its receive, both waited): wall, CPU of all ranks (``process_time``:
+    gloo's threads too) and the main threads' CPU (``thread_time``)."""
+    from funcshard._backend.base import P2POp
+    from funcshard._backend.dist import device_for
+
+    dev = device_for(mesh)
+    me = dist.get_rank()
+    peer = me ^ 1
+    x, buf = torch.randn(32, 128), torch.empty(32, 128)
+    g = dev.process_group(("pp",))
+    first = me % 2 == 0
+
+    def fs_round() -> None:
+        for kind in ("send", "recv") if first else ("recv", "send"):
+            dev.p2p([P2POp(kind, x if kind == "send" else buf, peer)], ("pp",))[0].wait()
+
+    def torch_round() -> None:
+        for fn in (dist.isend, dist.irecv) if first else (dist.irecv, dist.isend):
+            dist.batch_isend_irecv([dist.P2POp(fn, x if fn is dist.isend else buf, peer, group=g)])[0].wait()
+
+    timeout = datetime.timedelta(seconds=60)
+
+    def raw_round() -> None:
+        for kind in ("send", "recv") if first else ("recv", "send"):
+            (g.send([x], peer, 0) if kind == "send" else g.recv([buf], peer, 0)).wait(timeout)
+
+    rounds = {"fs": fs_round, "torch": torch_round, "raw": raw_round}
+    got: dict[str, list[tuple[float, float, float]]] = {k: [] for k in rounds}
+    for i in range(steps + 1):
+        for k, fn in rounds.items() if i % 2 else reversed(rounds.items()):
+            dist.barrier()
+            t0, c0, m0 = time.perf_counter(), time.process_time(), time.thread_time()
+            for _ in range(n):
+                fn()
+            t = torch.tensor([time.perf_counter() - t0, time.process_time() - c0, time.thread_time() - m0])
+            dist.all_reduce(t)
+            if i:  # the first round warms up
+                world = dist.get_world_size()
+                per = n * world  # messages, all pairs: 2 per round trip, world / 2 pairs
+                got[k].append((t[0].item() / world / (2 * n) * 1e6, t[1].item() / per * 1e6, t[2].item() / per * 1e6))
+    say(f"case P: ping-pong of a [32, 128] block between rank pairs, {n} round trips x {steps} (medians, per message)")
+    for k, rows in got.items():
+        w, c, m = (statistics.median(r[j] for r in rows) for j in range(3))
+        say(f"  P {k:5s}: wall {w:6.1f} us | CPU (all ranks) {c:6.1f} us | main threads {m:6.1f} us")
 
 
 def case_a(steps: int, mesh: fs.Mesh, say: Callable[..., None]) -> None:
