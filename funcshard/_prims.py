@@ -216,7 +216,8 @@ class PvaryBucket(Prim):
     """:class:`Pvary` of several tensors of one dtype, with one collective for all of them.
 
     - forward: ``ys = xs`` (views).
-    - backward: the cotangents are flattened into one buffer, all-reduced once and split again.
+    - backward: the cotangents are written once into one fresh flat buffer (the bucket), all-reduced once in
+      place where the backend can (``all_reduce_inplace``: no second copy) and handed back as views of it.
     - jvp: ``PvaryBucket`` of the tangents present (outputs whose input has none get none).
     - vmap: ``PvaryBucket`` of the operands as they come (batched or not), each batch dim where it was.
     """
@@ -243,8 +244,15 @@ class PvaryBucket(Prim):
         if group_size(ctx.dev, ctx.axes) == 1:  # the sum over one member: the cotangents as they are
             record(ctx.dev.rank, "psum", ctx.axes, sum(_nbytes(g) for g in gs))  # counted as the all-reduce
             return (None, None, *gs)
+        # one copy: every cotangent written once into a fresh flat buffer (the bucket)
         flat = torch.cat([g.reshape(-1) for g in gs])  # k x [*s_i] -> [sum |s_i|]
-        total = call(AllReduce, flat, ctx.dev, ctx.axes, "sum", "psum")  # [sum |s_i|] -> [sum |s_i|]
+        inplace = getattr(ctx.dev, "all_reduce_inplace", None)
+        if inplace is None or torch.is_grad_enabled() or torch._C._are_functorch_transforms_active():
+            # (differentiated again, or a backend with no in-place sum: the AllReduce Function, which copies)
+            total = call(AllReduce, flat, ctx.dev, ctx.axes, "sum", "psum")  # [sum |s_i|] -> [sum |s_i|]
+        else:  # the bucket is this backward's own: summed in place, as DDP's flat buckets (no second copy)
+            record(ctx.dev.rank, "psum", ctx.axes, _nbytes(flat))
+            total = inplace(flat, ctx.axes)  # [sum |s_i|] -> [sum |s_i|]
         parts = total.split([s.numel() for s in ctx.shapes])
         return (None, None, *(p.view(s) for p, s in zip(parts, ctx.shapes, strict=True)))
 

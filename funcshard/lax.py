@@ -24,6 +24,7 @@ Example:
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -32,7 +33,7 @@ import torch
 
 from . import _prims, _prims_cast
 from ._context import DeviceContext, axes_of, current
-from ._errors import ShardingError
+from ._errors import ConfigError, ShardingError
 from ._vma import EMPTY, Audited, bind_operand, bind_result, get_vma, known_vma, set_vma
 
 __all__ = [
@@ -41,6 +42,7 @@ __all__ = [
     "all_to_all",
     "axis_index",
     "axis_size",
+    "bucket_bytes",
     "pmax",
     "pmean",
     "pmin",
@@ -130,13 +132,68 @@ def pmin(x: PyTree, axis: _Axis) -> PyTree:
     return _reduce(x, axis, "min", "pmin")
 
 
+#: ``FUNCSHARD_BUCKET_MB`` when unset: DDP's ``bucket_cap_mb``
+DEFAULT_BUCKET_MB = 25.0
+_BUCKET_CACHE: dict[str | None, int] = {}
+
+
+def bucket_bytes() -> int:
+    """The largest gradient bucket of :func:`pvary` in bytes: ``FUNCSHARD_BUCKET_MB`` (MiB, default 25 as DDP's
+    ``bucket_cap_mb``; 0: no limit, one bucket per ``pvary`` call and dtype), read at each call.
+
+    Raises:
+        ConfigError: a value that is not a number of MiB >= 0.
+
+    Example:
+        >>> bucket_bytes()  # FUNCSHARD_BUCKET_MB=4 python ... gives 4194304
+        26214400
+    """
+    text = os.environ.get("FUNCSHARD_BUCKET_MB")
+    hit = _BUCKET_CACHE.get(text)
+    if hit is None:
+        try:
+            mb = DEFAULT_BUCKET_MB if text is None or not text.strip() else float(text)
+        except ValueError:
+            mb = float("nan")
+        if not (mb >= 0 and math.isfinite(mb)):
+            raise ConfigError(
+                f"FUNCSHARD_BUCKET_MB={text!r}: expected the gradient bucket size in MiB, a number >= 0 (default "
+                f"{DEFAULT_BUCKET_MB:g}; 0: one bucket per pvary call), e.g. FUNCSHARD_BUCKET_MB=25."
+            )
+        hit = _BUCKET_CACHE[text] = int(mb * 2**20)
+    return hit
+
+
+def _split_buckets(idx: list[int], leaves: list[Any]) -> list[list[int]]:
+    """The leaves ``idx`` (one dtype, device and varying axes) cut into gradient buckets, DDP's rule: in reverse
+    order (a later leaf's gradient is ready first in the backward), a bucket closes once it holds at least
+    :func:`bucket_bytes`. Each bucket is its own backward node, so its all-reduce starts as soon as its own
+    gradients are ready."""
+    cap = bucket_bytes()
+    if cap <= 0 or len(idx) == 1:
+        return [idx]
+    out: list[list[int]] = []
+    cur: list[int] = []
+    size = 0
+    for i in reversed(idx):
+        cur.append(i)
+        size += leaves[i].numel() * leaves[i].element_size()
+        if size >= cap:
+            out.append(cur[::-1])
+            cur, size = [], 0
+    if cur:
+        out.append(cur[::-1])
+    return out
+
+
 def pvary(x: PyTree, axis: _Axis) -> PyTree:
     """Mark ``x`` as varying over ``axis``: identity (forward), psum over ``axis`` (backward).
 
     With ``check_vma=True`` shard_map inserts it where needed; with ``check_vma=False`` write it where an
     invariant value (say a replicated weight) meets one that varies over ``axis`` (a sharded batch).
-    On a pytree, the leaves of one dtype are bucketed: their gradients are flattened into one buffer and
-    summed with a single all-reduce (as DDP's buckets do), instead of one collective per leaf.
+    On a pytree, the leaves of one dtype are bucketed: their gradients are written into one flat buffer and
+    summed with a single all-reduce (as DDP's buckets do), instead of one collective per leaf; buckets hold
+    about ``FUNCSHARD_BUCKET_MB`` (:func:`bucket_bytes`, default 25 MiB) each, cut in reverse leaf order.
 
     Example:
         >>> # w = fs.pvary(w, "dp")  # [d, h] -> [d, h]; its gradient is summed over dp
@@ -159,16 +216,17 @@ def pvary(x: PyTree, axis: _Axis) -> PyTree:
         else:
             raise ShardingError(f"pvary: leaves must be torch.Tensors (or numbers), found {type(t).__name__}.")
     out = list(leaves)
-    for (todo, _, _, have), idx in groups.items():
-        with torch._C.DisableTorchFunction():
-            if len(idx) == 1:
-                ys: tuple[torch.Tensor, ...] = (
-                    _prims.call(_prims.Pvary, leaves[idx[0]], ctx.device, todo),
-                )  # [*s] -> [*s]
-            else:
-                ys = _prims.call(_prims.PvaryBucket, ctx.device, todo, *(leaves[i] for i in idx))  # n x [*s_i] -> same
-        for i, y in zip(idx, ys, strict=True):
-            out[i] = bind_result(_prims.Pvary, y, have, axes)
+    for (todo, _, _, have), group in groups.items():
+        for idx in _split_buckets(group, leaves):
+            with torch._C.DisableTorchFunction():
+                if len(idx) == 1:
+                    ys: tuple[torch.Tensor, ...] = (
+                        _prims.call(_prims.Pvary, leaves[idx[0]], ctx.device, todo),
+                    )  # [*s] -> [*s]
+                else:  # n x [*s_i] -> same; backward: one all-reduce of the bucket
+                    ys = _prims.call(_prims.PvaryBucket, ctx.device, todo, *(leaves[i] for i in idx))
+            for i, y in zip(idx, ys, strict=True):
+                out[i] = bind_result(_prims.Pvary, y, have, axes)
     return optree.tree_unflatten(treedef, out)
 
 
@@ -255,11 +313,14 @@ def pvary_cast(x: PyTree, axis: _Axis, *, dtype: torch.dtype, grad_dtype: torch.
             groups.setdefault((todo, t.device, have), []).append(i)
         elif t.dtype != dtype:
             out[i] = t.to(dtype)
-    for (todo, _, have), idx in groups.items():
-        with torch._C.DisableTorchFunction():
-            ys = _prims.call(_prims_cast.PvaryCast, ctx.device, todo, dtype, grad_dtype, *(leaves[i] for i in idx))
-        for i, y in zip(idx, ys, strict=True):
-            out[i] = bind_result(_prims.Pvary, y, have, axes)
+    for (todo, _, have), group in groups.items():
+        for idx in _split_buckets(group, leaves):
+            with torch._C.DisableTorchFunction():
+                ys = _prims.call(
+                    _prims_cast.PvaryCast, ctx.device, todo, dtype, grad_dtype, *(leaves[i] for i in idx)
+                )  # n x [*s_i] -> same (in dtype); backward: one all-reduce of the bucket in grad_dtype
+            for i, y in zip(idx, ys, strict=True):
+                out[i] = bind_result(_prims.Pvary, y, have, axes)
     return optree.tree_unflatten(treedef, out)
 
 

@@ -199,19 +199,27 @@ def run_layers(x: torch.Tensor, layers: dict[str, torch.Tensor], cfg: Config, la
 
 
 def head_logits(
-    params: PyTree, x: torch.Tensor, cfg: Config, lay: Layout, table: torch.Tensor | None = None
+    params: PyTree,
+    x: torch.Tensor,
+    cfg: Config,
+    lay: Layout,
+    table: torch.Tensor | None = None,
+    *,
+    ready: bool = False,
 ) -> torch.Tensor:
     """Final norm and output head on ``x [b, s(/tp), d]``: vocab-parallel logits ``[b, s, V/tp]``. ``params``
-    holds ``norm`` and ``head`` (``embed`` with tied embeddings; ``table``: that one already gathered)."""
+    holds ``norm`` and ``head`` (``embed`` with tied embeddings; ``table``: that one already gathered);
+    ``ready``: they are already as ``use_params`` gives them (gathered, varying over the replica axes)."""
     plan, specs = lay.plan, lay.specs
-    norm = use_params(params["norm"], specs["norm"], plan, cfg.precision)  # [d/fsdp] -> [d]
+    norm = params["norm"] if ready else use_params(params["norm"], specs["norm"], plan, cfg.precision)  # [d]
     if plan.sp_axis is not None:  # a replicated weight meets sequence shards: its gradient is summed over tp
         norm = lax.pvary(norm, plan.sp_axis)
     h = rms_norm(x, norm, cfg.norm_eps)  # [b, s(/tp), d]
     name = "embed" if cfg.tie_embeddings else "head"
-    head = (
-        table if table is not None else use_params(params[name], specs[name], plan, cfg.precision)
-    )  # [V/tp, d/fsdp] -> [V/tp, d]
+    if table is not None:
+        head = table
+    else:
+        head = params[name] if ready else use_params(params[name], specs[name], plan, cfg.precision)  # [V/tp, d]
     gather = 1 if plan.sp else None
     return column_parallel_linear(h, head, axis=plan.tp, gather_dim=gather)  # [b, s(/tp), d] @ [d, V/tp]
 
@@ -235,6 +243,16 @@ def _stages_in_turn(params: PyTree, x: torch.Tensor, cfg: Config, lay: Layout) -
 
 
 def _forward(params: PyTree, tokens: torch.Tensor, cfg: Config, lay: Layout) -> torch.Tensor:
+    if lay.plan.fsdp is None and lay.plan.pp is None:
+        # nothing to gather: embed, norm and head are only made varying over the replica axes, in ONE bucket
+        # (one gradient all-reduce at the end of the backward, where the embedding's gradient is ready, as DDP's
+        # last bucket) instead of one each
+        names = ("embed", "norm") if cfg.tie_embeddings else ("embed", "norm", "head")
+        top = use_params({k: params[k] for k in names}, {k: lay.specs[k] for k in names}, lay.plan, cfg.precision)
+        x = embed_tokens(top["embed"], tokens, lay)  # [b, s] -> [b, s(/tp), d]
+        x = run_layers(x, params["layers"], cfg, lay)
+        tied = top["embed"] if cfg.tie_embeddings else None
+        return head_logits(top, x, cfg, lay, tied, ready=True)  # [b, s(/tp), d] -> [b, s, V/tp]
     table = use_params(params["embed"], lay.specs["embed"], lay.plan, cfg.precision)  # [V/tp, d/fsdp] -> [V/tp, d]
     x = embed_tokens(table, tokens, lay)  # [b, s] -> [b, s(/tp), d]
     if lay.plan.pp is None:
@@ -309,8 +327,9 @@ def loss(
     logits = _forward(params, tokens, cfg, lay)  # [b, s(/cp), V/tp]
     total = vocab_parallel_cross_entropy(logits, targets, axis=lay.plan.tp, reduction="sum")  # [] (local tokens)
     count = (targets != -100).sum().to(total.dtype)
-    if lay.plan.data_axes:
-        total, count = lax.psum((total, count), lay.plan.data_axes)  # [] -> [], over the data-parallel shards
+    if lay.plan.data_axes:  # both sums in one all-reduce
+        both = lax.psum(torch.stack((total, count)), lay.plan.data_axes)  # [2] -> [2], over the data-parallel shards
+        total, count = both[0], both[1]
     return total / count.clamp(min=1)
 
 
