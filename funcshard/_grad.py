@@ -41,7 +41,7 @@ from ._backend.base import overlap_scope, settle
 from ._errors import ConfigError
 from ._vma import EMPTY, find_vma, set_vma, tag_leaves, tag_like, tag_through, tags_of
 
-__all__ = ["has_tangent", "reaches_other_leaf", "value_and_grad"]
+__all__ = ["graph_walk", "has_tangent", "reaches_other_leaf", "value_and_grad"]
 
 PyTree = Any
 
@@ -171,9 +171,10 @@ class _GradCall:
             value, aux = (out[0], out[1]) if self.has_aux else (out, None)
             _check_scalar(self.name, value)
             # a value f closed over that requires grad: keep the graph to it (an outer backward may follow)
-            keep = outer and value.requires_grad and reaches_other_leaf([value], leaves)
+            keep, last = graph_walk([value], leaves) if outer and value.requires_grad else (False, None)
             if value.requires_grad:
-                with overlap_scope():  # dist: the gradient reductions travel while the backward goes on
+                # dist: the gradient reductions travel while the backward goes on (the last node's: synchronous)
+                with overlap_scope(None if keep else last):
                     found = torch.autograd.grad(value, leaves, allow_unused=True, create_graph=keep)
             else:  # f does not depend on its inputs: zero gradients, as torch.func gives
                 found = (None,) * len(leaves)
@@ -285,19 +286,38 @@ def _check_scalar(name: str, value: Any) -> None:
 def reaches_other_leaf(outs: list[torch.Tensor], own: list[torch.Tensor]) -> bool:
     """Whether the graph of ``outs`` reaches a leaf that requires grad other than ``own`` (a value the function
     closed over): a walk over the graph's nodes, stopping at the first such leaf."""
+    return graph_walk(outs, own)[0]
+
+
+def graph_walk(outs: list[torch.Tensor], own: list[torch.Tensor]) -> tuple[bool, Any]:
+    """One walk over the graph of ``outs``: whether it reaches a leaf that requires grad other than ``own``
+    (stopping there), and else the node a backward from ``outs`` runs last: the one made first in the forward
+    (lowest sequence number; the engine runs ready nodes highest first, and whatever consumes a node's output
+    was made before it), or None.
+
+    Example:
+        >>> x = torch.ones(2, requires_grad=True)
+        >>> y = x.exp()
+        >>> graph_walk([y.sum()], [x]) == (False, y.grad_fn)
+        True
+    """
     ids = {id(x) for x in own}
     if any(o.grad_fn is None and o.requires_grad and id(o) not in ids for o in outs):  # an output is such a leaf
-        return True
+        return True, None
     acc = _accumulate_grad()
     seen: set[int] = set()
     stack = [o.grad_fn for o in outs if o.grad_fn is not None]
     alive = list(stack)  # every node seen stays referenced, so no id in ``seen`` is reused by a newer object
+    last, first_nr = None, None
     while stack:
         node = stack.pop()
         if type(node) is acc:  # a leaf's node: only these have a .variable
             if id(node.variable) not in ids:
-                return True
+                return True, None
             continue
+        nr = node._sequence_nr()
+        if first_nr is None or nr < first_nr:
+            last, first_nr = node, nr
         for n, _ in node.next_functions:
             if n is not None:
                 k = id(n)
@@ -305,7 +325,7 @@ def reaches_other_leaf(outs: list[torch.Tensor], own: list[torch.Tensor]) -> boo
                     seen.add(k)
                     stack.append(n)
                     alive.append(n)
-    return False
+    return False, last
 
 
 _ACC: list[type] = []

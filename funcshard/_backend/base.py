@@ -22,6 +22,7 @@ __all__ = [
     "check_p2p",
     "default_timeout",
     "group_members",
+    "overlap_last",
     "overlap_scope",
     "prefetch_scope",
     "prefetching",
@@ -261,17 +262,48 @@ class _Flag(contextlib.AbstractContextManager):
         setattr(_scope, self.name, self.prev)
 
 
-def overlap_scope() -> contextlib.AbstractContextManager[None]:
+class _Overlap(contextlib.AbstractContextManager):
+    """:func:`overlap_scope`: this thread's overlap flag on, and the backward node that runs last, for the block."""
+
+    __slots__ = ("last", "prev")
+
+    def __init__(self, last: Any) -> None:
+        self.last = last
+
+    def __enter__(self) -> None:
+        self.prev = (getattr(_scope, "on", False), getattr(_scope, "last", None))
+        _scope.on, _scope.last = True, self.last
+
+    def __exit__(self, *exc: object) -> None:
+        _scope.on, _scope.last = self.prev
+
+
+def overlap_scope(last: Any = None) -> contextlib.AbstractContextManager[None]:
     """Within it (``fs.value_and_grad``'s own ``torch.autograd.grad``), the dist backend may issue the backward's
     gradient reductions asynchronously: every gradient leaves through that call and is :func:`settle`-d there,
     and inside the graph a pending result waits at its first use. A plain ``.backward()``, which stores gradients
-    in ``.grad`` where nothing settles them, stays synchronous."""
-    return _Flag("on", True)
+    in ``.grad`` where nothing settles them, stays synchronous.
+
+    ``last``: the graph's node that the backward runs last, when known (the engine runs ready nodes latest-made
+    first, so the node made first in the forward runs after every other); a reduction it makes has nothing
+    left to overlap with, and is made synchronously (cheaper: no pending result to wrap and wait for).
+
+    Example:
+        >>> with overlap_scope():
+        ...     overlap_allowed()
+        True
+    """
+    return _Overlap(last)
 
 
 def overlap_allowed() -> bool:
     """Whether this thread is inside :func:`overlap_scope`."""
     return getattr(_scope, "on", False)
+
+
+def overlap_last() -> Any:
+    """The backward node :func:`overlap_scope` was told runs last (None: not known)."""
+    return getattr(_scope, "last", None)
 
 
 def prefetch_scope(on: bool = True) -> contextlib.AbstractContextManager[None]:

@@ -46,6 +46,7 @@ from .base import (
     default_timeout,
     group_members,
     overlap_allowed,
+    overlap_last,
     prefetching,
     tracing,
 )
@@ -84,8 +85,12 @@ def _issued(t: Any) -> Any:
 
 
 def _in_backward() -> bool:
-    """In a backward that ``fs.value_and_grad`` runs (``overlap_scope``): its gradients are settled on the way out."""
-    return overlap_allowed() and torch._C._current_autograd_node() is not None
+    """In a backward that ``fs.value_and_grad`` runs (``overlap_scope``): its gradients are settled on the way out;
+    not in the node that backward runs last (nothing is left to overlap: synchronous is cheaper)."""
+    if not overlap_allowed():
+        return False
+    node = torch._C._current_autograd_node()
+    return node is not None and node is not overlap_last()
 
 
 def _functional(overlap: bool) -> bool:
