@@ -182,6 +182,12 @@ class DistExecutor:
         self.device = device_for(mesh)
         self.coords: list[Coords] = [tuple(self.device.coords.values())]
 
+    def stale(self) -> bool:
+        """Whether the process's device for this mesh is no longer the one held (torch.distributed restarted)."""
+        from ._backend import dist as dist_backend
+
+        return dist_backend._DEVICES.get(self.device.mesh) is not self.device
+
     def run(self, body: DeviceBody, plan: PlanFn) -> list[Result]:
         leaves = device_args(self.coords[0], body.inputs.blocks)
         if body.compiled is not None:  # shard_map(..., compile=...): the body's recorded graph, compiled
@@ -190,5 +196,13 @@ class DistExecutor:
 
 
 def executor_for(mesh: Mesh) -> Executor:
-    """The executor of ``mesh``'s backend."""
-    return SimExecutor(mesh) if mesh.backend == "sim" else DistExecutor(mesh)
+    """The executor of ``mesh``'s backend (made once per mesh)."""
+    ex = _EXECUTORS.get(mesh)
+    if ex is None or (isinstance(ex, DistExecutor) and ex.stale()):
+        if len(_EXECUTORS) > 64:
+            _EXECUTORS.clear()
+        ex = _EXECUTORS[mesh] = SimExecutor(mesh) if mesh.backend == "sim" else DistExecutor(mesh)
+    return ex
+
+
+_EXECUTORS: dict[Mesh, Executor] = {}

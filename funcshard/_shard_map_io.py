@@ -12,7 +12,7 @@ import optree
 import torch
 
 from . import pytree
-from ._arraytype import Array, Coords, is_array, local_shards
+from ._arraytype import Array, Coords, is_array, local_coords, local_shards
 from ._errors import ShardingError
 from ._mesh import Mesh
 from ._reshard import Step, reshard_plan
@@ -106,6 +106,7 @@ class InputCache:
     def __init__(self) -> None:
         self.specs: dict[Any, list[list[P]]] = {}
         self.outputs: dict[Any, list[tuple[str, P, tuple[int, ...] | None]]] = {}
+        self.dist_local: tuple[Coords, torch.device | None] | None = None  # this process's coords, its device
 
     def prepare(self, name: str, mesh: Mesh, in_specs: Any, args: tuple[Any, ...]) -> Inputs:
         """Validate ``args`` against ``in_specs`` (cached per call signature) and cut them for the devices."""
@@ -130,11 +131,29 @@ class InputCache:
                 else:
                     lay.append(s)
                     st.append([])
-                    blk.append(local_shards(leaf, mesh, s) if isinstance(leaf, torch.Tensor) else leaf)
+                    if isinstance(leaf, torch.Tensor):
+                        whole = self.whole_blocks(mesh, leaf) if not s.axes else None
+                        blk.append(local_shards(leaf, mesh, s) if whole is None else whole)
+                    else:
+                        blk.append(leaf)
             layouts.append(lay)
             steps.append(st)
             blocks.append(blk)
         return Inputs([td for _, td in flat], specs_all, layouts, steps, blocks)
+
+    def whole_blocks(self, mesh: Mesh, x: torch.Tensor) -> dict[Coords, torch.Tensor] | None:
+        """The blocks of a replicated full tensor ``x`` under ``"dist"``: ``x`` itself, where it already lives on
+        this process's device (what ``local_shards`` would cut, without its per-call slicing); else None."""
+        if mesh.backend != "dist":
+            return None
+        if self.dist_local is None:
+            from ._backend import dist as dist_backend
+
+            self.dist_local = (local_coords(mesh)[0], dist_backend.tensor_device())
+        coords, dev = self.dist_local
+        if dev is not None and x.device != dev:
+            return None
+        return {coords: x}
 
     def out_plan(self, name: str, mesh: Mesh, out_specs: Any, out_def: Any, leaves: list[Any]) -> OutPlan:
         """Path, spec and global shape of each output leaf (validated once per output signature)."""

@@ -1,0 +1,38 @@
+"""What a ``shard_map`` call no longer redoes per call (counted, not timed): one executor per mesh (made again
+only when torch.distributed was restarted under it), and under ``dist`` a replicated full tensor argument is
+handed over as it is (no slicing per call), while a sharded one is still cut to this process's block. The
+numbers equal the unsharded function's."""
+
+from __future__ import annotations
+
+import torch
+
+import funcshard as fs
+from funcshard import P
+
+
+def _calls_body(mesh: fs.Mesh) -> dict:
+    from funcshard._executor import executor_for
+    from funcshard._shard_map_io import InputCache
+
+    x = torch.arange(12.0).reshape(4, 3)
+    cache = InputCache()
+    inputs = cache.prepare("f", mesh, (P(), P("dp")), (x, x))
+    blocks_rep, blocks_cut = inputs.blocks[0][0], inputs.blocks[1][0]
+    same = all(b is x for b in blocks_rep.values()) if mesh.backend == "dist" else None
+    cut = [tuple(b.shape) for b in blocks_cut.values()]
+    f = fs.shard_map(lambda a, b: (a.mul_(2), b + 1), mesh=mesh, in_specs=(P(), P("dp")), out_specs=(P(), P("dp")))
+    outs = [f(x, x) for _ in range(3)]
+    equal = all(
+        torch.equal(fs.device_get(a), x * 2) and torch.equal(fs.device_get(b), x + 1) for a, b in outs
+    ) and torch.equal(x, torch.arange(12.0).reshape(4, 3))  # the caller's tensor untouched by the in-place mul_
+    return {"one_executor": executor_for(mesh) is executor_for(mesh), "same": same, "cut": cut, "equal": equal}
+
+
+def test_executor_once_per_mesh_and_replicated_tensors_passed_whole(run, backend) -> None:
+    for r in run(_calls_body, {"dp": 2}):
+        assert r["one_executor"] and r["equal"], r
+        if backend == "dist":
+            assert r["same"] is True and r["cut"] == [(2, 3)], r  # this process's block only
+        else:
+            assert r["cut"] == [(2, 3), (2, 3)], r  # every simulated device's block
