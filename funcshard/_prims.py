@@ -39,6 +39,7 @@ __all__ = [
     "AllGather",
     "AllGatherInvariant",
     "AllReduce",
+    "AllReduceOwned",
     "AllToAll",
     "Ppermute",
     "Prim",
@@ -170,6 +171,23 @@ class AllReduce(Prim):
     ) -> tuple[torch.Tensor, int]:
         y = call(AllReduce, _to(x, in_dims[0], 0), dev, axes, op, name)  # [B, *s] -> [B, *s]
         return y, 0
+
+
+class AllReduceOwned(AllReduce):
+    """:class:`AllReduce` sum of a temporary its caller gives up (a row-parallel matmul's partial sums, which no
+    one else holds and no backward saves): summed in place where the backend can (``all_reduce_inplace``), with
+    no copy of it. The rules are :class:`AllReduce`'s (its backward, tangent and batching make plain all-reduces).
+
+    - forward: ``y = sum over the group of x``, written into ``x``'s buffer.
+    """
+
+    @staticmethod
+    def forward(x: torch.Tensor, dev: Any, axes: tuple[str, ...], op: str, name: str) -> torch.Tensor:  # type: ignore[override]
+        inplace = getattr(dev, "all_reduce_inplace", None)
+        if inplace is None or op != "sum" or not x.is_contiguous():
+            return AllReduce.forward(x, dev, axes, op, name)
+        record(dev.rank, name, axes, _nbytes(x))
+        return inplace(x, axes)  # [*s] -> [*s], in x's buffer
 
 
 class Pvary(Prim):

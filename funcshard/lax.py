@@ -32,6 +32,7 @@ import optree
 import torch
 
 from . import _prims, _prims_cast
+from ._backend.base import tracing
 from ._context import DeviceContext, axes_of, current
 from ._errors import ConfigError, ShardingError
 from ._vma import EMPTY, Audited, bind_operand, bind_result, get_vma, known_vma, set_vma
@@ -74,7 +75,7 @@ def _n(ctx: DeviceContext, axes: tuple[str, ...]) -> int:
     return math.prod(ctx.mesh.shape[a] for a in axes)
 
 
-def _reduce(x: PyTree, axis: _Axis, op: str, name: str) -> PyTree:
+def _reduce(x: PyTree, axis: _Axis, op: str, name: str, prim: Any = _prims.AllReduce) -> PyTree:
     ctx = current(name)
     axes = axes_of(axis, ctx.mesh, name)
     n = _n(ctx, axes)
@@ -84,7 +85,7 @@ def _reduce(x: PyTree, axis: _Axis, op: str, name: str) -> PyTree:
             return t * n if name == "psum" else t
         with torch._C.DisableTorchFunction():
             t, have = bind_operand(_prims.AllReduce, t, axes, ctx.device, ctx.check_vma, name)
-            y = _prims.call(_prims.AllReduce, t, ctx.device, axes, op, name)  # [*s] -> [*s], invariant over axes
+            y = _prims.call(prim, t, ctx.device, axes, op, name)  # [*s] -> [*s], invariant over axes
             if name == "pmean":
                 y = y / n
         return bind_result(_prims.AllReduce, y, have, axes)
@@ -102,6 +103,19 @@ def psum(x: PyTree, axis: _Axis) -> PyTree:
         >>> # inside shard_map over {"tp": 4}: y = fs.psum(x, "tp")  # [b, d] -> [b, d]
     """
     return _reduce(x, axis, "sum", "psum")
+
+
+def psum_owned(x: torch.Tensor, axis: _Axis) -> torch.Tensor:
+    """:func:`psum` of a temporary the caller gives up (no one else holds it, no backward saves it: a
+    row-parallel matmul's partial sums), summed in its own buffer under ``dist`` (no copy). For ``ops``; not a
+    JAX name, not exported.
+
+    Example:
+        >>> # y = psum_owned(F.linear(x, w), "tp")  # [b, s, d] -> [b, s, d], in the matmul's output buffer
+    """
+    if torch._C._are_functorch_transforms_active() or tracing():  # (transforms wrap it; a graph has no buffers)
+        return psum(x, axis)
+    return _reduce(x, axis, "sum", "psum", _prims.AllReduceOwned)
 
 
 def pmean(x: PyTree, axis: _Axis) -> PyTree:

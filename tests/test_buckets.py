@@ -45,11 +45,14 @@ def _reference(ws: dict[str, torch.Tensor], x: torch.Tensor) -> dict[str, torch.
 
 
 def _dp_grads(mesh: fs.Mesh, ws: dict[str, torch.Tensor], x: torch.Tensor, profile: bool) -> tuple:
-    """The dp gradient of ``_loss`` (params pvary'd in one call), the number of gradient all-reduces, and under
-    ``profile`` the torch ops of the step with their input shapes."""
+    """The dp gradient of ``_loss`` (params pvary'd in one call, after a first leaf ``w00`` pvary'd alone: the
+    backward's last node reduces synchronously, the bucket's is overlapped), the number of gradient
+    all-reduces, and under ``profile`` the torch ops of the step with their input shapes."""
 
     def loss(ws: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-        return fs.psum(_loss(fs.pvary(ws, "dp"), x), "dp")  # one pvary call for every leaf
+        first = fs.pvary(ws["w00"], "dp")  # the node made first: its reduction is the backward's last
+        rest = fs.pvary({k: v for k, v in ws.items() if k != "w00"}, "dp")  # one pvary call for the others
+        return fs.psum(_loss({"w00": first, **rest}, x), "dp")
 
     def step(ws: dict[str, torch.Tensor], x: torch.Tensor) -> tuple:
         if not profile:
@@ -66,32 +69,34 @@ def _dp_grads(mesh: fs.Mesh, ws: dict[str, torch.Tensor], x: torch.Tensor, profi
     f = fs.shard_map(step, mesh=mesh, in_specs=(P(), P("dp")), out_specs=(P(), P()), check_vma=True)
     with fs.comm_stats() as stats:
         _, grads = f(ws, x)
-    calls = stats.calls("psum", "dp", device=stats.devices()[0]) - 1  # less the loss's own psum
+    calls = stats.calls("psum", "dp", device=stats.devices()[0]) - 2  # less the loss's psum and w00's
     return fs.device_get(grads), calls, events
 
 
-def _inplace_body(mesh: fs.Mesh) -> tuple[bool, int, int, int, int]:
-    sizes = [40, 24, 9]
+def _inplace_body(mesh: fs.Mesh) -> tuple[bool, int, int, int, int, int]:
+    sizes = [12, 40, 24, 9]
     ws, x = _tree(sizes), torch.randn(BATCH, 8, generator=torch.Generator().manual_seed(1))
     ref = _reference(ws, x)
     profile = mesh.backend == "dist"  # the sim's devices are threads of one process: one profiler at a time
     grads, calls, events = _dp_grads(mesh, ws, x, profile)
     same = all(torch.allclose(grads[k], ref[k], rtol=1e-5, atol=1e-6) for k in ref)
-    n = sum(sizes)  # the bucket's elements
-    cats = sum(1 for name, _ in events if name == "aten::cat")  # (the loss itself concatenates nothing)
+    n = sum(sizes[1:])  # the bucket's elements
+    names = [name for name, _ in events]
+    cats = names.count("aten::cat")  # (the loss itself concatenates nothing)
     # a copy of the whole bucket: clone / copy_ of an [n] tensor (torch's functional all_reduce clones its input)
     copies = sum(1 for name, shapes in events if name in ("aten::clone", "aten::copy_") and shapes[:1] == [[n]])
-    inplace = sum(1 for name, shapes in events if name == "_c10d_functional::all_reduce_" and shapes[:1] == [[n]])
-    return same, calls, cats, copies, inplace
+    pending = sum(1 for name, shapes in events if name == "_c10d_functional::all_reduce_" and shapes[:1] == [[n]])
+    return same, calls, cats, copies, pending, names.count("_c10d_functional::all_reduce")
 
 
 def test_bucket_is_written_once_and_reduced_in_place(run, backend: str) -> None:
-    for same, calls, cats, copies, inplace in run(_inplace_body, {"dp": 2}):
+    for same, calls, cats, copies, pending, cloning in run(_inplace_body, {"dp": 2}):
         assert same
         assert calls == 1  # one bucket (25 MiB cap), one all-reduce
         if backend == "dist":
             assert cats == 1  # the gradients are written into the bucket once
-            assert inplace == 1 and copies == 0  # and the bucket is summed in place: no copy of it
+            # and the bucket is summed in place, overlapped with the rest of the backward: no copy of it
+            assert pending == 1 and cloning == 0 and copies == 0
 
 
 def _expected_buckets(sizes: list[int], cap: int) -> int:
@@ -120,7 +125,7 @@ def _cap_body(mesh: fs.Mesh, mb: str) -> tuple[bool, int]:
 def test_bucket_cap_sets_the_number_of_all_reduces(run, mb: str) -> None:
     sizes = [3000, 1000, 5000, 2000, 7000, 500]
     cap = int(float(mb) * 2**20)
-    want = _expected_buckets(sizes, cap) if cap else 1
+    want = _expected_buckets(sizes[1:], cap) if cap else 1  # (the first leaf is pvary'd alone)
     for same, calls in run(_cap_body, {"dp": 2}, mb):
         assert same
         assert calls == want
@@ -162,3 +167,44 @@ def test_llama_dp_all_reduces_per_step(run) -> None:
     for same_loss, same_grads, calls, rows in run(_llama_body, {"dp": 2}):
         assert same_loss and same_grads
         assert calls == CFG.n_layers + 2, rows
+
+
+def _row_parallel_body(mesh: fs.Mesh) -> tuple[bool, bool, int, int]:
+    from torch.profiler import ProfilerActivity, profile
+
+    from funcshard.ops import row_parallel_linear
+
+    gen = torch.Generator().manual_seed(0)
+    x, w = torch.randn(5, 8, generator=gen), torch.randn(6, 8, generator=gen)
+    xr, wr = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
+    ref_y = torch.nn.functional.linear(xr, wr)
+    ref_g = torch.autograd.grad((ref_y.sin()).sum(), [xr, wr])
+    events: list[tuple[str, list]] = []
+
+    def step(x: torch.Tensor, w: torch.Tensor) -> tuple:
+        def f(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+            return row_parallel_linear(x, w, axis="tp").sin().sum()  # [5, 8/tp] @ [8/tp, 6] -> [5, 6], summed
+
+        if mesh.backend != "dist":
+            return fs.value_and_grad(f, argnums=(0, 1))(x, w)
+        with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as p:
+            out = fs.value_and_grad(f, argnums=(0, 1))(x, w)
+        events.extend((e.name, [list(s) for s in e.input_shapes]) for e in p.events())
+        return out
+
+    specs = (P(None, "tp"), P(None, "tp"))
+    y, (gx, gw) = fs.shard_map(step, mesh=mesh, in_specs=specs, out_specs=(P(), specs))(x, w)
+    same = torch.allclose(fs.device_get(y), ref_y.sin().sum().detach(), rtol=1e-5, atol=1e-5)
+    grads = [fs.device_get(gx), fs.device_get(gw)]
+    same_g = all(torch.allclose(a, b, rtol=1e-5, atol=1e-5) for a, b in zip(grads, ref_g, strict=True))
+    copies = sum(1 for name, shapes in events if name in ("aten::clone", "aten::copy_") and shapes[:1] == [[5, 6]])
+    reduced = sum(1 for name, _ in events if name == "c10d::allreduce_")  # (the profiler gives no list's shapes)
+    return same, same_g, copies, reduced
+
+
+def test_row_parallel_partial_sums_reduced_in_their_own_buffer(run, backend: str) -> None:
+    # the matmul's partial sums are summed in place under dist (no copy of them); the numbers are the reference's
+    for same, same_g, copies, reduced in run(_row_parallel_body, {"tp": 2}):
+        assert same and same_g
+        if backend == "dist":
+            assert reduced == 1 and copies == 0

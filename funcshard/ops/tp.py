@@ -124,7 +124,7 @@ def row_parallel_linear(
         return F.linear(x, w, b)  # [..., in] @ [in, out] -> [..., out]
     y = F.linear(x, w)  # [..., in/n] @ [in/n, out] -> [..., out] (partial sums)
     if scatter_dim is None:
-        y = lax.psum(y, axis)  # [..., out] -> [..., out]
+        y = lax.psum_owned(y, axis)  # [..., out] -> [..., out] (summed in the matmul's own buffer)
     else:
         y = lax.psum_scatter(y, axis, dim=scatter_dim, tiled=True)  # [.., s, .., out] -> [.., s/n, .., out]
     if b is not None:
@@ -183,7 +183,7 @@ def vocab_parallel_embedding(
     emb = F.embedding(torch.where(mine, local, 0), table)  # [...] -> [..., dim]
     emb = emb * mine.unsqueeze(-1).to(emb.dtype)
     if scatter_dim is None:
-        return lax.psum(emb, axis)  # [..., dim] -> [..., dim]
+        return lax.psum_owned(emb, axis)  # [..., dim] -> [..., dim] (summed in emb's own buffer)
     return lax.psum_scatter(emb, axis, dim=scatter_dim, tiled=True)  # [.., s, .., dim] -> [.., s/n, .., dim]
 
 
