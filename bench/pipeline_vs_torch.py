@@ -23,48 +23,64 @@ operations to torch.distributed (target: equal). Before timing, both libraries' 
 checked against each other.
 
 Usage:
-    torchrun --nproc-per-node 4 bench/pipeline_vs_torch.py [--steps 7] [--case A|B|AB] [--f-ms 10 --b-ms 20]
+    torchrun --nproc-per-node 4 bench/pipeline_vs_torch.py [--steps 7] [--case A|B|AB|P] [--f-ms 10 --b-ms 20]
 
-Measured on a 2-core host shared with 4-5 other jobs (load average 7-20 during these runs: 4 ranks and their
-gloo threads get a fraction of a core each, so wall times move by 10-20% from run to run; the CPU columns,
-``process_time`` summed over the ranks, move less). torch 2.13 CPU, gloo, medians of 9 steps, the two libraries
-interleaved step by step. Two runs of ``--case AB`` (load 12-16), after the runtime's changes of this round
-(runtime bookkeeping outside the vma mode; the loss carried in the last gradient blocks instead of a psum):
+Case P (``--case P``), one point-to-point message: rank pairs ping-pong a [32, 128] block through funcshard's
+``device.p2p`` and its works' ``wait()``, torch's ``batch_isend_irecv`` (what its pipelining calls), and the
+process group's own ``send`` / ``recv`` (the floor); wall, CPU of all ranks and the main threads' CPU.
 
-    A, F=10 B=20 ms    wall/ideal fs       torch            fs/torch         CPU (4 ranks) fs / torch
-      1f1b        m=8     1.261x, 1.333x   1.192x, 1.305x   1.057x, 1.021x   109 / 77, 92 / 72 ms
-      interleaved m=8     1.480x, 1.640x   1.561x, 1.556x   0.948x, 1.055x   183 / 192, 173 / 180 ms
-      1f1b        m=16    1.324x, 1.298x   1.242x, 1.317x   1.066x, 0.986x   190 / 152, 185 / 151 ms
-      interleaved m=16    1.603x, 1.414x   1.679x, 1.342x   0.955x, 1.054x   370 / 376, 316 / 309 ms
-      interleaved / 1f1b: fs 1.014x, 1.063x (m=8), 1.115x, 1.003x (m=16); torch 1.131x, 1.029x, 1.245x, 0.939x
+Messages are counted where both libraries end, the process group's ``send`` / ``recv`` (patched only while
+counting), so the counts do not depend on which Python layer each library goes through.
 
-    B, D=128 1f1b fs/torch step (CPU)      vma on             vma off
-      this round, 4 runs (load 12-20)      1.116x-1.258x      1.041x-1.141x
-                                           (CPU 1.09x-1.21x)  (CPU 1.03x-1.24x)
-      before it (the runtime at 8cd26c4),  1.182x, 1.316x     1.174x, 1.207x
-      A/B interleaved runs, same load      (CPU 1.33x, 1.25x) (CPU 1.16x, 1.20x)
-    B, interleaved: fs/torch 0.89x-1.09x (vma on), 0.90x-0.98x (off), before 1.11x, 1.17x / 0.89x, 0.95x.
+Measured on a 2-core host shared with 3-4 other jobs (load average 8-14 during these runs: 4 ranks and their
+gloo threads get a fraction of a core each, so wall times move by 10-25% from run to run; the CPU columns,
+``process_time`` summed over the ranks, move less). torch 2.13 CPU, gloo, medians, the two libraries
+interleaved step by step. This round (the dist backend's p2p path: one ``ProcessGroup.send`` / ``recv`` per
+message, a wait of one C++ call):
+
+    P, per message, 3 runs (load 6-14)  main threads     CPU (all ranks)   wall
+      fs before this round              224-258 us       280-369 us        311-622 us
+      fs now                            94-120 us        158-172 us        206-218 us
+      torch batch_isend_irecv           99-125 us        131-180 us        151-232 us
+      process group send / recv         55-69 us         110-120 us        126-172 us
+      (before: the old backend's module loaded beside the new one, in the same launches)
+
+    A, wall/ideal (fs | torch), fs/torch, 1 run each           interleaved / 1f1b (fs | torch)
+      F=10 B=20 ms (load 8-9), m=8:  1f1b 1.119x | 1.098x (1.020x)       0.875x | 0.934x
+                                     interleaved 1.134x | 1.187x (0.955x)
+                               m=16: 1f1b 1.106x | 1.110x (0.996x)       0.970x | 0.999x
+                                     interleaved 1.165x | 1.204x (0.968x)
+      F=30 B=60 ms (load 8-14), m=8: 1f1b 1.034x | 1.030x (1.004x)       0.890x | 0.902x
+                                     interleaved 1.066x | 1.075x (0.992x)
+                               m=16: 1f1b 1.038x | 1.034x (1.003x)       0.930x | 0.938x
+                                     interleaved 1.047x | 1.053x (0.994x)
+      every row within 5% of torch's wall/ideal, and interleaved faster than 1F1B for both libraries.
+
+    B, D=128 fs/torch step, 4 runs (load 9-14)   vma on                       vma off
+      1f1b                                       1.074x-1.156x                1.076x-1.271x
+                                                 (CPU 1.05x-1.16x)            (CPU 1.03x-1.10x)
+      interleaved                                0.75x-0.93x (CPU 0.85-0.97)  0.64x-0.97x (CPU 0.86-0.92)
+      the previous round (load 12-20)            1f1b 1.12x-1.26x (CPU 1.09x-1.21x) on, 1.04x-1.14x
+                                                 (CPU 1.03x-1.24x) off
     Messages sent/received per step: 48/48 (1f1b) and 112/112 (interleaved) on both sides, every run.
 
 What is left of the gap, with counters rather than the wall clock:
-- One stage alone (p = 1, world 1, no messages; D=128 stage, 1F1B, m=8), main-thread CPU per step vs torch's
-  ``Schedule1F1B``: fs with vma 1.31x-1.34x before, 0.99x-1.13x now; without vma 1.05x-1.09x before, 0.92x-1.01x
-  now. The vma mode still costs ~0.1-0.2 ms per action here: a Python ``TorchFunctionMode`` costs ~10 us per
-  op in torch itself and the vma logic ~4-5 us more, on the ~10 ops of each forward of ``stage_fn``.
-- Per point-to-point message (2 ranks ping-ponging one [32, 128] block, main-thread CPU of both ranks, send +
-  receive + waits): fs 324-357 us through ``device.p2p`` and its works, torch 166-204 us through
-  ``batch_isend_irecv``: ~150 us more per message, ~7 ms of CPU per 1F1B step (48 messages) over the 4 ranks,
-  ~2.4 ms on a middle stage (16 sends, 16 receives). That cost sits in the dist backend's p2p path, not in
-  the pipeline runtime. The remaining CPU difference (case B 1f1b: +15-35 ms per step over the 4 ranks) is
-  per-action Python in shard_map's call and the runtime; torch's ``Schedule1F1B`` is a lean hand-written
-  loop, and against torch's generic runtime (``ScheduleInterleaved1F1B``) fs is at par in CPU.
-- Whether interleaved (chunks of F=5 ms / B=10 ms) beats 1F1B depends on the load for both libraries: the
-  per-action overhead (scheduling of 4 processes on 2 cores, ~1-2 ms an action) is a large part of each chunk.
-  At load 12, even F=30 B=60 ms (5 steps) had interleaved slower for both: interleaved / 1f1b fs 1.107x (m=8),
-  1.309x (m=16), torch 1.185x, 1.427x; fs/torch 1.121x, 1.047x (m=8: 1f1b, interleaved), 1.018x, 0.934x
-  (m=16). At load 2-5 the previous round measured interleaved faster for both at these costs.
-- On this host the wall/ideal of torch itself ranges 1.19x-1.68x between runs, so the 5% target of case A is
-  inside the run-to-run noise; fs/torch ranged 0.95x-1.07x.
+- Per message, fs's Python is now ~4 us per op and wait (a fake process group: ``tests/test_dist_p2p.py``
+  counts one Python call per op and none below ``wait()``); fs's main-thread CPU per message is at or under
+  torch's, ~40-50 us above the process group's own calls (gloo's ``send`` itself takes 0.4-1 ms of the
+  main thread under this load, for both libraries: cProfile of a middle stage, 20 steps).
+- cProfile of a middle stage (1F1B, D=128, 20 steps, vma off): fs 1.52 s, torch 1.59 s, of which the C++
+  waits 0.74 / 0.95 s, ``send`` 0.16 / 0.13 s, the backward 0.27 / 0.21 s (fs asks for the input and
+  parameter gradients in one ``autograd.grad`` and adds them in place, 2.5 ms a step; torch accumulates in
+  ``.grad``). With the vma mode: ~14 torch functions per action through ``VmaMode.__torch_function__``,
+  ~30 us per action of its own time (the mode's dispatch in torch is the rest of the 0.1-0.2 ms).
+- 1F1B's wall ratio above 1.10x in some runs with CPU at 1.03x-1.09x: on this host the wall clock of a
+  step moves with the scheduling of 4 processes and their gloo threads on 2 cores more than with either
+  library's work; torch's own wall/ideal ranged 1.03x-1.68x between rounds.
+- Whether interleaved beats 1F1B depended on the load: the previous round (load 12-20) had it slower for
+  both libraries even at F=30 B=60 ms; this round (load 8-14) it is faster for both at both costs. torch's
+  code did not change, so the inversion was the load (per-action scheduling of 4 processes on 2 cores, ~1-2
+  ms an action, is a large part of a 5 ms chunk), not funcshard's schedule or runtime.
 """
 
 from __future__ import annotations
