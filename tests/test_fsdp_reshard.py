@@ -54,9 +54,9 @@ def _reshard_body(mesh: fs.Mesh, remat: str) -> tuple[int, int, bool]:
 def test_reshard_after_forward_equals_keeping_the_weights(run, remat):
     for kept, resharded, same in run(_reshard_body, {"fsdp": 2}, remat):
         assert kept == CFG.n_layers + 3  # one bucket per layer, plus the embedding, the final norm and the head
-        # the re-gathers of the recomputation, one per layer (without remat the weights are kept); kept, even
+        # the re-gathers of the backward (or the recomputation), one per layer; kept, even
         # remat="full" saves the gathered weights: they are the remat region's inputs
-        assert resharded == kept + (0 if remat == "none" else CFG.n_layers)
+        assert resharded == kept + CFG.n_layers
         assert same, "resharding changed a number"
 
 

@@ -18,24 +18,33 @@ Example:
     >>> step = fs.shard_map(torch.func.grad(loss), mesh=mesh, in_specs=(specs, P("fsdp")), out_specs=specs)
     >>> step({"w": torch.randn(4, 3)}, torch.randn(8, 3))["w"].spec
     P('fsdp', None)
+
+Reshard-after-forward without remat (FSDP2's ``reshard_after_forward=True``): :func:`reshard_after_forward` is
+a scope around one layer's forward in which the tensors autograd saves that are (views of) the gathered
+weights are dropped, and gathered again in the backward (``torch.autograd.graph.saved_tensors_hooks``).
 """
 
 from __future__ import annotations
 
+import threading
+import weakref
+from collections.abc import Callable
 from typing import Any
 
 import optree
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from .. import lax, pytree
-from .._backend.base import prefetch_scope
+from .._backend.base import prefetch_scope, settle
 from .._context import maybe_current
-from .._errors import ShardingError
+from .._errors import ConfigError, ShardingError
 from .._precision import Precision
+from .._remat import _device_scope, _only_grad_transforms, _vma_mode
 from .._spec import P, is_spec
 from .._vma import known_vma
 
-__all__ = ["fsdp_gather", "fsdp_unsharded_specs"]
+__all__ = ["fsdp_gather", "fsdp_unsharded_specs", "reshard_after_forward"]
 
 
 def _fsdp_dim(spec: P, ndim: int, axis: str, path: str) -> int | None:
@@ -198,6 +207,328 @@ def _unpack_bucket(g: torch.Tensor, shards: list[torch.Tensor], dims: list[int])
         # [n, numel_i] -> [n, .., s_d/n, ..] -> [.., n, s_d/n, ..] -> [.., s_d, ..]
         out.append(part.reshape(n, *t.shape).movedim(0, d).flatten(d, d + 1))
     return out
+
+
+# ------------------------------------------------------------------------------------------ reshard-after-forward
+def _raw(t: torch.Tensor) -> torch.Tensor:
+    """The plain tensor under a pending collective's result (its storage is allocated already; no wait)."""
+    return t.elem if type(t).__name__ == "AsyncCollectiveTensor" else t  # type: ignore[attr-defined]
+
+
+def _key(t: torch.Tensor) -> int | None:
+    """Where ``t``'s storage lives (its data pointer), or None for a tensor without a plain storage."""
+    try:
+        ptr = _raw(t).untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError, AttributeError):  # a wrapper subclass, a functorch wrapper
+        return None
+    return ptr or None
+
+
+class _Arg:
+    """A tensor argument of a recorded weight-derived op: a view (size, stride, offset) of a known storage."""
+
+    __slots__ = ("key", "offset", "size", "stride")
+
+    def __init__(self, key: int, t: torch.Tensor) -> None:
+        t = _raw(t)
+        self.key, self.size, self.stride, self.offset = key, tuple(t.shape), t.stride(), t.storage_offset()
+
+
+class _Layer:
+    """One scope's gathered weights once its forward is done: the storages that were theirs (and of the tensors
+    computed from them alone), how to gather them again, and, once gathered again, the new leaves."""
+
+    def __init__(self, regather: Callable[[], Any], before: _Layer | None, prefetch: bool) -> None:
+        self.regather = regather
+        self.before = None if before is None else weakref.ref(before)
+        self.prefetch = prefetch
+        self.sources: dict[int, tuple[int, int, torch.dtype]] = {}  # storage -> (leaf index, bytes, dtype)
+        self.derived: dict[int, tuple[Any, Any, Any, int, torch.dtype]] = {}  # storage -> (op, args, kwargs, ..)
+        self.dctx = maybe_current()
+        self.vma_mode = _vma_mode()
+        self.pending: Any = None  # the issued regather (a function giving the tree, or the tree)
+        self.leaves: list[Any] | None = None
+        self.rebuilt: dict[int, torch.Tensor] = {}
+
+    def known(self, key: int | None) -> tuple[int, torch.dtype] | None:
+        """(bytes, dtype) of a known storage, or None."""
+        if key is None:
+            return None
+        hit = self.sources.get(key)
+        if hit is not None:
+            return hit[1], hit[2]
+        d = self.derived.get(key)
+        return None if d is None else (d[3], d[4])
+
+    def issue(self) -> None:
+        """Issue the regather (no gradient flows through it); under dist with a prefetch it travels meanwhile."""
+        if self.pending is None and self.leaves is None:
+            with torch.no_grad(), _device_scope(self.dctx, None, self.vma_mode):
+                self.pending = self.regather()
+
+    def gathered(self) -> list[Any]:
+        """The regathered leaves: issued now (or by the next layer's prefetch), then the previous layer's issued."""
+        if self.leaves is None:
+            self.issue()
+            before = None if self.before is None else self.before()
+            if self.prefetch and before is not None:
+                before.issue()  # the layer whose backward comes next: its weights travel while this one's runs
+            with torch.no_grad(), _device_scope(self.dctx, None, self.vma_mode):
+                tree = self.pending() if callable(self.pending) else self.pending
+                self.leaves = [settle(t) for t in optree.tree_leaves(tree)]
+            self.pending = None
+            _settle_pending()  # the later layers' reductions, in flight while this one was gathered
+        return self.leaves
+
+    def base(self, key: int) -> torch.Tensor:
+        """A tensor over the regathered (or rebuilt) storage that was ``key`` in the forward."""
+        hit = self.sources.get(key)
+        if hit is not None:
+            t = self.gathered()[hit[0]]
+        else:
+            t = self.rebuilt.get(key)
+            if t is None:
+                func, args, kwargs, _, _ = self.derived[key]
+                with torch.no_grad():
+                    t = func(*optree.tree_map(self._fill, args), **optree.tree_map(self._fill, kwargs))
+                self.rebuilt[key] = t
+        nbytes, dtype = self.known(key)  # type: ignore[misc]
+        if t.untyped_storage().nbytes() != nbytes or t.dtype != dtype:
+            raise RuntimeError(  # the regather is not the forward's gather (a different layout): never silently
+                f"reshard_after_forward: the regathered weights do not have the forward's layout "
+                f"({t.untyped_storage().nbytes()} bytes of {t.dtype}, expected {nbytes} of {dtype}); regather must "
+                f"run the same gather as the forward."
+            )
+        return t
+
+    def _fill(self, a: Any) -> Any:
+        return self.view(a.key, a.size, a.stride, a.offset) if isinstance(a, _Arg) else a
+
+    def view(self, key: int, size: tuple[int, ...], stride: tuple[int, ...], offset: int) -> torch.Tensor:
+        return self.base(key).as_strided(size, stride, offset)
+
+
+class _Dropped:
+    """What autograd keeps of a saved (view of a) gathered weight: where it was; the tensor is rebuilt on unpack."""
+
+    __slots__ = ("args", "layer")
+
+    def __init__(self, layer: _Layer, key: int, t: torch.Tensor) -> None:
+        self.layer, self.args = layer, _Arg(key, t)
+
+    def restore(self) -> torch.Tensor:
+        a = self.args
+        return self.layer.view(a.key, a.size, a.stride, a.offset)
+
+
+_local = threading.local()  # .pending: weakrefs to gradients of resharded shards, maybe still in flight (dist)
+
+
+def _hold(grad_inputs: tuple[Any, ...], grad_outputs: tuple[Any, ...]) -> None:
+    """A post-hook on the gather's backward node: note its results (reduce-scatters) that are still in flight."""
+    for g in grad_inputs:
+        if type(g).__name__ == "AsyncCollectiveTensor":
+            pending = getattr(_local, "pending", None)
+            if pending is None:
+                pending = _local.pending = []
+            pending.append(weakref.ref(g))
+
+
+def _gather_nodes(leaves: list[Any], depth: int = 8) -> list[Any]:
+    """The backward nodes of the all-gathers the gathered ``leaves`` come from (a few view / split nodes up)."""
+    found, seen = [], set()
+    frontier = [t.grad_fn for t in leaves if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+    for _ in range(depth):
+        nxt = []
+        for node in frontier:
+            if node is None or node in seen:
+                continue
+            seen.add(node)
+            if "AllGather" in type(node).__name__:
+                found.append(node)
+            else:
+                nxt.extend(n for n, _ in node.next_functions)
+        frontier = nxt
+    return found
+
+
+def _settle_pending() -> None:
+    """Wait for the shards' gradient reductions still in flight (dist's overlapped reduce-scatters of the layers
+    whose backward is done): each holds a full-size gradient bucket until waited for, so one layer's travel
+    while the next is differentiated, not every layer's until the step ends."""
+    pending, _local.pending = getattr(_local, "pending", None), None
+    for ref in pending or ():
+        g = ref()
+        if g is not None:
+            settle(g)
+
+
+def _unpack(packed: Any) -> torch.Tensor:
+    return packed.restore() if type(packed) is _Dropped else packed
+
+
+def _tensors(args: Any) -> list[Any]:
+    out = []
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            out.append(a)
+        elif isinstance(a, (list, tuple)):
+            out.extend(t for t in a if isinstance(t, torch.Tensor))
+    return out
+
+
+class _Derive(TorchDispatchMode):
+    """Records the ops computed from the gathered weights alone (a cast, a concatenation), so that a saved result
+    of one is rebuilt from the regathered weights too; refuses an in-place write into them."""
+
+    def __init__(self, layer: _Layer, held: list[torch.Tensor]) -> None:
+        super().__init__()
+        self.layer, self.held = layer, held
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        schema = func._schema
+        layer = self.layer
+        if schema.is_mutable:
+            for a, v in zip(schema.arguments, args, strict=False):
+                if a.alias_info is not None and a.alias_info.is_write and isinstance(v, torch.Tensor):
+                    if layer.known(_key(v)) is not None:
+                        raise ConfigError(
+                            f"reshard_after_forward: {func} writes in place into the gathered weights; they are "
+                            f"gathered again for the backward, so the write would be lost. Compute out of place."
+                        )
+            return out
+        if not isinstance(out, torch.Tensor) or any(r.alias_info is not None for r in schema.returns):
+            return out  # a view of a known storage is known by its storage already
+        if torch.Tag.nondeterministic_seeded in func.tags:
+            return out
+        ins = _tensors(args) + _tensors(kwargs.values())
+        if not ins:
+            return out
+        keys = [_key(t) for t in ins]
+        if any(layer.known(k) is None for k in keys):
+            return out
+        k_out = _key(out)
+        if k_out is None or layer.known(k_out) is not None:
+            return out
+        it = iter(keys)
+
+        def arg(a: Any) -> Any:
+            if isinstance(a, torch.Tensor):
+                return _Arg(next(it), a)
+            if isinstance(a, (list, tuple)) and any(isinstance(t, torch.Tensor) for t in a):
+                return type(a)(arg(t) for t in a)
+            return a
+
+        rec_args = tuple(arg(a) for a in args)
+        rec_kwargs = {n: arg(v) for n, v in kwargs.items()}
+        layer.derived[k_out] = (func, rec_args, rec_kwargs, out.untyped_storage().nbytes(), out.dtype)
+        self.held.append(out)  # its storage is not reused by another tensor while the scope may still pack
+        return out
+
+
+class reshard_after_forward:
+    """A scope around one layer's forward on gathered weights (FSDP2's ``reshard_after_forward=True`` without
+    activation checkpointing): the tensors autograd saves that are the gathered weights, views of them
+    (transposes, slices) or computed from them alone (casts, concatenations) are not kept; the backward gathers
+    the weights again (``regather``: the same collective on every device, in the same order, under ``sim`` and
+    ``dist``) and rebuilds them, bit for bit. No gradient flows through the regather: the gradients still go
+    through the forward's gather (its reduce-scatter).
+
+    The forward's gathered weights are then freed as soon as the caller drops them (after the layer): memory
+    holds one layer's gathered weights in the forward (two with the next layer's prefetch) and, in the backward,
+    the layer being differentiated (plus, with ``prefetch``, the one before it, whose regather is issued as soon
+    as this one's is needed, and travels meanwhile under ``dist``). Outside a gradient computation, or under a
+    ``torch.func`` transform (which has no saved-tensor hooks), it does nothing: the weights are kept.
+
+    Args:
+        gathered: the tree of gathered weights the layer uses (``fsdp_gather``'s result).
+        regather: gathers them again, as the forward did: returns the tree, or a function of no arguments
+            returning it (``fsdp_gather(..., prefetch=True)``). Called once, in the backward, without grad.
+        after: the scope of the layer before this one (its regather is prefetched when this one's runs).
+        prefetch: issue ``after``'s regather when this layer's is needed.
+
+    Under ``dist`` with ``FUNCSHARD_OVERLAP`` the gradient reduce-scatters of the forward's gather stay in flight
+    until a later layer's regather: each scope waits for those still pending once it has gathered its weights, so
+    about one layer's gradient buckets travel at a time, not every layer's until the step ends.
+
+    Raises:
+        ConfigError: the layer writes into the gathered weights in place.
+
+    Example:
+        >>> import funcshard as fs
+        >>> from funcshard import P
+        >>> mesh = fs.make_mesh({"fsdp": 2}, backend="sim")
+        >>> specs = {"w": P("fsdp", None)}
+        >>> def loss(p, x):
+        ...     full = fsdp_gather(p, specs)  # w: [4/2, 3] -> [4, 3]
+        ...     with reshard_after_forward(full, lambda: fsdp_gather(p, specs)):
+        ...         y = torch.tanh(x @ full["w"].T) @ full["w"]  # [b, 3] @ [3, 4] @ [4, 3]: saves w, dropped
+        ...     return fs.pmean(y.pow(2).mean(), "fsdp")
+        >>> step = fs.shard_map(fs.value_and_grad(loss), mesh=mesh, in_specs=(specs, P("fsdp")), out_specs=(P(), specs))
+        >>> with fs.comm_stats() as stats:
+        ...     _, g = step({"w": torch.ones(4, 3)}, torch.ones(8, 3))
+        >>> tuple(g["w"].shape), stats.calls("all_gather")  # the forward's gather and the backward's regather
+        ((4, 3), 2)
+    """
+
+    def __init__(
+        self,
+        gathered: Any,
+        regather: Callable[[], Any],
+        *,
+        after: reshard_after_forward | None = None,
+        prefetch: bool = True,
+    ) -> None:
+        if not callable(regather):
+            raise ConfigError(f"reshard_after_forward: regather must be a function, found {type(regather).__name__}.")
+        self._gathered = gathered
+        self._regather = regather
+        self._after = after
+        self._prefetch = prefetch
+        self.layer: _Layer | None = None
+        self._held: list[Any] = []
+        self._hooks: Any = None
+        self._mode: _Derive | None = None
+
+    def __enter__(self) -> reshard_after_forward:
+        if not torch.is_grad_enabled() or _only_grad_transforms() is not None:
+            return self  # nothing saved for a backward / torch.func's own graph: the weights are kept
+        before = None if self._after is None else self._after.layer
+        layer = _Layer(self._regather, before, self._prefetch)
+        for j, t in enumerate(optree.tree_leaves(self._gathered)):
+            k = _key(t) if isinstance(t, torch.Tensor) else None
+            if k is not None:
+                raw = _raw(t)
+                layer.sources.setdefault(k, (j, raw.untyped_storage().nbytes(), raw.dtype))
+                self._held.append(t)
+        self._gathered = None
+        self.layer = layer
+        for node in _gather_nodes(self._held):  # their reduce-scatters: waited for at the next regather
+            node.register_hook(_hold)
+
+        def pack(t: torch.Tensor) -> Any:
+            k = _key(t)
+            hit = layer.known(k)
+            if hit is not None and hit[1] == _raw(t).dtype:
+                return _Dropped(layer, k, t)  # type: ignore[arg-type]
+            # not the tensor itself: an op's saved output would hold its own grad_fn, a cycle through C++
+            return t.detach()
+
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(pack, _unpack)
+        self._mode = _Derive(layer, self._held)
+        self._hooks.__enter__()
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._mode is not None:
+            self._mode.__exit__(*exc)
+            self._hooks.__exit__(*exc)
+            self._mode = self._hooks = None
+        self._held = []
+        self._gathered = None
 
 
 def fsdp_unsharded_specs(specs: Any, *, axis: str | None = "fsdp") -> Any:

@@ -37,10 +37,14 @@ class Config:
         remat: rematerialisation of each decoder layer (``fs.remat``): ``"none"``, ``"full"`` (recompute the
             layer in the backward from its input) or ``"selective"`` (keep the weight matmuls' and attention's
             outputs, recompute the rest); the same numbers, less activation memory.
-        reshard_after_forward: with an ``fsdp`` axis and ``remat`` ``"full"`` or ``"selective"``, gather each
-            layer's weights inside its remat region: freed after its forward, gathered again when it is
-            recomputed for the backward (FSDP2's default: one layer's full weights at a time, one more
-            all-gather per layer). Without remat (or False) they are kept from the forward to the backward.
+        reshard_after_forward: with an ``fsdp`` axis, free each layer's gathered weights after its forward and
+            gather them again for its backward (FSDP2's default: one more bucketed all-gather per layer; the
+            numbers are bitwise the same). With ``remat`` ``"full"`` or ``"selective"`` the gather sits inside the
+            layer's remat region and is replayed with its recomputation; with ``remat="none"`` the layer runs in
+            :func:`funcshard.ops.fsdp.reshard_after_forward`, whose saved-tensor hooks drop the (views of the)
+            gathered weights autograd saves and gather them again at the layer's backward (the previous layer's
+            regather prefetched meanwhile): at most two layers' full weights alive at a time. False: they are
+            kept from the forward to the backward (no extra all-gather). Without an ``fsdp`` axis it does nothing.
         precision: mixed precision (``fs.Precision``, or its string form: ``"bf16"``,
             ``"params=float32,compute=bfloat16"``): parameters initialised and kept in its ``param_dtype``, the
             weights cast to its ``compute_dtype`` for the computation (FSDP gathers them in it), the gradients

@@ -43,6 +43,7 @@ from ..._context import maybe_current
 from ..._errors import ConfigError
 from ..._spec import P, is_spec, shard_shape
 from ...ops import column_parallel_linear, vocab_parallel_cross_entropy, vocab_parallel_embedding
+from ...ops.fsdp import reshard_after_forward
 from ...pipeline import Schedule
 from ..plan import ParallelPlan
 from ..transformer import causal_attention, rms_norm, transformer_block, use_params
@@ -178,7 +179,8 @@ def run_layers(x: torch.Tensor, layers: dict[str, torch.Tensor], cfg: Config, la
     """The decoder layers stacked on the leading dim of ``layers``' leaves, in order, on ``x [b, s(/tp), d]``."""
     stacked = {k: torch.unbind(v, 0) for k, v in layers.items()}  # [n, ...] -> n x [...]
     n = len(next(iter(stacked.values())))
-    if cfg.reshard_after_forward and lay.plan.fsdp is not None and cfg.remat != "none":
+    reshard = cfg.reshard_after_forward and lay.plan.fsdp is not None
+    if reshard and cfg.remat != "none":
         for i in range(n):  # gathered inside the layer's remat region: freed after its forward, gathered again
             p = {k: v[i] for k, v in stacked.items()}
             x = layer(x, p, cfg, lay.plan, gather=lambda p: use_params(p, lay.layer_specs, lay.plan, cfg.precision))
@@ -189,12 +191,19 @@ def run_layers(x: torch.Tensor, layers: dict[str, torch.Tensor], cfg: Config, la
             {k: v[i] for k, v in stacked.items()}, lay.layer_specs, lay.plan, cfg.precision, prefetch=True
         )
 
-    nxt = fetch(0)
+    nxt, scope = fetch(0), None
     for i in range(n):
         p = nxt()
         if i + 1 < n:  # FSDP2's prefetch: the next layer's weights travel while this layer computes
             nxt = fetch(i + 1)
-        x = layer(x, p, cfg, lay.plan)
+        if not reshard:
+            x = layer(x, p, cfg, lay.plan)
+            continue
+        # without remat: the saved gathered weights are dropped after the forward and gathered again (the same
+        # bucketed gather) for the layer's backward, the previous layer's regather prefetched meanwhile
+        with reshard_after_forward(p, functools.partial(fetch, i), after=scope) as scope:
+            x = layer(x, p, cfg, lay.plan)
+        p = None  # [.., s, ..] freed here: the next layer's gather is in flight
     return x
 
 
