@@ -130,7 +130,9 @@ class DeviceBody:
             out = self.f(*args)
             out_leaves, out_def = optree.tree_flatten(out, is_leaf=is_array)
             out_leaves = [settle(t) for t in out_leaves]  # no pending collective leaves the call
-            if _differentiable(out_leaves):
+            with torch._C.DisableTorchFunction():  # a read the vma mode need not see
+                differentiable = _differentiable(out_leaves)
+            if differentiable:
                 out_leaves = self._vary_outputs(dev, out_leaves, out_def)
         return out_leaves, out_def
 

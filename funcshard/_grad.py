@@ -121,7 +121,8 @@ class _GradCall:
         out = self.f(*a, **kw)
         # torch.func returns fresh tensors without our tags: remember the vma they had in here
         if not self.has_aux:
-            self.tags["value"] = tags_of(out)
+            with torch._C.DisableTorchFunction():  # reads (a view's base) that need no vma mode
+                self.tags["value"] = tags_of(out)
             return out
         if not isinstance(out, tuple) or len(out) != 2:
             raise ConfigError(
@@ -142,7 +143,11 @@ class _GradCall:
                 )
         # each differentiated argument flattened once, for the check and for the plain path
         flat = [optree.tree_flatten(args[i], none_is_leaf=True) for i in self.nums]
-        if _plain_autograd_ok(args, kwargs, self.nums, flat):
+        # this wrapper's own reads (requires_grad, dtypes, detach, zeros) skip the vma mode: it re-tags what it
+        # returns itself, and each read through the mode costs a Python dispatch
+        with torch._C.DisableTorchFunction():
+            plain = _plain_autograd_ok(args, kwargs, self.nums, flat)
+        if plain:
             return self._plain(args, kwargs, flat)
         return self._func(args, kwargs)
 
@@ -166,13 +171,15 @@ class _GradCall:
                 leaves.extend(copies)
                 args[i] = optree.tree_unflatten(treedef, copies)
         outer = torch.is_grad_enabled()
-        with torch.enable_grad():  # like torch.func.grad, an outer no_grad does not stop the differentiation
+        with _GradOn():  # like torch.func.grad, an outer no_grad does not stop the differentiation
             out = self.inner(*args, **kwargs)
             value, aux = (out[0], out[1]) if self.has_aux else (out, None)
-            _check_scalar(self.name, value)
-            # a value f closed over that requires grad: keep the graph to it (an outer backward may follow)
-            keep, last = graph_walk([value], leaves) if outer and value.requires_grad else (False, None)
-            if value.requires_grad:
+            with torch._C.DisableTorchFunction():
+                _check_scalar(self.name, value)
+                differentiable = value.requires_grad
+                # a value f closed over that requires grad: keep the graph to it (an outer backward may follow)
+                keep, last = graph_walk([value], leaves) if outer and differentiable else (False, None)
+            if differentiable:
                 # dist: the gradient reductions travel while the backward goes on (the last node's: synchronous)
                 with overlap_scope(None if keep else last):
                     found = torch.autograd.grad(value, leaves, allow_unused=True, create_graph=keep)
@@ -181,14 +188,15 @@ class _GradCall:
         # a gradient summed over the data axes may still be travelling (dist overlaps them with the backward);
         # each gradient varies over what its input varies over (untagged input: invariant)
         grads_flat = []
-        for g, x, v in zip(found, leaves, tags, strict=True):
-            g = torch.zeros_like(x) if g is None else settle(g)
-            tag_through(g, EMPTY if v is None else v)
-            grads_flat.append(g)
-        if not keep:
-            value = value.detach()
-            if aux is not None:
-                aux = optree.tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, aux)
+        with torch._C.DisableTorchFunction():  # tagged here and in _finish
+            for g, x, v in zip(found, leaves, tags, strict=True):
+                g = torch.zeros_like(x) if g is None else settle(g)
+                tag_through(g, EMPTY if v is None else v)
+                grads_flat.append(g)
+            if not keep:
+                value = value.detach()
+                if aux is not None:
+                    aux = optree.tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, aux)
         if self.has_aux:  # inner passed only aux's tensors: put them back among the other leaves
             assert self.aux is not None  # set by inner
             treedef, aux_leaves = self.aux
@@ -235,6 +243,22 @@ class _GradCall:
             return value, grads
         tag_leaves(aux, self.tags.get("aux", []))
         return (value, aux), grads
+
+
+class _GradOn:
+    """``torch.enable_grad()`` without passing through a torch function mode (the vma mode would dispatch both
+    switches in Python, on every call)."""
+
+    __slots__ = ("prev",)
+
+    def __enter__(self) -> None:
+        self.prev = torch.is_grad_enabled()
+        with torch._C.DisableTorchFunction():
+            torch._C._set_grad_enabled(True)
+
+    def __exit__(self, *exc: object) -> None:
+        with torch._C.DisableTorchFunction():
+            torch._C._set_grad_enabled(self.prev)
 
 
 def _plain_autograd_ok(

@@ -36,3 +36,33 @@ def test_executor_once_per_mesh_and_replicated_tensors_passed_whole(run, backend
             assert r["same"] is True and r["cut"] == [(2, 3)], r  # this process's block only
         else:
             assert r["cut"] == [(2, 3), (2, 3)], r  # every simulated device's block
+
+
+def test_value_and_grad_bookkeeping_bypasses_the_vma_mode(monkeypatch) -> None:
+    """Inside ``shard_map(check_vma=True)``, ``fs.value_and_grad`` adds one torch function to what the vma mode
+    sees of ``f`` (its ``torch.autograd.grad``): its own reads (requires_grad, dtypes, a view's base, detach,
+    zeros, the grad-mode switches) and shard_map's check of its outputs skip the mode."""
+    from funcshard._vma import VmaMode
+
+    seen: list[str] = []
+    plain = VmaMode.__torch_function__
+
+    def counted(self, func, types, args=(), kwargs=None):
+        seen.append(getattr(func, "__name__", str(func)))
+        return plain(self, func, types, args, kwargs)
+
+    monkeypatch.setattr(VmaMode, "__torch_function__", counted)
+    mesh = fs.make_mesh({"dp": 1}, backend="sim")
+
+    def f(w, x):
+        return (x @ w).pow(2).mean()  # [b, d] @ [d, h] -> [b, h]
+
+    w, x = torch.randn(3, 2), torch.randn(4, 3)
+    alone = fs.shard_map(f, mesh=mesh, in_specs=(P(), P()), out_specs=P())
+    both = fs.shard_map(lambda w, x: fs.value_and_grad(f)(w, x), mesh=mesh, in_specs=(P(), P()), out_specs=(P(), P()))
+    alone(w, x)
+    n_alone, seen[:] = len(seen), []
+    value, grad = both(w, x)
+    assert len(seen) == n_alone + 1 and seen.count("grad") == 1, seen
+    torch.testing.assert_close(fs.device_get(grad), 2 * x.T @ (x @ w) / (x @ w).numel())
+    torch.testing.assert_close(fs.device_get(value), f(w, x))
