@@ -24,20 +24,20 @@ All five make the same two all-reduces of a [batch, d] tensor per step. The scri
 each other and with the unsharded model before timing, then prints the median time per step and the ratios to
 (a), and the communication of one funcshard step as counted by ``fs.comm_stats()``.
 
-Measured (torch 2.13 CPU, 2 gloo processes on a 2-core host shared with 3-4 other jobs, load average 8-12;
-ratios to (a), median wall clock (CPU of the calling thread); "before" and "now" alternate launch by launch,
-2 launches each, the before code from the commit preceding this round):
+Measured (torch 2.13 CPU, 2 gloo processes on a 2-core host shared with 3-4 other jobs, load average 10-12;
+ratios to (a), median wall clock (CPU of the calling thread); "before" (the code before this round) and "now"
+alternate launch by launch: 3 launches of before, 2 of now at the small size, 3 and 1 at the large size):
 
     small (--batch 8 --d 128 --h 512)   before                      now                         target
-      (b) shard_map, vma off            1.20-1.26x (CPU 1.51-1.53)  1.07-1.14x (CPU 1.43-1.52)  1.05
-      (c) shard_map, vma on             1.31-1.32x (CPU 1.62-1.63)  1.12-1.32x (CPU 1.53-1.61)  1.25
-      (d) value_and_grad, vma off       1.44-1.52x (CPU 1.95-1.99)  1.19-1.31x (CPU 1.59-1.65)  1.10
-      (e) value_and_grad, vma on        1.59-1.62x (CPU 2.21)       1.30-1.37x (CPU 1.81-1.86)  1.25
+      (b) shard_map, vma off            1.13-1.26x (CPU 1.51-1.53)  1.20-1.26x (CPU 1.44-1.45)  1.05
+      (c) shard_map, vma on             1.11-1.36x (CPU 1.62-1.66)  1.25-1.27x (CPU 1.53-1.54)  1.25
+      (d) value_and_grad, vma off       1.27-1.57x (CPU 1.95-2.04)  1.30-1.31x (CPU 1.59)       1.10
+      (e) value_and_grad, vma on        1.35-1.62x (CPU 2.21-2.27)  1.32x (CPU 1.67-1.69)       1.25
     large (defaults: 64 x 512 x 2048)
-      (b) shard_map, vma off            1.04-1.13x (CPU 1.10-1.11)  1.05-1.08x (CPU 1.09)       1.05
-      (c) shard_map, vma on             1.05-1.08x (CPU 1.11-1.13)  1.04-1.07x (CPU 1.09-1.11)  1.25
-      (d) value_and_grad, vma off       1.06-1.19x (CPU 1.16)       1.06-1.10x (CPU 1.12)       1.03
-      (e) value_and_grad, vma on        1.10-1.16x (CPU 1.20-1.22)  1.09-1.13x (CPU 1.13-1.15)  1.03
+      (b) shard_map, vma off            1.04-1.13x (CPU 1.08-1.11)  1.06x (CPU 1.09)            1.05
+      (c) shard_map, vma on             1.05-1.08x (CPU 1.07-1.13)  1.07x (CPU 1.10)            1.25
+      (d) value_and_grad, vma off       1.06-1.19x (CPU 1.14-1.16)  1.08x (CPU 1.11)            1.03
+      (e) value_and_grad, vma on        1.10-1.16x (CPU 1.15-1.22)  1.08x (CPU 1.12)            1.03
 
 What changed: (d) / (e) made their backward all-reduce as a pending functional collective (~0.35 ms of CPU
 against ~0.1 ms synchronous) although it is the last node the backward runs, with nothing left to overlap:
@@ -45,12 +45,14 @@ value_and_grad now finds that node in the graph walk it already made, and the di
 reduction synchronously (``tests/test_dist_last_node.py`` counts 0 pending of 2 psums; the per-layer gradient
 reductions of a DDP step stay pending, ``tests/test_overlap.py``); a synchronous sum is the process group's own
 ``allreduce`` (torch's ``dist.all_reduce`` Python skipped); one executor per mesh; a replicated full tensor
-argument (the ``x`` of (d) / (e)) handed over whole, not sliced per call. One process (``tp`` of size 1, no
-peer to wait for: the library's own CPU), main-thread CPU over (a) at the small size: (b) +356 -> +316-347 us,
-(d) +606 -> +425-535 us. What is left there: each psum copies its operand (functional: the caller keeps its
-tensor; (a) reduces in place), the per-call tags and ``fs.Array``s, ``lax.pvary``, and value_and_grad's
-detached leaf copies and graph walk: ~20-50 us each, none dominant; on this host the wall ratios move by
-10-20% between launches.
+argument (the ``x`` of (d) / (e)) handed over whole, not sliced per call; value_and_grad's and shard_map's
+own reads (grad-mode switches, requires_grad, dtypes, zeros, detach) outside the vma mode (9 -> 4 torch
+functions through the mode for a 3-op ``f``, ``tests/test_shard_map_calls.py``). One process (``tp`` of size 1,
+no peer to wait for: the library's own CPU), main-thread CPU over (a) at the small size: (b) +356 -> +316-347
+us, (d) +606 -> +425-535 us, (e) +810 -> +577 us. What is left there: each psum copies its operand
+(functional: the caller keeps its tensor; (a) reduces in place), the per-call tags and ``fs.Array``s,
+``lax.pvary``, and value_and_grad's detached leaf copies and graph walk: ~20-50 us each, none dominant; on this
+host the wall ratios move by 10-20% between launches.
 
 Usage:
     python bench/shard_map_overhead.py            # spawns 2 gloo processes itself
