@@ -41,6 +41,7 @@ __all__ = [
     "AllReduce",
     "AllReduceOwned",
     "AllToAll",
+    "BucketPool",
     "Ppermute",
     "Prim",
     "Pvary",
@@ -230,12 +231,61 @@ class Pvary(Prim):
         return call(Pvary, x, dev, axes), in_dims[0]  # [.., B, ..] -> [.., B, ..]
 
 
+def _uses(t: torch.Tensor) -> int:
+    """How many holders ``t``'s storage has (tensors and views on it, pending collectives, ...)."""
+    return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
+
+
+class BucketPool:
+    """Flat gradient-bucket buffers kept from one backward to the next, as DDP keeps its buckets: a bucket takes
+    a kept buffer of its size that nothing holds any more (the gradients handed out as views of it are gone, its
+    all-reduce is done), else a new one, kept for later (at most :attr:`KEEP` per size, dtype and device).
+
+    Writing into memory already mapped skips the page faults of fresh memory (for a 6.5 MiB bucket they cost
+    several times the copy itself); a buffer still held anywhere (a gradient kept by the caller) is never reused.
+
+    Example:
+        >>> pool = BucketPool()
+        >>> a = pool.take(4, torch.float32, torch.device("cpu"))
+        >>> pool.take(4, torch.float32, torch.device("cpu")) is a  # nothing holds a but the pool: reused
+        True
+        >>> g = a[:2]  # a view handed out
+        >>> pool.take(4, torch.float32, torch.device("cpu")) is a
+        False
+    """
+
+    KEEP = 64
+
+    def __init__(self) -> None:
+        self.kept: dict[tuple[int, torch.dtype, torch.device], list[tuple[torch.Tensor, int]]] = {}
+
+    def take(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A flat ``[numel]`` buffer nothing else holds (its contents undefined)."""
+        kept = self.kept.setdefault((numel, dtype, device), [])
+        for buf, alone in kept:
+            if _uses(buf) == alone:
+                return buf
+        buf = torch.empty(numel, dtype=dtype, device=device)
+        if len(kept) < self.KEEP:
+            kept.append((buf, _uses(buf)))
+        return buf
+
+    def clear(self) -> None:
+        """Drop every kept buffer."""
+        self.kept.clear()
+
+
+#: the dist backend's gradient buckets (one process, one device)
+BUCKETS = BucketPool()
+
+
 class PvaryBucket(Prim):
     """:class:`Pvary` of several tensors of one dtype, with one collective for all of them.
 
     - forward: ``ys = xs`` (views).
-    - backward: the cotangents are written once into one fresh flat buffer (the bucket), all-reduced once in
-      place where the backend can (``all_reduce_inplace``: no second copy) and handed back as views of it.
+    - backward: the cotangents are written once into one flat buffer (the bucket), all-reduced once in place
+      where the backend can (``all_reduce_inplace``: no second copy; the buffer then comes from
+      :data:`BUCKETS`, reused from step to step once nothing holds it) and handed back as views of it.
     - jvp: ``PvaryBucket`` of the tangents present (outputs whose input has none get none).
     - vmap: ``PvaryBucket`` of the operands as they come (batched or not), each batch dim where it was.
     """
@@ -262,13 +312,16 @@ class PvaryBucket(Prim):
         if group_size(ctx.dev, ctx.axes) == 1:  # the sum over one member: the cotangents as they are
             record(ctx.dev.rank, "psum", ctx.axes, sum(_nbytes(g) for g in gs))  # counted as the all-reduce
             return (None, None, *gs)
-        # one copy: every cotangent written once into a fresh flat buffer (the bucket)
-        flat = torch.cat([g.reshape(-1) for g in gs])  # k x [*s_i] -> [sum |s_i|]
+        # one copy: every cotangent written once into one flat buffer (the bucket)
+        flat_gs = [g.reshape(-1) for g in gs]
         inplace = getattr(ctx.dev, "all_reduce_inplace", None)
         if inplace is None or torch.is_grad_enabled() or torch._C._are_functorch_transforms_active():
             # (differentiated again, or a backend with no in-place sum: the AllReduce Function, which copies)
+            flat = torch.cat(flat_gs)  # k x [*s_i] -> [sum |s_i|]
             total = call(AllReduce, flat, ctx.dev, ctx.axes, "sum", "psum")  # [sum |s_i|] -> [sum |s_i|]
         else:  # the bucket is this backward's own: summed in place, as DDP's flat buckets (no second copy)
+            n = sum(g.numel() for g in flat_gs)
+            flat = torch.cat(flat_gs, out=BUCKETS.take(n, gs[0].dtype, gs[0].device))  # -> [sum |s_i|]
             record(ctx.dev.rank, "psum", ctx.axes, _nbytes(flat))
             total = inplace(flat, ctx.axes)  # [sum |s_i|] -> [sum |s_i|]
         parts = total.split([s.numel() for s in ctx.shapes])

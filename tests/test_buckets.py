@@ -44,15 +44,20 @@ def _reference(ws: dict[str, torch.Tensor], x: torch.Tensor) -> dict[str, torch.
     return dict(zip(ref, torch.autograd.grad(_loss(ref, x), list(ref.values())), strict=True))
 
 
-def _dp_grads(mesh: fs.Mesh, ws: dict[str, torch.Tensor], x: torch.Tensor, profile: bool) -> tuple:
+def _dp_grads(mesh: fs.Mesh, ws: dict[str, torch.Tensor], x: torch.Tensor, profile: bool, cast: bool = False) -> tuple:
     """The dp gradient of ``_loss`` (params pvary'd in one call, after a first leaf ``w00`` pvary'd alone: the
     backward's last node reduces synchronously, the bucket's is overlapped), the number of gradient
-    all-reduces, and under ``profile`` the torch ops of the step with their input shapes."""
+    all-reduces, and under ``profile`` the torch ops of the step with their input shapes. ``cast``: the others
+    through ``lax.pvary_cast`` (mixed precision's buckets) in float64."""
 
     def loss(ws: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
         first = fs.pvary(ws["w00"], "dp")  # the node made first: its reduction is the backward's last
-        rest = fs.pvary({k: v for k, v in ws.items() if k != "w00"}, "dp")  # one pvary call for the others
-        return fs.psum(_loss({"w00": first, **rest}, x), "dp")
+        rest = {k: v for k, v in ws.items() if k != "w00"}
+        if not cast:
+            rest = fs.pvary(rest, "dp")  # one pvary call for the others
+            return fs.psum(_loss({"w00": first, **rest}, x), "dp")
+        rest = fs.lax.pvary_cast(rest, "dp", dtype=torch.float64, grad_dtype=torch.float64)
+        return fs.psum(_loss({"w00": first.double(), **rest}, x.double()), "dp")
 
     def step(ws: dict[str, torch.Tensor], x: torch.Tensor) -> tuple:
         if not profile:
@@ -109,24 +114,25 @@ def _expected_buckets(sizes: list[int], cap: int) -> int:
     return count + (held > 0)
 
 
-def _cap_body(mesh: fs.Mesh, mb: str) -> tuple[bool, int]:
+def _cap_body(mesh: fs.Mesh, mb: str, cast: bool) -> tuple[bool, int]:
     os.environ["FUNCSHARD_BUCKET_MB"] = mb
     try:
         ws = _tree([3000, 1000, 5000, 2000, 7000, 500])
         x = torch.randn(BATCH, 8, generator=torch.Generator().manual_seed(1))
         ref = _reference(ws, x)
-        grads, calls, _ = _dp_grads(mesh, ws, x, False)
+        grads, calls, _ = _dp_grads(mesh, ws, x, False, cast)
     finally:
         del os.environ["FUNCSHARD_BUCKET_MB"]
     return all(torch.allclose(grads[k], ref[k], rtol=1e-5, atol=1e-6) for k in ref), calls
 
 
+@pytest.mark.parametrize("cast", [False, True], ids=["pvary", "pvary_cast"])
 @pytest.mark.parametrize("mb", ["0.02", "0.04", "0"])
-def test_bucket_cap_sets_the_number_of_all_reduces(run, mb: str) -> None:
+def test_bucket_cap_sets_the_number_of_all_reduces(run, mb: str, cast: bool) -> None:
     sizes = [3000, 1000, 5000, 2000, 7000, 500]
     cap = int(float(mb) * 2**20)
     want = _expected_buckets(sizes[1:], cap) if cap else 1  # (the first leaf is pvary'd alone)
-    for same, calls in run(_cap_body, {"dp": 2}, mb):
+    for same, calls in run(_cap_body, {"dp": 2}, mb, cast):
         assert same
         assert calls == want
 
@@ -208,3 +214,45 @@ def test_row_parallel_partial_sums_reduced_in_their_own_buffer(run, backend: str
         assert same and same_g
         if backend == "dist":
             assert reduced == 1 and copies == 0
+
+
+def _reuse_body(mesh: fs.Mesh) -> tuple[bool, bool, bool, int, bool]:
+    from funcshard._prims import BUCKETS
+
+    BUCKETS.clear()
+    ws, x = _tree([12, 40, 24, 9]), torch.randn(BATCH, 8, generator=torch.Generator().manual_seed(1))
+    ref = _reference(ws, x)
+
+    def loss(ws: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        first = fs.pvary(ws["w00"], "dp")  # reduced synchronously (the backward's last node)
+        rest = fs.pvary({k: v for k, v in ws.items() if k != "w00"}, "dp")  # the bucket (overlapped)
+        return fs.psum(_loss({"w00": first, **rest}, x), "dp")
+
+    f = fs.shard_map(fs.value_and_grad(loss), mesh=mesh, in_specs=(P(), P("dp")), out_specs=(P(), P()), check_vma=True)
+
+    def local(grads: dict) -> tuple[int, torch.Tensor]:  # this process's w01 gradient: its storage, its value
+        t = grads["w01"].shards[min(grads["w01"].shards)]
+        return t.untyped_storage().data_ptr(), t.clone()
+
+    _, g1 = f(ws, x)
+    ptr1, val1 = local(g1)
+    _, g2 = f(ws, x)  # g1 still held: its bucket must not be written
+    ptr2, _ = local(g2)
+    kept = torch.equal(local(g1)[1], val1) and ptr2 != ptr1
+    del g1, g2
+    _, g3 = f(ws, x)  # nothing holds the earlier buckets: one is reused
+    ptr3, _ = local(g3)
+    same = all(torch.allclose(fs.device_get(g3)[k], ref[k], rtol=1e-5, atol=1e-6) for k in ref)
+    same = same and torch.allclose(val1, ref["w01"], rtol=1e-5, atol=1e-6)
+    n = sum(v.numel() for k, v in ws.items() if k != "w00")
+    made = len(BUCKETS.kept.get((n, torch.float32, torch.device("cpu")), []))  # buffers made in 3 steps
+    return same, kept, ptr3 in (ptr1, ptr2), made, mesh.backend == "dist"
+
+
+def test_bucket_buffers_reused_once_nothing_holds_them(run) -> None:
+    # DDP keeps its buckets: a bucket's buffer is reused at a later step (no fresh memory to fault in), never
+    # while a gradient handed out from it is still held
+    for same, kept, reused, made, dist in run(_reuse_body, {"dp": 2}):
+        assert same and kept
+        if dist:
+            assert reused and made == 2  # step 3 made none: it took step 1's or step 2's
