@@ -267,17 +267,19 @@ class _Layer:
                 self.pending = self.regather()
 
     def gathered(self) -> list[Any]:
-        """The regathered leaves: issued now (or by the next layer's prefetch), then the previous layer's issued."""
+        """The regathered leaves: issued now (or by the next layer's prefetch); then the previous layer's issued."""
         if self.leaves is None:
             self.issue()
-            before = None if self.before is None else self.before()
-            if self.prefetch and before is not None:
-                before.issue()  # the layer whose backward comes next: its weights travel while this one's runs
+            # the later layers' gradient reductions, in flight during the previous layer's backward: done by now
+            # (issued before this regather), and their full-size inputs freed before another buffer is allocated
+            _settle_pending()
             with torch.no_grad(), _device_scope(self.dctx, None, self.vma_mode):
                 tree = self.pending() if callable(self.pending) else self.pending
                 self.leaves = [settle(t) for t in optree.tree_leaves(tree)]
             self.pending = None
-            _settle_pending()  # the later layers' reductions, in flight while this one was gathered
+            before = None if self.before is None else self.before()
+            if self.prefetch and before is not None:
+                before.issue()  # the layer whose backward comes next: its weights travel while this one's runs
         return self.leaves
 
     def base(self, key: int) -> torch.Tensor:
