@@ -41,6 +41,25 @@ peer; load = ``os.getloadavg()[0]`` before -> after. Losses equal at step 0 and 
     3.1M    2     fsdp  FSDP2       1.013 (0.980-1.046)  -      16/14  5.8->4.7     5 x 2
     3.1M    2     tp    DTensor TP  0.928 (0.847-1.009)  -      20/33  4.6->4.8     5 x 2
 
+The rows above are before issue #11's gradient-bucket and optimiser work. After it (PvaryBucket writes the
+gradients once into a kept flat buffer that the dist backend sums in place, DDP's way; embed / norm / head in
+one bucket and the loss's two sums in one all-reduce: 13 -> 10 calls; AdamW's donated update block by block,
+in cache; TP's forward all-reduces in the matmul's own buffer), three launches of 5 x 3 on the same shared
+box, loaded (the same session measured dp 1.039 (0.859-1.055), CPU 1.071, load 3.0->6.5 before the changes):
+
+    size    procs case  peer        wall ratio           CPU    calls  load         steps x repeats
+    13.2M   2     dp    DDP         1.116 (1.033-1.131)  1.038  10/3   11.9->11.5   5 x 3
+    13.2M   2     dp    DDP         1.038 (1.037-1.087)  1.042  10/3   9.6->9.5     5 x 3
+    13.2M   2     dp    DDP         1.099 (1.081-1.161)  1.046  10/3   8.2->9.7     5 x 3
+    13.2M   2     tp    DTensor TP  0.917 (0.727-1.396)  0.912  36/61  11.7->12.0   5 x 3
+    13.2M   2     tp    DTensor TP  0.890 (0.872-0.898)  0.909  36/61  8.7->7.8     5 x 3
+    13.2M   2     tp    DTensor TP  0.906 (0.888-0.908)  0.901  36/61  11.5->8.2    5 x 3
+
+dp stays 1.04-1.12x DDP in wall time (CPU 1.04-1.05x, was 1.05-1.16x); tp 0.89-0.92x DTensor (CPU 0.90-0.91x).
+What dp still does that DDP does not: the stacked layer weights' gradients are stacked again after the
+backward (``run_layers`` unbinds ``[n_layers, ...]`` leaves: one fresh 52 MB copy per step), and the loss's
+sums are all-reduced in the forward (a synchronisation point DDP does not have; it costs the ranks' skew).
+
 ``fsdp`` here keeps the gathered weights (funcshard's default without remat: 11 gathers per step) against
 FSDP2's default, which gathers each block again for its backward (17); ``fsdp_keep`` compares like with like.
 
