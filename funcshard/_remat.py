@@ -326,7 +326,7 @@ class _Devices:
 
 
 @contextmanager
-def _device_scope(dctx: Any, devices: _Devices | None, vma_mode: Any) -> Iterator[None]:
+def device_scope(dctx: Any, devices: _Devices | None, vma_mode: Any) -> Iterator[None]:
     """The device's context (its collectives through ``devices``) and its vma mode, where not already active."""
     ctx_cm = nullcontext() if dctx is None else enter(dataclasses.replace(dctx, device=devices or dctx.device))
     active = torch.overrides._get_current_function_mode_stack()
@@ -414,7 +414,7 @@ class _Remat(torch.autograd.Function):
     def forward(call: _Call, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
         if not call.cache:  # under torch.func: its forward is no place for our modes; f runs as it is
             args, kwargs = call.rebuild(list(xs))
-            with _device_scope(call.dctx, None, call.vma_mode):  # torch.func runs this without the vma mode
+            with device_scope(call.dctx, None, call.vma_mode):  # torch.func runs this without the vma mode
                 return tuple(_flatten_out(call, call.f(*args, **kwargs)))
         call.rng = torch.get_rng_state()
         ins = _copies(xs, call.in_tags, [x.requires_grad for x in xs])
@@ -426,7 +426,7 @@ class _Remat(torch.autograd.Function):
         try:
             # under grad, as the recomputation will run: the same ops reach aten (matmul folds by requires_grad)
             # (a graph dropped at once: a user's saved-tensor hooks, such as CPU offloading, are not run for it)
-            with torch.enable_grad(), _device_scope(call.dctx, devices, call.vma_mode), _save_nothing(), rec:
+            with torch.enable_grad(), device_scope(call.dctx, devices, call.vma_mode), _save_nothing(), rec:
                 out = call.f(*args, **kwargs)
         finally:
             _local.recorder = prev
@@ -485,7 +485,7 @@ class _Remat(torch.autograd.Function):
                 if call.rng is not None:
                     torch.set_rng_state(call.rng)
                 with (
-                    _device_scope(call.dctx, devices, call.vma_mode),
+                    device_scope(call.dctx, devices, call.vma_mode),
                     log if call.cache else nullcontext(),
                 ):
                     out = call.f(*args, **kwargs)
@@ -507,7 +507,7 @@ class _Remat(torch.autograd.Function):
             wrt = [x for x, n in zip(ins, needs, strict=True) if n and x.requires_grad]
             found: tuple[torch.Tensor | None, ...] = ()
             if pairs and wrt:
-                with _device_scope(call.dctx, None, call.vma_mode):
+                with device_scope(call.dctx, None, call.vma_mode):
                     found = torch.autograd.grad(
                         [o for o, _ in pairs],
                         wrt,
@@ -556,7 +556,7 @@ def _flatten_out(call: _Call, out: Any) -> list[torch.Tensor]:
 
 
 # ------------------------------------------------------------------------------------------ the transform
-def _only_grad_transforms() -> bool | None:
+def only_grad_transforms() -> bool | None:
     """None: no torch.func transform; True: only ``grad`` levels; False: another (vmap, jvp, functionalize)."""
     if not torch._C._are_functorch_transforms_active():
         return None
@@ -566,7 +566,7 @@ def _only_grad_transforms() -> bool | None:
     return all(i.key() == TransformType.Grad for i in retrieve_all_functorch_interpreters())
 
 
-def _vma_mode() -> Any:
+def current_vma_mode() -> Any:
     for m in reversed(torch.overrides._get_current_function_mode_stack()):
         if isinstance(m, VmaMode):
             return m
@@ -623,7 +623,7 @@ def remat(
     def wrapped(*args: Any, **kwargs: Any) -> Any:
         if policy.everything or not torch.is_grad_enabled() or has_tangent((args, kwargs)):
             return f(*args, **kwargs)
-        transforms = _only_grad_transforms()
+        transforms = only_grad_transforms()
         if transforms is False:  # vmap / jvp around: nothing to save memory for at this level
             return f(*args, **kwargs)
         if transforms and maybe_current() is not None:
@@ -655,7 +655,7 @@ def remat(
             in_tags=[find_vma(x) for x in xs],
             cache=transforms is None,
             dctx=maybe_current(),
-            vma_mode=_vma_mode(),
+            vma_mode=current_vma_mode(),
         )
         outs = _Remat.apply(call, *xs)
         n = len(call.out_tags)

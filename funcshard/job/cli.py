@@ -153,6 +153,9 @@ ENVIRONMENT = """environment:
                      (raise where the untracked gradient would be wrong)
   FUNCSHARD_OVERLAP  0: under torchrun, issue gradient reductions and FSDP
                      gathers synchronously (default 1: overlapped with compute)
+  FUNCSHARD_BUCKET_MB
+                     the largest gradient bucket of fs.pvary in MiB (default 25,
+                     DDP's bucket_cap_mb; 0: one bucket per pvary call)
   TRITON_INTERPRET   Triton's own: 1 runs funcshard.ops.triton's kernels on CPU
                      with Triton's interpreter (set it before triton is
                      imported); unset, they run on CUDA only

@@ -40,7 +40,7 @@ from .._backend.base import prefetch_scope, settle
 from .._context import maybe_current
 from .._errors import ConfigError, ShardingError
 from .._precision import Precision
-from .._remat import _device_scope, _only_grad_transforms, _vma_mode
+from .._remat import current_vma_mode, device_scope, only_grad_transforms
 from .._spec import P, is_spec
 from .._vma import known_vma
 
@@ -245,7 +245,7 @@ class _Layer:
         self.sources: dict[int, tuple[int, int, torch.dtype]] = {}  # storage -> (leaf index, bytes, dtype)
         self.derived: dict[int, tuple[Any, Any, Any, int, torch.dtype]] = {}  # storage -> (op, args, kwargs, ..)
         self.dctx = maybe_current()
-        self.vma_mode = _vma_mode()
+        self.vma_mode = current_vma_mode()
         self.pending: Any = None  # the issued regather (a function giving the tree, or the tree)
         self.leaves: list[Any] | None = None
         self.rebuilt: dict[int, torch.Tensor] = {}
@@ -263,7 +263,7 @@ class _Layer:
     def issue(self) -> None:
         """Issue the regather (no gradient flows through it); under dist with a prefetch it travels meanwhile."""
         if self.pending is None and self.leaves is None:
-            with torch.no_grad(), _device_scope(self.dctx, None, self.vma_mode):
+            with torch.no_grad(), device_scope(self.dctx, None, self.vma_mode):
                 self.pending = self.regather()
 
     def gathered(self) -> list[Any]:
@@ -273,7 +273,7 @@ class _Layer:
             # the later layers' gradient reductions, in flight during the previous layer's backward: done by now
             # (issued before this regather), and their full-size inputs freed before another buffer is allocated
             _settle_pending()
-            with torch.no_grad(), _device_scope(self.dctx, None, self.vma_mode):
+            with torch.no_grad(), device_scope(self.dctx, None, self.vma_mode):
                 tree = self.pending() if callable(self.pending) else self.pending
                 self.leaves = [settle(t) for t in optree.tree_leaves(tree)]
             self.pending = None
@@ -495,7 +495,7 @@ class reshard_after_forward:
         self._mode: _Derive | None = None
 
     def __enter__(self) -> reshard_after_forward:
-        if not torch.is_grad_enabled() or _only_grad_transforms() is not None:
+        if not torch.is_grad_enabled() or only_grad_transforms() is not None:
             return self  # nothing saved for a backward / torch.func's own graph: the weights are kept
         before = None if self._after is None else self._after.layer
         layer = _Layer(self._regather, before, self._prefetch)
