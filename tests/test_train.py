@@ -164,3 +164,12 @@ def test_train_under_torchrun_matches_sim(tmp_path: Path) -> None:
     for d, s in zip(dist_rows, sim_rows, strict=True):
         assert abs(float(d["train_loss"] or 0) - float(s["train_loss"] or 0)) < 1e-4, (d, s)
         assert abs(float(d["val_loss"] or 0) - float(s["val_loss"] or 0)) < 1e-4, (d, s)
+
+
+def test_the_header_says_when_the_cpu_has_no_native_low_precision_matmul(monkeypatch) -> None:
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False, raising=False)
+    note = train.slow_matmul_note("bf16")
+    assert note is not None and "no native bf16 matmul" in note and "--dtype bf16" in note
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: True, raising=False)
+    assert train.slow_matmul_note("bf16") is None
+    assert train.slow_matmul_note("fp32") is None

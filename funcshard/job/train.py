@@ -106,6 +106,29 @@ def _precision(args: argparse.Namespace) -> fs.Precision | None:
     return fs.Precision(torch.float32, dtype, reduce, torch.float32)
 
 
+def slow_matmul_note(dtype: str) -> str | None:
+    """A line for the job's header when ``--dtype`` asks for a matmul dtype this CPU has no native kernels for
+    (torch 2.13 on an AVX2-only CPU: a bf16 matmul ran ~47x slower than fp32, 2048x256 @ 256x1024), else None.
+
+    Example:
+        >>> slow_matmul_note("fp32") is None
+        True
+    """
+    if dtype == "fp32":
+        return None
+    probe = {"bf16": "_is_mkldnn_bf16_supported", "fp16": "_is_mkldnn_fp16_supported"}[dtype]
+    try:
+        native = bool(getattr(torch.ops.mkldnn, probe)())
+    except (AttributeError, RuntimeError):  # a torch without the probe: say nothing rather than guess
+        return None
+    if native:
+        return None
+    return (
+        f"note: this CPU ({torch.backends.cpu.get_cpu_capability()}) has no native {dtype} matmul: torch runs "
+        f"{dtype} matmuls many times slower than fp32 here; --dtype {dtype} on it checks the numbers, not the speed"
+    )
+
+
 def model_dict(cfg: llama.Config) -> dict[str, Any]:
     """The model's config as JSON-able data (the precision as its string form), as checkpoints store it."""
     d = dataclasses.asdict(cfg)
@@ -397,6 +420,9 @@ def _train(
         _say(f"model: Llama, {cfg.num_params() / 1e6:.2f}M params, {cfg}")
         _say(f"data: {run.corpus.describe()}")
         _say(f"batch {args.batch} x {args.seq} = {args.batch * args.seq} tokens/step; steps {start} -> {args.steps}")
+        note = slow_matmul_note(getattr(args, "dtype", "fp32"))
+        if note:
+            _say(note)
         rows: list[dict[str, Any]] = _read_rows(out / "metrics.csv", start) if start else []
         if start == 0:
             rows.append({"step": 0, "train_loss": "", "val_loss": run.evaluate(params), "tokens_per_s": ""})
