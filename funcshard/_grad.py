@@ -36,10 +36,11 @@ from typing import Any
 
 import optree
 import torch
+from torch.autograd.graph import _engine_run_backward
 
 from ._backend.base import overlap_scope, settle
 from ._errors import ConfigError
-from ._vma import EMPTY, find_vma, set_vma, tag_leaves, tag_like, tag_through, tags_of
+from ._vma import EMPTY, active_mode, find_vma, set_vma, tag_leaves, tag_like, tag_through, tags_of
 
 __all__ = ["graph_walk", "has_tangent", "reaches_other_leaf", "value_and_grad"]
 
@@ -182,7 +183,7 @@ class _GradCall:
             if differentiable:
                 # dist: the gradient reductions travel while the backward goes on (the last node's: synchronous)
                 with overlap_scope(None if keep else last):
-                    found = torch.autograd.grad(value, leaves, allow_unused=True, create_graph=keep)
+                    found = _autograd_grad(value, leaves, keep)
             else:  # f does not depend on its inputs: zero gradients, as torch.func gives
                 found = (None,) * len(leaves)
         # a gradient summed over the data axes may still be travelling (dist overlaps them with the backward);
@@ -243,6 +244,30 @@ class _GradCall:
             return value, grads
         tag_leaves(aux, self.tags.get("aux", []))
         return (value, aux), grads
+
+
+def _autograd_grad(value: torch.Tensor, leaves: list[torch.Tensor], keep: bool) -> tuple[torch.Tensor | None, ...]:
+    """``torch.autograd.grad(value, leaves, allow_unused=True, create_graph=keep)``: for a plain real scalar
+    ``value`` with no torch function mode around but this thread's vma mode, the engine's own call, as
+    ``torch.autograd.grad`` ends in (its argument handling and, inside shard_map, a dispatch through the vma
+    mode skipped: the gradients are tagged by the caller). The backward runs with the vma mode off the stack,
+    as it does when ``torch.autograd.grad`` is dispatched through the mode (which pops itself to handle it)."""
+    depth = torch._C._len_torch_function_stack()
+    if (
+        depth > 1
+        or type(value) is not torch.Tensor
+        or (depth == 1 and torch._C._get_function_stack_at(0) is not active_mode())  # someone else's mode sees it
+    ):
+        return torch.autograd.grad(value, leaves, allow_unused=True, create_graph=keep)
+    mode = torch._C._pop_torch_function_stack() if depth else None
+    try:
+        if not value.is_floating_point():  # (a complex value: torch.autograd.grad's error)
+            return torch.autograd.grad(value, leaves, allow_unused=True, create_graph=keep)
+        ones = torch.ones_like(value, memory_format=torch.preserve_format)  # [] : d value / d value
+        return _engine_run_backward((value,), (ones,), keep, keep, tuple(leaves), True, accumulate_grad=False)
+    finally:
+        if mode is not None:
+            torch._C._push_on_torch_function_stack(mode)
 
 
 class _GradOn:

@@ -17,12 +17,22 @@ from ._errors import ShardingError
 from ._mesh import Mesh
 from ._reshard import Step, reshard_plan
 from ._spec import P, check_spec, format_mesh, is_spec
-from ._vma import get_vma
+from ._vma import EMPTY, get_vma
 
 __all__ = ["InputCache", "Inputs", "OutPlan", "assemble_outputs", "device_args", "donated_blocks"]
 
-#: per output leaf: its path, its spec and its global shape (None for a non-tensor leaf)
-OutPlan = list[tuple[str, P, tuple[int, ...] | None]]
+
+class OutPlan(list):  # type: ignore[type-arg]
+    """Per output leaf: its path, its spec and its global shape (None for a non-tensor leaf); and, found with
+    it once per output signature, the axes each spec names (``allowed``, a frozenset per leaf)."""
+
+    __slots__ = ("allowed",)
+
+    def __init__(self, items: list[tuple[str, P, tuple[int, ...] | None]]) -> None:
+        super().__init__(items)
+        self.allowed: list[frozenset[str]] = [
+            frozenset(spec.axes) if isinstance(spec, P) else EMPTY for _, spec, _ in items
+        ]
 
 
 @dataclass
@@ -36,6 +46,8 @@ class Inputs:
             differs from the in_spec where the devices reshard it first).
         steps: per argument and leaf, the resharding steps from ``layouts`` to ``specs`` (mostly empty).
         blocks: per argument and leaf, a dict device coords -> block for a tensor, else the value itself.
+        donated: per argument and leaf, whether its blocks are handed over to be written (None: no donation).
+        resharded: whether any leaf is resharded on the devices before the function runs.
     """
 
     treedefs: list[Any]
@@ -43,19 +55,31 @@ class Inputs:
     layouts: list[list[P]]
     steps: list[list[list[Step]]]
     blocks: list[list[Any]]
-    donated: list[list[bool]] | None = None  # per argument and leaf: its blocks are handed over to be written
+    donated: list[list[bool]] | None = None
+    resharded: bool = False
 
-    @property
-    def resharded(self) -> bool:
-        """Whether any leaf is resharded on the devices before the function runs."""
-        return any(st for arg in self.steps for st in arg)
+
+@dataclass
+class _InSig:
+    """What a call signature (tree structures, leaf kinds, shapes, layouts) fixes, found once: everything of
+    :class:`Inputs` but the blocks, and per leaf how its blocks are found (``kinds``)."""
+
+    treedefs: list[Any]
+    specs: list[list[P]]
+    layouts: list[list[P]]
+    steps: list[list[list[Step]]]
+    resharded: bool
+    kinds: list[int]  # per leaf (all arguments in order): _ARRAY, _WHOLE, _CUT or _VALUE
+
+
+_ARRAY, _WHOLE, _CUT, _VALUE = 0, 1, 2, 3
 
 
 def _leaf_sig(leaf: Any) -> tuple[Any, ...]:
     if isinstance(leaf, Array):
         return ("A", leaf.shape, leaf.spec, leaf.mesh)
     if isinstance(leaf, torch.Tensor):
-        return ("T", tuple(leaf.shape))
+        return ("T", leaf.shape)  # a torch.Size: equal to (and hashed as) the tuple
     return ("V",)
 
 
@@ -104,42 +128,70 @@ class InputCache:
     called many times checks its specs once."""
 
     def __init__(self) -> None:
-        self.specs: dict[Any, list[list[P]]] = {}
-        self.outputs: dict[Any, list[tuple[str, P, tuple[int, ...] | None]]] = {}
+        self.specs: dict[Any, _InSig] = {}
+        self.outputs: dict[Any, OutPlan] = {}
         self.dist_local: tuple[Coords, torch.device | None] | None = None  # this process's coords, its device
 
     def prepare(self, name: str, mesh: Mesh, in_specs: Any, args: tuple[Any, ...]) -> Inputs:
-        """Validate ``args`` against ``in_specs`` (cached per call signature) and cut them for the devices."""
-        flat = [optree.tree_flatten(a, is_leaf=is_array) for a in args]
-        key = tuple((td, tuple(_leaf_sig(x) for x in leaves)) for leaves, td in flat)
-        specs_all = self.specs.get(key)
-        if specs_all is None:
-            specs_all = _check_inputs(name, mesh, in_specs, args)
+        """Validate ``args`` against ``in_specs`` (cached per call signature) and cut them for the devices.
+
+        A repeat call flattens the arguments once, looks its signature up and gathers the blocks: the specs,
+        layouts, resharding steps and tree structures are the signature's, found at its first call."""
+        leaves, treedef = optree.tree_flatten(args, is_leaf=is_array)
+        key = (treedef, *map(_leaf_sig, leaves))
+        sig = self.specs.get(key)
+        if sig is None:
+            sig = self._signature(name, mesh, in_specs, args, treedef, leaves)
             if len(self.specs) > 64:
                 self.specs.clear()
-            self.specs[key] = specs_all
-        layouts, steps, blocks = [], [], []
-        for (leaves, _), specs in zip(flat, specs_all, strict=True):
+            self.specs[key] = sig
+        blocks: list[list[Any]] = []
+        k = 0
+        kinds = sig.kinds
+        for specs in sig.specs:
+            blk: list[Any] = []
+            for s in specs:
+                leaf, kind = leaves[k], kinds[k]
+                k += 1
+                if kind == _ARRAY:
+                    blk.append(leaf.shards)
+                elif kind == _VALUE:
+                    blk.append(leaf)
+                else:
+                    whole = self.whole_blocks(mesh, leaf) if kind == _WHOLE else None
+                    blk.append(local_shards(leaf, mesh, s) if whole is None else whole)
+            blocks.append(blk)
+        return Inputs(sig.treedefs, sig.specs, sig.layouts, sig.steps, blocks, None, sig.resharded)
+
+    @staticmethod
+    def _signature(
+        name: str, mesh: Mesh, in_specs: Any, args: tuple[Any, ...], treedef: Any, leaves: list[Any]
+    ) -> _InSig:
+        """The first call of a signature: the arguments checked against ``in_specs``, and what they fix."""
+        specs_all = _check_inputs(name, mesh, in_specs, args)
+        treedefs = treedef.children()
+        layouts: list[list[P]] = []
+        steps: list[list[list[Step]]] = []
+        kinds: list[int] = []
+        it = iter(leaves)
+        for specs in specs_all:
             lay: list[P] = []
             st: list[list[Step]] = []
-            blk: list[Any] = []
-            for leaf, s in zip(leaves, specs, strict=True):
+            for s in specs:
+                leaf = next(it)
                 if isinstance(leaf, Array):
                     lay.append(leaf.spec)
                     st.append([] if leaf.spec == s else reshard_plan(leaf.spec, s, leaf.ndim))
-                    blk.append(leaf.shards)
+                    kinds.append(_ARRAY)
                 else:
                     lay.append(s)
                     st.append([])
-                    if isinstance(leaf, torch.Tensor):
-                        whole = self.whole_blocks(mesh, leaf) if not s.axes else None
-                        blk.append(local_shards(leaf, mesh, s) if whole is None else whole)
-                    else:
-                        blk.append(leaf)
+                    tensor = isinstance(leaf, torch.Tensor)
+                    kinds.append((_CUT if s.axes else _WHOLE) if tensor else _VALUE)
             layouts.append(lay)
             steps.append(st)
-            blocks.append(blk)
-        return Inputs([td for _, td in flat], specs_all, layouts, steps, blocks)
+        resharded = any(x for arg in steps for x in arg)
+        return _InSig(treedefs, specs_all, layouts, steps, resharded, kinds)
 
     def whole_blocks(self, mesh: Mesh, x: torch.Tensor) -> dict[Coords, torch.Tensor] | None:
         """The blocks of a replicated full tensor ``x`` under ``"dist"``: ``x`` itself, where it already lives on
@@ -157,7 +209,7 @@ class InputCache:
 
     def out_plan(self, name: str, mesh: Mesh, out_specs: Any, out_def: Any, leaves: list[Any]) -> OutPlan:
         """Path, spec and global shape of each output leaf (validated once per output signature)."""
-        key = (out_def, tuple(_leaf_sig(v) for v in leaves))
+        key = (out_def, *map(_leaf_sig, leaves))
         plan = self.outputs.get(key)
         if plan is None:
             plan = _out_plan(name, mesh, out_specs, out_def, leaves)
@@ -210,9 +262,14 @@ def _out_plan(name: str, mesh: Mesh, out_specs: Any, out_def: Any, leaves: list[
     template = optree.tree_unflatten(out_def, leaves)
     paths = ["out" + (f"/{p}" if p else "") for p, _ in pytree.leaves_with_path(template, is_leaf=is_array)]
     specs = pytree.broadcast_prefix(out_specs, template, prefix_is_leaf=is_spec, where=f"{name}: out_specs: ")
-    plan: OutPlan = []
+    plan: list[tuple[str, P, tuple[int, ...] | None]] = []
     for path, spec, v0 in zip(paths, specs, leaves, strict=True):
         if not isinstance(v0, torch.Tensor):
+            if spec != P():
+                raise ShardingError(
+                    f"{name} at '{path}': the function returned a {type(v0).__name__}, which cannot be laid "
+                    f"out by {spec!r}; return a tensor or give P()."
+                )
             plan.append((path, spec, None))
             continue
         if not isinstance(spec, P) or len(spec) > v0.dim():
@@ -222,7 +279,7 @@ def _out_plan(name: str, mesh: Mesh, out_specs: Any, out_def: Any, leaves: list[
         gshape = tuple(s * math.prod(shape.get(a, 1) for a in axes) for s, axes in zip(v0.shape, dims, strict=True))
         check_spec(spec, gshape, mesh, path=path, fn=name)
         plan.append((path, spec, gshape))
-    return plan
+    return OutPlan(plan)
 
 
 def check_structures(name: str, all_coords: list[Coords], results: list[Any]) -> Any:
@@ -243,6 +300,8 @@ def assemble_outputs(
     """The devices' outputs (``(leaves, treedef)`` per device, in ``all_coords`` order) checked against
     ``plan`` and assembled into ``fs.Array``s."""
     out_def = results[0][1]
+    if len(results) == 1:
+        return optree.tree_unflatten(out_def, _assemble_one(name, mesh, plan, check_vma, all_coords[0], results[0][0]))
     out = []
     seen: set[int] = set()  # storages of the blocks assembled so far
     for k, (path, spec, gshape) in enumerate(plan):
@@ -286,12 +345,7 @@ def assemble_outputs(
             if check_vma:
                 extra = sorted(get_vma(v) - allowed)
                 if extra:
-                    raise ShardingError(
-                        f"{name} at '{path}': the output varies over axis '{extra[0]}' but out_specs gives "
-                        f"{spec!r}, which does not name it (so it promises the value is the same on every "
-                        f"device of '{extra[0]}'). Reduce it first (fs.psum / fs.pmean over '{extra[0]}'), or name "
-                        f"'{extra[0]}' in the out spec."
-                    )
+                    _vma_error(name, path, spec, extra)
         if not check_vma and len(vals) > 1:
             _check_replicated(name, path, spec, mesh, all_coords, vals)
         owned = _owned(vals)
@@ -301,6 +355,39 @@ def assemble_outputs(
             seen.update(ptrs)
         out.append(Array(mesh, spec, gshape, v0.dtype, dict(zip(all_coords, vals, strict=True)), owned))
     return optree.tree_unflatten(out_def, out)
+
+
+def _assemble_one(
+    name: str, mesh: Mesh, plan: OutPlan, check_vma: bool, coords: Coords, leaves: list[Any]
+) -> list[Any]:
+    """:func:`assemble_outputs` of one device (``"dist"``, or a sim mesh of one): nothing to compare between
+    devices; the leaf kinds and shapes are the plan's (its key), so only the vma tags and storages are read."""
+    out: list[Any] = []
+    seen: set[int] = set()  # storages of the blocks assembled so far
+    for v, (path, spec, gshape), allowed in zip(leaves, plan, plan.allowed, strict=True):
+        if gshape is None:  # a non-tensor leaf (its spec checked P() with the plan): as it is
+            out.append(v)
+            continue
+        if check_vma:
+            vma = get_vma(v)
+            if not vma <= allowed:
+                _vma_error(name, path, spec, sorted(vma - allowed))
+        owned = v._base is None and not torch._C._is_cow_tensor(v)
+        if owned and v.numel():  # no storage shared with another output (returned twice)
+            ptr = v.untyped_storage().data_ptr()
+            owned = ptr not in seen
+            seen.add(ptr)
+        out.append(Array(mesh, spec, gshape, v.dtype, {coords: v}, owned))
+    return out
+
+
+def _vma_error(name: str, path: str, spec: P, extra: list[str]) -> None:
+    raise ShardingError(
+        f"{name} at '{path}': the output varies over axis '{extra[0]}' but out_specs gives "
+        f"{spec!r}, which does not name it (so it promises the value is the same on every "
+        f"device of '{extra[0]}'). Reduce it first (fs.psum / fs.pmean over '{extra[0]}'), or name "
+        f"'{extra[0]}' in the out spec."
+    )
 
 
 def _equal_values(a: Any, b: Any) -> bool:

@@ -30,6 +30,7 @@ __all__ = [
     "EMPTY",
     "Audited",
     "VmaMode",
+    "active_mode",
     "auditing",
     "bind_operand",
     "bind_result",
@@ -129,6 +130,11 @@ def official_vma(t: torch.Tensor) -> frozenset[str] | None:
     a collective's result, a tracked value): None for none, or for axes that only the audit knows."""
     v = find_vma(t)
     return None if isinstance(v, Audited) else v
+
+
+def active_mode() -> VmaMode | None:
+    """The vma mode this thread runs under (inside ``shard_map(check_vma=True)``, or an audited call), or None."""
+    return getattr(_active, "mode", None)
 
 
 def auditing() -> bool:

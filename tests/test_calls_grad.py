@@ -1,0 +1,107 @@
+"""What ``fs.value_and_grad`` does per call inside ``shard_map`` (counted, not timed): it runs the autograd engine
+itself, so the vma mode sees none of its backward (no torch function of a collective's backward, no
+``torch.autograd.grad``), other torch function modes still see the call, and the gradients are those of the
+unsharded function, sim and dist."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+import funcshard as fs
+from funcshard import P
+
+
+def _loss(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    # x invariant meets w1 sharded over tp: the vma mode inserts a pvary (its backward: a psum over tp)
+    h = torch.tanh(F.linear(x, w1))  # [b, d] @ [d, h/tp] -> [b, h/tp]
+    out = fs.psum(F.linear(h, w2), "tp")  # [b, h/tp] @ [h/tp, d] -> [b, d]
+    return (out**2).mean()
+
+
+def _ref(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    return (F.linear(torch.tanh(F.linear(x, w1)), w2) ** 2).mean()
+
+
+def _backward_dispatch_body(mesh: fs.Mesh) -> dict[str, Any]:
+    from funcshard._vma import VmaMode
+
+    gen = torch.Generator().manual_seed(0)
+    x, w1, w2 = torch.randn(4, 6, generator=gen), torch.randn(8, 6, generator=gen), torch.randn(6, 8, generator=gen)
+    seen: list[str] = []
+    phase = threading.local()  # per device thread (sim runs the devices in threads)
+    plain = VmaMode.__torch_function__
+
+    def counted(self: Any, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if getattr(phase, "backward", False):
+            seen.append(getattr(func, "__name__", str(func)))
+        return plain(self, func, types, args, kwargs)
+
+    def loss(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+        value = _loss(x, w1, w2)
+        phase.backward = True  # from here on: what value_and_grad does after f (its backward)
+        return value
+
+    def step(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> Any:
+        out = fs.value_and_grad(loss, argnums=(0, 1, 2))(x, w1, w2)
+        phase.backward = False
+        return out
+
+    specs = (P(), P("tp", None), P(None, "tp"))
+    f = fs.shard_map(step, mesh=mesh, in_specs=specs, out_specs=(P(), specs))
+    VmaMode.__torch_function__ = counted
+    try:
+        value, grads = f(x, w1, w2)
+    finally:
+        VmaMode.__torch_function__ = plain
+    ref_value, ref_grads = torch.func.grad_and_value(_ref, argnums=(0, 1, 2))(x, w1, w2)[::-1]
+    close = torch.allclose(fs.device_get(value), ref_value, rtol=1e-5, atol=1e-6) and all(
+        torch.allclose(fs.device_get(g), r, rtol=1e-5, atol=1e-6) for g, r in zip(grads, ref_grads, strict=True)
+    )
+    return {"seen": seen, "close": close, "tags": [g.spec for g in grads]}
+
+
+def test_backward_runs_outside_the_vma_mode(run, backend) -> None:
+    for r in run(_backward_dispatch_body, {"tp": 2}):
+        assert r["close"], r
+        # the collectives' backwards (the pvary's psum of x's cotangent) and the engine call: none through the mode
+        assert r["seen"] == [], r
+        assert r["tags"] == [P(), P("tp", None), P(None, "tp")], r
+
+
+class _Log(TorchFunctionMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: list[str] = []
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.names.append(getattr(func, "__name__", str(func)))
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_users_torch_function_mode_still_sees_the_gradient_call() -> None:
+    """Under a mode of the caller's own (here around ``value_and_grad`` outside shard_map) the call goes through
+    ``torch.autograd.grad``, so that mode sees it; the numbers are the same."""
+    gen = torch.Generator().manual_seed(1)
+    w = torch.randn(3, generator=gen)
+    vg = fs.value_and_grad(lambda w: (w.sin() ** 2).sum())
+    plain_value, plain_grad = vg(w)
+    with _Log() as log:
+        value, grad = vg(w)
+    assert "grad" in log.names, log.names
+    assert torch.equal(value, plain_value) and torch.equal(grad, plain_grad)
+    torch.testing.assert_close(grad, 2 * w.sin() * w.cos())
+
+
+def test_complex_value_still_raises_as_torch_does() -> None:
+    w = torch.randn(2, dtype=torch.complex64)
+    try:
+        fs.value_and_grad(lambda w: (w * w).sum())(w)
+    except (RuntimeError, TypeError) as e:  # torch.func / autograd: a complex output has no implicit gradient
+        assert "complex" in str(e).lower() or "real" in str(e).lower(), e
+    else:
+        raise AssertionError("a complex value was differentiated without an error")
