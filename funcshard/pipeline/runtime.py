@@ -24,7 +24,15 @@ activation on virtual stage 0, ``loss_fn`` sees ``shared_params`` (final norm, h
 gradients of ``shared_params`` (zero on stages that do not use them) are summed over the pipeline axis. The
 activation's shape with ``first_fn`` is known only once virtual stage 0 has run: one ``psum`` of a few
 integers over the axis tells the other stages before they post any receive. Gradients are accumulated in
-place, one buffer per parameter leaf and chunk.
+place by the autograd engine (``torch.autograd.backward(..., inputs=...)`` into the ``.grad`` of one detached
+leaf per parameter and chunk, as ``Tensor.backward`` does), no Python per gradient.
+
+Under ``check_vma=True`` the vma mode's per-op dispatch is paid once per chunk and step: ``stage_fn``'s first
+microbatch on each chunk runs tracked, and when that run only tagged (no ``pvary`` inserted on the way to the
+parameters, no collective, no custom Function) the later microbatches, whose operands carry the same tags, run
+untracked (the same ops, values and graph) and their output takes the tag of the first. So ``stage_fn`` must
+run the same ops on every microbatch (no Python control flow on the data, as under ``jax.jit``); a collective
+made only by a later microbatch raises.
 
 Example:
     >>> import torch, funcshard as fs
@@ -53,12 +61,13 @@ from typing import Any, NamedTuple, cast
 
 import optree
 import torch
+from torch.autograd.function import BackwardCFunction
 
 from .. import lax
-from .._backend.base import P2POp, P2PWork
+from .._backend.base import P2POp, P2PWork, tracing
 from .._context import current
 from .._errors import ShardingError
-from .._stats import record
+from .._stats import capture, record
 from .._vma import find_vma, get_vma, pvary_to, set_vma
 from .plan import Send as Send
 from .plan import StagePlan, Step, plans
@@ -191,7 +200,9 @@ def run(
     sent as soon as they are made; the gradients are accumulated here (no autograd across stages), so call
     ``run`` directly, not under ``torch.autograd.grad``. Other mesh axes (dp, fsdp, tp, cp) work inside
     ``stage_fn``, ``first_fn`` and ``loss_fn`` as usual (the devices of one stage run the same actions in
-    the same order, so their collectives match).
+    the same order, so their collectives match). With ``check_vma=True``, ``stage_fn`` is tracked on the first
+    microbatch of each chunk and replayed untracked on the others where that is exact (see the module's
+    docstring): it must run the same ops on every microbatch.
 
     Args:
         schedule: a validated ``Schedule`` (any of ``by_name``'s, V-shaped and overlapped ones included).
@@ -311,7 +322,6 @@ class _Stage:
             for c in range(v)
         ]
         self.chunk_params = [optree.tree_unflatten(self.treedef, ls) for ls in self.chunk_leaves]
-        self.grad_acc: list[list[torch.Tensor | None]] = [[None] * len(self.leaves) for _ in range(v)]
         self.received: dict[Send, torch.Tensor] = {}  # hand-offs within the stage (the turn of a V)
         self.recv_works: dict[Send, P2PWork] = {}  # posted receives, by block
         self.send_works: deque[P2PWork] = deque()  # posted sends not known to be done, oldest first
@@ -319,8 +329,10 @@ class _Stage:
         self.split = {(a.microbatch, a.chunk) for a in schedule.actions[self.me] if a.kind == "W"}
         self.saved: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}  # (mb, vs) -> (x, y or loss)
         self.pending_w: dict[tuple[int, int], torch.Tensor] = {}  # (mb, vs) -> grad of y, kept from B for W
-        self.deferred: deque[tuple[int, tuple[torch.Tensor | None, ...]]] = deque()  # (chunk, grads) to add
         self.input_grads: dict[int, torch.Tensor] = {}
+        # chunk -> (input's tag, output's tag) of a plain tracked stage_fn call (see call_stage); replays made
+        self.typed: dict[int, tuple[frozenset[str] | None, frozenset[str]]] = {}
+        self.replays = 0
 
     def set_shared(self, shared: PyTree) -> None:
         """Detached copies (requiring grad) of ``shared_params``, and their gradient accumulators."""
@@ -339,7 +351,6 @@ class _Stage:
             self.tagged(leaf.detach(), get_vma(leaf) | {self.axis}).requires_grad_(True) for leaf in self.shared_orig
         ]
         self.shared = optree.tree_unflatten(self.shared_def, self.shared_leaves) if self.has_shared else None
-        self.shared_acc: list[torch.Tensor | None] = [None] * len(self.shared_leaves)
 
     def tagged(self, t: torch.Tensor, axes: frozenset[str]) -> torch.Tensor:
         return set_vma(t, axes) if self.vma else t
@@ -380,7 +391,6 @@ class _Stage:
                 elif step.send is not None:
                     sends.append((step.send, self.zeros() if out is None else out))
                 self.post(sends, i + 1 if last else -1)
-                self.flush()  # off the path to the next stage: its block is on its way
         while self.send_works:
             self.send_works.popleft().wait()
 
@@ -471,12 +481,11 @@ class _Stage:
             x = _detached(got)
         x.requires_grad_(vs > 0 or self.input_grad)
         with torch.enable_grad():
-            with self.user():
-                h = x
-                if vs == 0 and self.first_fn is not None:
+            h = x
+            if vs == 0 and self.first_fn is not None:
+                with self.user():
                     h = self.first_fn(*self.shared_args(), x)
-                y = self.stage_fn(self.chunk_params[a.chunk], h)
-            y = self.checked(y, vs)
+            y = self.checked(self.call_stage(a, h), vs)
             if vs == self.last:
                 # varying over the axis, as the output it meets (no pvary inserted per microbatch: no gradient)
                 tgt = () if self.targets is None else (self.tagged(self.targets[a.microbatch], self.tgt_axes),)
@@ -488,6 +497,45 @@ class _Stage:
                 return None
         self.saved[(a.microbatch, vs)] = (x, y)
         return _detached(y)
+
+    def call_stage(self, a: Action, h: torch.Tensor) -> Any:
+        """``stage_fn`` on chunk ``a.chunk`` and ``h``; under the vma mode, tracked once per chunk and step.
+
+        The first call of each chunk runs under the mode (tagging every op, inserting ``pvary`` where operands
+        differ). If that run was plain (no collective, no ``pvary`` or custom Function on the way from ``h`` and
+        the chunk's parameters to the output: the mode only tagged), the chunk's later microbatches, whose
+        operands carry the same tags, run with torch functions off (no per-op dispatch into the mode; the
+        same ops, values and graph) and their output gets the tag the first run gave it. A later call that makes
+        a collective (control flow on the data) raises: its operand's axes were not tracked."""
+        params = self.chunk_params[a.chunk]
+        if not self.tf_on:  # no mode to skip (dist without check_vma)
+            return self.stage_fn(params, h)
+        if not self.vma or tracing() or torch._C._are_functorch_transforms_active():
+            with self.user():
+                return self.stage_fn(params, h)
+        tag = find_vma(h)
+        typed = self.typed.get(a.chunk)
+        if typed is not None and typed[0] == tag:
+            with capture() as log:
+                y = self.stage_fn(params, h)  # torch functions off: run's own DisableTorchFunction
+            if log:
+                names = sorted({r[1] for r in log})
+                raise ShardingError(
+                    f"pipeline.run: stage_fn made collectives {names} on microbatch {a.microbatch} of chunk "
+                    f"{a.chunk} but none on its first microbatch this step. Under check_vma=True the runtime tracks "
+                    f"each chunk's first microbatch and runs the later ones untracked when that first run needed "
+                    f"no pvary or collective, so stage_fn must run the same ops on every microbatch (no Python "
+                    f"control flow on the data, as under jax.jit): make the collective unconditional."
+                )
+            if isinstance(y, torch.Tensor):
+                set_vma(y, typed[1])
+            self.replays += 1
+            return y
+        with self.user(), capture() as log:
+            y = self.stage_fn(params, h)
+        if typed is None and not log and isinstance(y, torch.Tensor) and _plain_graph(y, h):
+            self.typed[a.chunk] = (tag, get_vma(y))
+        return y
 
     def shared_args(self) -> tuple[PyTree, ...]:
         return (self.shared,) if self.has_shared else ()
@@ -548,19 +596,23 @@ class _Stage:
         return self.chunk_leaves[chunk] + (self.shared_leaves if uses_shared else [])
 
     def backward(self, a: Action, vs: int, g_out: torch.Tensor | None) -> torch.Tensor | None:
-        """``B``: the input gradient (to send) and, without ``W`` actions, the parameter gradients."""
+        """``B``: the input gradient (to send) and, without ``W`` actions, the parameter gradients, which the
+        autograd engine adds into the leaves' ``.grad`` in place (as ``Tensor.backward`` does: the first one
+        taken over where no one else holds it, else copied)."""
         key = (a.microbatch, vs)
         x, out = self.saved[key]
         split = (a.microbatch, a.chunk) in self.split  # a W follows: input gradient only
         want_x = vs > 0 or self.input_grad
-        wrt = ([x] if want_x else []) + ([] if split else self.params_of(vs, a.chunk))
-        gs = torch.autograd.grad(out, wrt, g_out, retain_graph=split, allow_unused=True) if wrt else ()
+        gx = None
         if split:
+            if want_x:
+                (gx,) = torch.autograd.grad(out, [x], g_out, retain_graph=True, allow_unused=True)
             self.pending_w[key] = g_out if g_out is not None else torch.ones_like(out)
         else:
             del self.saved[key]
-            self.deferred.append((a.chunk, gs[1:] if want_x else gs))  # added once the input gradient is sent
-        gx = gs[0] if want_x else None
+            wrt = ([x] if want_x else []) + self.params_of(vs, a.chunk)
+            torch.autograd.backward(out, g_out, inputs=wrt)  # accumulates into each leaf's .grad
+            gx = x.grad if want_x else None
         if vs == 0:
             if self.input_grad:
                 self.input_grads[a.microbatch] = torch.zeros_like(x) if gx is None else _detached(gx)
@@ -568,30 +620,10 @@ class _Stage:
         return self.zeros() if gx is None else _detached(gx)
 
     def weight(self, a: Action, vs: int) -> None:
-        """``W``: the parameter gradients from the graph ``B`` kept."""
+        """``W``: the parameter gradients from the graph ``B`` kept, added into the leaves' ``.grad``."""
         key = (a.microbatch, vs)
         _, out = self.saved.pop(key)
-        gs = torch.autograd.grad(out, self.params_of(vs, a.chunk), self.pending_w.pop(key), allow_unused=True)
-        self.accumulate(a.chunk, gs)
-
-    def flush(self) -> None:
-        """Accumulate the parameter gradients of the ``B`` actions run since the last call."""
-        while self.deferred:
-            self.accumulate(*self.deferred.popleft())
-
-    def accumulate(self, c: int, gs: tuple[torch.Tensor | None, ...]) -> None:
-        """Add ``gs`` (chunk ``c``'s leaves, then the shared ones) into the accumulators, in place."""
-        n = len(self.leaves)
-        with torch.no_grad():
-            for i, g in enumerate(gs):
-                if g is None:
-                    continue
-                accs, j = (self.grad_acc[c], i) if i < n else (self.shared_acc, i - n)
-                acc = accs[j]
-                if acc is None:  # a copy: g may share memory with a block still being sent
-                    accs[j] = g.clone()
-                else:
-                    acc.add_(g)
+        torch.autograd.backward(out, self.pending_w.pop(key), inputs=self.params_of(vs, a.chunk))
 
     def loss_result(self) -> torch.Tensor:
         """The mean loss, invariant over the axis: the last stage's sum, its dtype and varying axes, from the
@@ -616,8 +648,8 @@ class _Stage:
         out_leaves = []
         for i, (leaf, axes) in enumerate(zip(self.leaves, self.leaf_axes, strict=True)):
             per_chunk = [
-                torch.zeros_like(self.chunk_leaves[c][i]) if g is None else g
-                for c, g in enumerate(acc[i] for acc in self.grad_acc)
+                torch.zeros_like(leaves[i]) if leaves[i].grad is None else leaves[i].grad
+                for leaves in self.chunk_leaves
             ]
             if len(per_chunk) == 1:  # the accumulator (a fresh tensor) as the one chunk: no copy
                 g = per_chunk[0].unsqueeze(0)  # [*s] -> [1, *s]
@@ -636,7 +668,7 @@ class _Stage:
         if self.has_shared:
             local = [
                 self.tagged((torch.zeros_like(leaf) if g is None else g).to(leaf.dtype), get_vma(leaf) | {self.axis})
-                for leaf, g in zip(self.shared_orig, self.shared_acc, strict=True)
+                for leaf, g in zip(self.shared_orig, (t.grad for t in self.shared_leaves), strict=True)
             ]
             summed = lax.psum(local, self.axis)  # each leaf [*s] -> [*s], summed over the stages that used it
             shared = optree.tree_unflatten(
@@ -661,6 +693,25 @@ def _detached(t: torch.Tensor) -> torch.Tensor:
         out = t.detach()
     axes = find_vma(t)
     return out if axes is None else set_vma(out, axes)
+
+
+def _plain_graph(y: torch.Tensor, h: torch.Tensor) -> bool:
+    """Whether the autograd graph from ``y`` back to ``h`` and the leaves holds only torch's own nodes: no
+    ``Function`` of Python (a ``pvary`` the vma mode inserted, a collective, a user's custom Function)."""
+    stop = h.grad_fn
+    todo = [] if y.grad_fn is None else [y.grad_fn]
+    seen = set(todo)
+    while todo:
+        node = todo.pop()
+        if isinstance(node, BackwardCFunction):
+            return False
+        if node is stop:
+            continue
+        for nxt, _ in node.next_functions:
+            if nxt is not None and nxt not in seen:
+                seen.add(nxt)
+                todo.append(nxt)
+    return True
 
 
 def _float_dtype_index(dtype: torch.dtype) -> int:
