@@ -40,7 +40,7 @@ from torch.autograd.graph import _engine_run_backward
 
 from ._backend.base import overlap_scope, settle
 from ._errors import ConfigError
-from ._vma import EMPTY, active_mode, find_vma, set_vma, tag_leaves, tag_like, tag_through, tags_of
+from ._vma import EMPTY, active_mode, find_vma, get_vma, set_vma, tag_leaves, tag_like, tag_through, tags_of
 
 __all__ = ["graph_walk", "has_tangent", "reaches_other_leaf", "value_and_grad"]
 
@@ -123,7 +123,7 @@ class _GradCall:
         # torch.func returns fresh tensors without our tags: remember the vma they had in here
         if not self.has_aux:
             with torch._C.DisableTorchFunction():  # reads (a view's base) that need no vma mode
-                self.tags["value"] = tags_of(out)
+                self.tags["value"] = [get_vma(out)] if isinstance(out, torch.Tensor) else tags_of(out)
             return out
         if not isinstance(out, tuple) or len(out) != 2:
             raise ConfigError(
@@ -232,7 +232,12 @@ class _GradCall:
     def _finish(self, args: Any, value: Any, aux: Any, grads: PyTree, grads_tagged: bool = False) -> tuple[Any, PyTree]:
         """The tags put back (value and aux as inside ``f``, gradients like their inputs, unless
         ``grads_tagged``: done already); JAX's order."""
-        tag_leaves(value, self.tags.get("value", []))
+        tags = self.tags.get("value", [])
+        if isinstance(value, torch.Tensor) and len(tags) == 1:  # the common value: one tensor
+            if tags[0] is not None:
+                tag_through(value, tags[0])
+        else:
+            tag_leaves(value, tags)
         if grads_tagged:
             pass
         elif isinstance(self.argnums, int):
@@ -295,12 +300,16 @@ def _plain_autograd_ok(
     want the gradients' graph). ``flat``: each differentiated argument's leaves (None a leaf) and structure."""
     if torch._C._are_functorch_transforms_active() or has_tangent((args, kwargs)):
         return False
+    outer = torch.is_grad_enabled()
     for xs, _ in flat:
         for x in xs:
             if not isinstance(x, torch.Tensor) or not (x.is_floating_point() or x.is_complex()):
                 return False  # torch.func raises its own error for these
-    if torch.is_grad_enabled():
-        for x in optree.tree_leaves((args, kwargs)):
+            if outer and x.requires_grad:
+                return False
+    if outer:  # the other arguments (the differentiated ones were read above)
+        rest = [a for i, a in enumerate(args) if i not in nums and i - len(args) not in nums]
+        for x in optree.tree_leaves((rest, kwargs)):
             if isinstance(x, torch.Tensor) and x.requires_grad:
                 return False
     return True
@@ -354,10 +363,10 @@ def graph_walk(outs: list[torch.Tensor], own: list[torch.Tensor]) -> tuple[bool,
     if any(o.grad_fn is None and o.requires_grad and id(o) not in ids for o in outs):  # an output is such a leaf
         return True, None
     acc = _accumulate_grad()
-    seen: set[int] = set()
+    # every node seen stays referenced (the dict's values), so no id in it is reused by a newer object
+    seen: dict[int, Any] = {}
     stack = [o.grad_fn for o in outs if o.grad_fn is not None]
-    alive = list(stack)  # every node seen stays referenced, so no id in ``seen`` is reused by a newer object
-    last, first_nr = None, None
+    last, first_nr = None, -1
     while stack:
         node = stack.pop()
         if type(node) is acc:  # a leaf's node: only these have a .variable
@@ -365,15 +374,12 @@ def graph_walk(outs: list[torch.Tensor], own: list[torch.Tensor]) -> tuple[bool,
                 return True, None
             continue
         nr = node._sequence_nr()
-        if first_nr is None or nr < first_nr:
+        if nr < first_nr or last is None:
             last, first_nr = node, nr
         for n, _ in node.next_functions:
-            if n is not None:
-                k = id(n)
-                if k not in seen:
-                    seen.add(k)
-                    stack.append(n)
-                    alive.append(n)
+            if n is not None and id(n) not in seen:
+                seen[id(n)] = n
+                stack.append(n)
     return False, last
 
 

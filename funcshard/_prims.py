@@ -32,6 +32,8 @@ from torch._functorch.utils import unwrap_dead_wrappers as _unwrap_dead
 
 from ._stats import record
 
+_is_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
+
 if TYPE_CHECKING:
     from torch._functorch.autograd_function import VmapInfo
 
@@ -66,7 +68,11 @@ def call(fn: type[torch.autograd.Function], *args: Any) -> Any:
     """
     if torch._C._are_functorch_transforms_active():
         return _custom_function_call(fn, *args)
-    return super(torch.autograd.Function, fn).apply(*_unwrap_dead(args))  # type: ignore[misc]
+    for a in args:  # a dead torch.func wrapper (escaped from a finished transform) is unwrapped, as apply does
+        if isinstance(a, torch.Tensor) and _is_wrapped(a):
+            args = _unwrap_dead(args)
+            break
+    return super(torch.autograd.Function, fn).apply(*args)  # type: ignore[misc]
 
 
 def _nbytes(x: torch.Tensor) -> int:
@@ -148,6 +154,8 @@ class AllReduce(Prim):
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
         if ctx.op == "sum":  # the transpose is pvary: identity here, and a psum when this backward is differentiated
+            if not torch.is_grad_enabled() and not torch._C._are_functorch_transforms_active():
+                return g, None, None, None, None  # not differentiated (no graph recorded): the identity itself
             return call(Pvary, g, ctx.dev, ctx.axes), None, None, None, None  # [*s] -> [*s]
         x, y = ctx.saved_tensors
         mask = (x == y).to(g.dtype)

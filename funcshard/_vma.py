@@ -254,6 +254,7 @@ def _is_tensor(a: Any) -> bool:
 
 
 _active = threading.local()  # .mode: the VmaMode this thread runs under, if any
+_SCALARS = frozenset({int, float, bool, complex, str, type(None)})  # operands with no tensor inside
 
 
 def _tag_audited(t: torch.Tensor, axes: frozenset[str]) -> None:
@@ -289,6 +290,9 @@ class VmaMode(TorchFunctionMode):
         def fix(a: Any) -> Any:
             return pvary_to(a, union, self.dev) if isinstance(a, torch.Tensor) and a is not skip else a
 
+        args, kwargs = tree
+        if not kwargs and all(isinstance(a, torch.Tensor) or type(a) in _SCALARS for a in args):
+            return tuple(map(fix, args)), kwargs  # the common op: tensors and numbers (no pytree walk)
         return optree.tree_map(fix, tree, is_leaf=_is_tensor)
 
     def custom_function(self, apply: Callable[..., Any], cls: type, args: tuple[Any, ...], kwargs: Any) -> Any:

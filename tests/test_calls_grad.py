@@ -105,3 +105,54 @@ def test_complex_value_still_raises_as_torch_does() -> None:
         assert "complex" in str(e).lower() or "real" in str(e).lower(), e
     else:
         raise AssertionError("a complex value was differentiated without an error")
+
+
+def _psum_transpose_body(mesh: fs.Mesh) -> dict[str, Any]:
+    """How many ``Pvary`` Functions a psum's backward makes: none when the backward records no graph (its
+    transpose is the identity there), one when it is differentiated again; and the second derivative is right."""
+    from funcshard import _prims
+
+    made = {"n": 0}
+    real = _prims.Pvary.forward
+
+    def counted(*a: Any) -> Any:
+        made["n"] += 1
+        return real(*a)
+
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(4, generator=gen)
+
+    def loss(x: torch.Tensor) -> torch.Tensor:  # x sharded over tp: d/dx of sum(psum(x)^3) = 3 psum(x)^2
+        return (fs.psum(x, "tp") ** 3).sum()
+
+    grad_once = fs.shard_map(lambda x: fs.value_and_grad(loss)(x)[1], mesh=mesh, in_specs=(P("tp"),), out_specs=P("tp"))
+    # the second derivative along v = 1: d/dx of <grad, 1> = 6 psum(x) * n (each device's psum sums n copies)
+    hvp = fs.shard_map(
+        lambda x: fs.value_and_grad(lambda x: fs.psum(fs.value_and_grad(loss)(x)[1].sum(), "tp"))(x)[1],
+        mesh=mesh,
+        in_specs=(P("tp"),),
+        out_specs=P("tp"),
+    )
+    _prims.Pvary.forward = staticmethod(counted)
+    try:
+        g = fs.device_get(grad_once(x))
+        once = made["n"]
+        made["n"] = 0
+        h = fs.device_get(hvp(x))
+        twice = made["n"]
+    finally:
+        _prims.Pvary.forward = staticmethod(real)
+    s = x.reshape(2, 2).sum(0)  # psum over the 2 devices of tp: the blocks added
+    return {
+        "once": once,
+        "twice": twice,
+        "grad": torch.allclose(g, (3 * s**2).repeat(2)),
+        "hvp": torch.allclose(h, (6 * s * 2).repeat(2)),
+    }
+
+
+def test_psum_backward_makes_no_pvary_unless_differentiated(run, backend) -> None:
+    for r in run(_psum_transpose_body, {"tp": 2}):
+        assert r["grad"] and r["hvp"], r
+        assert r["once"] == 0, r  # a plain backward: the identity, no Function
+        assert r["twice"] >= 1, r  # a backward that is differentiated again keeps the pvary (its psum is needed)
