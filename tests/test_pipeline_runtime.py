@@ -386,10 +386,13 @@ def test_vma_mode_sees_only_the_user_functions(monkeypatch: pytest.MonkeyPatch, 
     """The runtime's own tensor work (slicing microbatches, detaching, receive buffers, autograd.grad, gradient
     accumulation) does not go through the vma mode's Python dispatch: what the mode sees outside ``stage_fn`` /
     ``loss_fn`` is a fixed number of ops per step (shard_map's and the loss reduction's), not a number per action
-    (about 20 per action before), and no pvary is inserted (the targets are tagged as the output they meet)."""
+    (about 20 per action before), and no pvary is inserted (the targets are tagged as the output they meet).
+    The user's functions are tracked once per chunk and step (later microbatches replayed untracked)."""
     small = _vma_ops_per_step(monkeypatch, _schedule(name, 2, 4))
     large = _vma_ops_per_step(monkeypatch, _schedule(name, 2, 8))
-    assert large[1] > small[1] > 0  # the user's ops: more microbatches, more ops
+    # the user's ops: tracked on the first microbatch of each chunk (stage_fn) and of loss_fn, the others replayed
+    # untracked, so twice the microbatches show the mode no more ops
+    assert large[1] == small[1] > 0
     assert large[0] == small[0] < 80  # the runtime's: the same for twice the actions (was ~20 per action)
     assert small[2] == large[2] == 0
 

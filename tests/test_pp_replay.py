@@ -20,7 +20,7 @@ import torch
 
 import funcshard as fs
 from funcshard import P
-from funcshard.pipeline import by_name, run, stage_order
+from funcshard.pipeline import PipelineGrads, by_name, run, stage_order
 
 D, H, ROWS, M = 4, 6, 3, 4
 
@@ -205,3 +205,64 @@ def test_gradients_accumulate_in_the_engine_not_in_python(run, name: str) -> Non
         # no add_ / copy_ from run's code, and no copy of a gradient: one clone at most (the loss note it receives)
         assert seen.get("add_", 0) == seen.get("copy_", 0) == 0, seen
         assert seen.get("clone", 0) <= 1, seen
+
+
+_fn_calls: Counter[tuple[str, bool]] = Counter()  # (function, tracked) -> calls, while counting
+
+
+def _first(sh: Any, tok: torch.Tensor) -> torch.Tensor:
+    if getattr(_counting, "on", False):
+        with _lock:
+            _fn_calls[("first_fn", torch._C._is_torch_function_enabled())] += 1
+    return sh["emb"][tok]  # [ROWS] -> [ROWS, D]
+
+
+def _head_loss(sh: Any, y: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    if getattr(_counting, "on", False):
+        with _lock:
+            _fn_calls[("loss_fn", torch._C._is_torch_function_enabled())] += 1
+    return torch.nn.functional.cross_entropy(y @ sh["head"], t)  # [ROWS, D] @ [D, 7] -> []
+
+
+def _shared_body(mesh: fs.Mesh) -> dict[tuple[str, bool], int]:
+    sched = by_name("1f1b", 2, M)
+    w1, w2, _, _ = _data(2, M)
+    g = torch.Generator().manual_seed(9)
+    sh = {
+        "emb": torch.randn(7, D, generator=g, dtype=torch.float64),  # [vocab, D]
+        "head": torch.randn(D, 7, generator=g, dtype=torch.float64),  # [D, vocab]
+    }
+    tok, tgt = torch.randint(0, 7, (M, ROWS), generator=g), torch.randint(0, 7, (M, ROWS), generator=g)
+    got, calls = {}, {}
+    for vma in (True, False):
+
+        def step(w: Any, sh: Any, tok: torch.Tensor, tgt: torch.Tensor, vma: bool = vma) -> Any:
+            _counting.on = vma
+            try:
+                return run(sched, _mlp, w, tok, targets=tgt, loss_fn=_head_loss, first_fn=_first, shared_params=sh)
+            finally:
+                _counting.on = False
+
+        f = fs.shard_map(
+            step,
+            mesh=mesh,
+            in_specs=(P("pp"), P(), P(), P()),
+            out_specs=(P(), PipelineGrads(P("pp"), P(), None)),
+            check_vma=vma,
+        )
+        _fn_calls.clear()
+        loss, grads = f((w1, w2), sh, tok, tgt)
+        got[vma] = [fs.device_get(t) for t in (loss, *grads.stage, *grads.shared.values())]
+        if vma:
+            calls = dict(_fn_calls)
+    for a, b in zip(got[True], got[False], strict=True):
+        assert torch.equal(a, b), "check_vma=True (replayed) differs from check_vma=False"
+    return calls
+
+
+def test_first_fn_and_loss_fn_tracked_once_then_replayed(run) -> None:
+    calls: Counter[tuple[str, bool]] = Counter()
+    for r in run(_shared_body, {"pp": 2}):
+        calls.update(r)
+    # the stage holding virtual stage 0 embeds M microbatches, the last one computes M losses
+    assert calls == {("first_fn", True): 1, ("first_fn", False): M - 1, ("loss_fn", True): 1, ("loss_fn", False): M - 1}

@@ -330,8 +330,8 @@ class _Stage:
         self.saved: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}  # (mb, vs) -> (x, y or loss)
         self.pending_w: dict[tuple[int, int], torch.Tensor] = {}  # (mb, vs) -> grad of y, kept from B for W
         self.input_grads: dict[int, torch.Tensor] = {}
-        # chunk -> (input's tag, output's tag) of a plain tracked stage_fn call (see call_stage); replays made
-        self.typed: dict[int, tuple[frozenset[str] | None, frozenset[str]]] = {}
+        # (function, chunk) -> (operands' tags, output's tag) of a plain tracked call (see call_user); replays made
+        self.typed: dict[tuple[Any, ...], tuple[tuple[frozenset[str] | None, ...], frozenset[str]]] = {}
         self.replays = 0
 
     def set_shared(self, shared: PyTree) -> None:
@@ -483,14 +483,13 @@ class _Stage:
         with torch.enable_grad():
             h = x
             if vs == 0 and self.first_fn is not None:
-                with self.user():
-                    h = self.first_fn(*self.shared_args(), x)
-            y = self.checked(self.call_stage(a, h), vs)
+                h = self.call_user("first_fn", ("first",), self.first_fn, *self.shared_args(), x)
+            y = self.call_user("stage_fn", ("stage", a.chunk), self.stage_fn, self.chunk_params[a.chunk], h)
+            y = self.checked(y, vs)
             if vs == self.last:
                 # varying over the axis, as the output it meets (no pvary inserted per microbatch: no gradient)
                 tgt = () if self.targets is None else (self.tagged(self.targets[a.microbatch], self.tgt_axes),)
-                with self.user():
-                    raw = self.loss_fn(*self.shared_args(), y, *tgt)
+                raw = self.call_user("loss_fn", ("loss",), self.loss_fn, *self.shared_args(), y, *tgt)
                 loss = raw / self.m
                 self.add_loss(raw, loss)
                 self.saved[(a.microbatch, vs)] = (x, loss)
@@ -498,43 +497,44 @@ class _Stage:
         self.saved[(a.microbatch, vs)] = (x, y)
         return _detached(y)
 
-    def call_stage(self, a: Action, h: torch.Tensor) -> Any:
-        """``stage_fn`` on chunk ``a.chunk`` and ``h``; under the vma mode, tracked once per chunk and step.
+    def call_user(self, what: str, key: tuple[Any, ...], fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(*args)``, one of the user's functions (``stage_fn`` on a chunk, ``first_fn``, ``loss_fn``); under
+        the vma mode, tracked once per ``key`` (the function and chunk) and step.
 
-        The first call of each chunk runs under the mode (tagging every op, inserting ``pvary`` where operands
-        differ). If that run was plain (no collective, no ``pvary`` or custom Function on the way from ``h`` and
-        the chunk's parameters to the output: the mode only tagged), the chunk's later microbatches, whose
-        operands carry the same tags, run with torch functions off (no per-op dispatch into the mode; the
-        same ops, values and graph) and their output gets the tag the first run gave it. A later call that makes
-        a collective (control flow on the data) raises: its operand's axes were not tracked."""
-        params = self.chunk_params[a.chunk]
+        The first call for ``key`` runs under the mode (tagging every op, inserting ``pvary`` where operands
+        differ). If that run was plain (no collective, no ``pvary`` or custom Function in the graph from its
+        output back to its operands: the mode only tagged), the later calls for ``key``, whose tensor operands
+        carry the same tags, run with torch functions off (no per-op dispatch into the mode; the same ops,
+        values and graph) and their output gets the tag the first run gave it. A later call that makes a
+        collective (control flow on the data) raises: its operand's axes were not tracked."""
         if not self.tf_on:  # no mode to skip (dist without check_vma)
-            return self.stage_fn(params, h)
+            return fn(*args)
         if not self.vma or tracing() or torch._C._are_functorch_transforms_active():
             with self.user():
-                return self.stage_fn(params, h)
-        tag = find_vma(h)
-        typed = self.typed.get(a.chunk)
-        if typed is not None and typed[0] == tag:
+                return fn(*args)
+        tensors = [t for t in args if isinstance(t, torch.Tensor)]
+        tags = tuple(find_vma(t) for t in tensors)
+        typed = self.typed.get(key)
+        if typed is not None and typed[0] == tags:
             with capture() as log:
-                y = self.stage_fn(params, h)  # torch functions off: run's own DisableTorchFunction
+                y = fn(*args)  # torch functions off: run's own DisableTorchFunction
             if log:
                 names = sorted({r[1] for r in log})
                 raise ShardingError(
-                    f"pipeline.run: stage_fn made collectives {names} on microbatch {a.microbatch} of chunk "
-                    f"{a.chunk} but none on its first microbatch this step. Under check_vma=True the runtime tracks "
-                    f"each chunk's first microbatch and runs the later ones untracked when that first run needed "
-                    f"no pvary or collective, so stage_fn must run the same ops on every microbatch (no Python "
-                    f"control flow on the data, as under jax.jit): make the collective unconditional."
+                    f"pipeline.run: {what} made collectives {names} on a later microbatch ({key}) but none on "
+                    f"the first this step. Under check_vma=True the runtime tracks the first call of {what} (per "
+                    f"chunk) and runs the later ones untracked when that first run needed no pvary or collective, "
+                    f"so {what} must run the same ops on every microbatch (no Python control flow on the data, as "
+                    f"under jax.jit): make the collective unconditional."
                 )
             if isinstance(y, torch.Tensor):
                 set_vma(y, typed[1])
             self.replays += 1
             return y
         with self.user(), capture() as log:
-            y = self.stage_fn(params, h)
-        if typed is None and not log and isinstance(y, torch.Tensor) and _plain_graph(y, h):
-            self.typed[a.chunk] = (tag, get_vma(y))
+            y = fn(*args)
+        if typed is None and not log and isinstance(y, torch.Tensor) and _plain_graph(y, tensors):
+            self.typed[key] = (tags, get_vma(y))
         return y
 
     def shared_args(self) -> tuple[PyTree, ...]:
@@ -638,9 +638,11 @@ class _Stage:
             vec = self.tagged(self.loss_vector(), self.loss_axes | {self.axis})
             with self.user():
                 got = lax.psum(vec, self.axis)  # [3] -> [3], invariant over the axis
-        dtype = _FLOATS[int(got[1].item())]
-        axes = frozenset(n for i, n in enumerate(names) if int(got[2].item()) >> i & 1) - {self.axis}
-        return self.tagged(got[0].to(dtype), axes)
+        with torch._C.DisableTorchFunction():  # a few reads of the runtime's own vector: no dispatch to the mode
+            _, index, mask = got.tolist()
+            value = got[0].to(_FLOATS[int(index)])
+        axes = frozenset(n for i, n in enumerate(names) if int(mask) >> i & 1) - {self.axis}
+        return self.tagged(value, axes)
 
     def stage_grads(self) -> PyTree:
         """The accumulated gradients of this stage's parameters, stacked over its chunks in their structure,
@@ -695,18 +697,18 @@ def _detached(t: torch.Tensor) -> torch.Tensor:
     return out if axes is None else set_vma(out, axes)
 
 
-def _plain_graph(y: torch.Tensor, h: torch.Tensor) -> bool:
-    """Whether the autograd graph from ``y`` back to ``h`` and the leaves holds only torch's own nodes: no
-    ``Function`` of Python (a ``pvary`` the vma mode inserted, a collective, a user's custom Function)."""
-    stop = h.grad_fn
+def _plain_graph(y: torch.Tensor, operands: list[torch.Tensor]) -> bool:
+    """Whether the autograd graph from ``y`` back to ``operands`` and the leaves holds only torch's own nodes:
+    no ``Function`` of Python (a ``pvary`` the vma mode inserted, a collective, a user's custom Function)."""
+    stops = {t.grad_fn for t in operands if t.grad_fn is not None}
     todo = [] if y.grad_fn is None else [y.grad_fn]
     seen = set(todo)
     while todo:
         node = todo.pop()
+        if node in stops:  # an operand's own graph: not this call's
+            continue
         if isinstance(node, BackwardCFunction):
             return False
-        if node is stop:
-            continue
         for nxt, _ in node.next_functions:
             if nxt is not None and nxt not in seen:
                 seen.add(nxt)
