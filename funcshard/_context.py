@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
 
@@ -57,15 +56,22 @@ def current(fn: str) -> DeviceContext:
     return ctx
 
 
-@contextmanager
-def enter(ctx: DeviceContext) -> Iterator[DeviceContext]:
-    """Make ``ctx`` current in this thread for the duration of the block."""
-    prev = getattr(_local, "ctx", None)
-    _local.ctx = ctx
-    try:
-        yield ctx
-    finally:
-        _local.ctx = prev
+class enter(AbstractContextManager):  # used as a function: ``with enter(ctx):``
+    """Make ``ctx`` current in this thread for the duration of the block (a plain class: entered on every
+    ``shard_map`` call, where a generator-based context manager costs several frames)."""
+
+    __slots__ = ("ctx", "prev")
+
+    def __init__(self, ctx: DeviceContext) -> None:
+        self.ctx = ctx
+
+    def __enter__(self) -> DeviceContext:
+        self.prev = getattr(_local, "ctx", None)
+        _local.ctx = self.ctx
+        return self.ctx
+
+    def __exit__(self, *exc: object) -> None:
+        _local.ctx = self.prev
 
 
 def axes_of(axis: Any, mesh: Any, fn: str) -> tuple[str, ...]:
@@ -74,6 +80,13 @@ def axes_of(axis: Any, mesh: Any, fn: str) -> tuple[str, ...]:
     Raises:
         ShardingError: an axis the mesh lacks, an axis named twice, or an empty tuple.
     """
+    key = (axis, mesh) if isinstance(axis, (str, tuple)) else None
+    try:
+        hit = _AXES.get(key) if key is not None else None
+    except TypeError:  # a tuple holding something unhashable: checked (and refused) below
+        key = hit = None
+    if hit is not None:  # checked before: the same name(s) on the same mesh
+        return hit
     axes = (axis,) if isinstance(axis, str) else tuple(axis) if isinstance(axis, (tuple, list)) else None
     if not axes or not all(isinstance(a, str) for a in axes):
         raise ShardingError(
@@ -87,4 +100,11 @@ def axes_of(axis: Any, mesh: Any, fn: str) -> tuple[str, ...]:
             )
     if len(set(axes)) != len(axes):
         raise ShardingError(f"{fn}: axis tuple {axes} names an axis twice; name each axis once.")
+    if key is not None:
+        if len(_AXES) > 256:
+            _AXES.clear()
+        _AXES[key] = axes
     return axes
+
+
+_AXES: dict[tuple[Any, Any], tuple[str, ...]] = {}  # (axis, mesh) -> its checked axes tuple

@@ -48,6 +48,8 @@ class Inputs:
         blocks: per argument and leaf, a dict device coords -> block for a tensor, else the value itself.
         donated: per argument and leaf, whether its blocks are handed over to be written (None: no donation).
         resharded: whether any leaf is resharded on the devices before the function runs.
+        tags: per argument and leaf, the axes its in_spec names (the vma tag each block gets), found once per
+            call signature.
     """
 
     treedefs: list[Any]
@@ -57,6 +59,7 @@ class Inputs:
     blocks: list[list[Any]]
     donated: list[list[bool]] | None = None
     resharded: bool = False
+    tags: list[list[frozenset[str]]] | None = None
 
 
 @dataclass
@@ -69,7 +72,8 @@ class _InSig:
     layouts: list[list[P]]
     steps: list[list[list[Step]]]
     resharded: bool
-    kinds: list[int]  # per leaf (all arguments in order): _ARRAY, _WHOLE, _CUT or _VALUE
+    kinds: list[int]
+    tags: list[list[frozenset[str]]]  # per leaf (all arguments in order): _ARRAY, _WHOLE, _CUT or _VALUE
 
 
 _ARRAY, _WHOLE, _CUT, _VALUE = 0, 1, 2, 3
@@ -161,7 +165,7 @@ class InputCache:
                     whole = self.whole_blocks(mesh, leaf) if kind == _WHOLE else None
                     blk.append(local_shards(leaf, mesh, s) if whole is None else whole)
             blocks.append(blk)
-        return Inputs(sig.treedefs, sig.specs, sig.layouts, sig.steps, blocks, None, sig.resharded)
+        return Inputs(sig.treedefs, sig.specs, sig.layouts, sig.steps, blocks, None, sig.resharded, sig.tags)
 
     @staticmethod
     def _signature(
@@ -191,7 +195,8 @@ class InputCache:
             layouts.append(lay)
             steps.append(st)
         resharded = any(x for arg in steps for x in arg)
-        return _InSig(treedefs, specs_all, layouts, steps, resharded, kinds)
+        tags = [[frozenset(sp.axes) for sp in specs] for specs in specs_all]
+        return _InSig(treedefs, specs_all, layouts, steps, resharded, kinds, tags)
 
     def whole_blocks(self, mesh: Mesh, x: torch.Tensor) -> dict[Coords, torch.Tensor] | None:
         """The blocks of a replicated full tensor ``x`` under ``"dist"``: ``x`` itself, where it already lives on
