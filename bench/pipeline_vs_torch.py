@@ -23,7 +23,8 @@ operations to torch.distributed (target: equal). Before timing, both libraries' 
 checked against each other.
 
 Usage:
-    torchrun --nproc-per-node 4 bench/pipeline_vs_torch.py [--steps 7] [--case A|B|AB|P] [--f-ms 10 --b-ms 20]
+    torchrun --nproc-per-node 4 bench/pipeline_vs_torch.py [--steps 7] [--steps-b 21] [--case A|B|AB|P]
+        [--f-ms 10 --b-ms 20]
 
 Case P (``--case P``), one point-to-point message: rank pairs ping-pong a [32, 128] block through funcshard's
 ``device.p2p`` and its works' ``wait()``, torch's ``batch_isend_irecv`` (what its pipelining calls), and the
@@ -316,7 +317,10 @@ def messages(fn: Callable[[], Any]) -> tuple[int, int]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=7)
+    ap.add_argument("--steps", type=int, default=7, help="timed steps per library and configuration (A, P)")
+    ap.add_argument(
+        "--steps-b", type=int, default=21, help="case B's timed steps (its ~10 ms steps are noisier than A's)"
+    )
     ap.add_argument("--f-ms", type=float, default=10.0, help="case A: forward sleep per stage (ms)")
     ap.add_argument("--b-ms", type=float, default=20.0, help="case A: backward sleep per stage (ms)")
     ap.add_argument("--case", choices=("A", "B", "AB", "P"), default="AB")
@@ -336,7 +340,7 @@ def main() -> None:
     if "A" in args.case:
         case_a(args.steps, mesh, say)
     if "B" in args.case:
-        case_b(args.steps, mesh, say)
+        case_b(args.steps_b, mesh, say)
     dist.barrier()
     fs.process.shutdown()
 
@@ -441,7 +445,8 @@ def case_b(steps: int, mesh: fs.Mesh, say: Callable[..., None]) -> None:
             say(
                 f"  B {name:11s} check_vma={check_vma!s:5s}: step fs {fw * 1e3:.1f} ms, torch {tw * 1e3:.1f} ms, "
                 f"fs/torch {r:.3f}x [{ok}] | CPU (4 ranks) fs {fc * 1e3:.0f} ms, torch {tc * 1e3:.0f} ms, "
-                f"{fc / tc:.3f}x | messages sent/received fs {fs_s}/{fs_r}, torch {t_s}/{t_r} [{same}]"
+                f"{fc / tc:.3f}x | messages sent/received fs {fs_s}/{fs_r}, torch {t_s}/{t_r} [{same}] | "
+                f"load {os.getloadavg()[0]:.1f}"
             )
 
 
