@@ -330,9 +330,8 @@ class _Stage:
         self.saved: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}  # (mb, vs) -> (x, y or loss)
         self.pending_w: dict[tuple[int, int], torch.Tensor] = {}  # (mb, vs) -> grad of y, kept from B for W
         self.input_grads: dict[int, torch.Tensor] = {}
-        # (function, chunk) -> (operands' tags, output's tag) of a plain tracked call (see call_user); replays made
+        # (function, chunk) -> (operands' tags, output's tag) of a plain tracked call (see call_user)
         self.typed: dict[tuple[Any, ...], tuple[tuple[frozenset[str] | None, ...], frozenset[str]]] = {}
-        self.replays = 0
 
     def set_shared(self, shared: PyTree) -> None:
         """Detached copies (requiring grad) of ``shared_params``, and their gradient accumulators."""
@@ -529,7 +528,6 @@ class _Stage:
                 )
             if isinstance(y, torch.Tensor):
                 set_vma(y, typed[1])
-            self.replays += 1
             return y
         with self.user(), capture() as log:
             y = fn(*args)
