@@ -138,7 +138,8 @@ def test_adamw_sharded_with_schedule_matches_torch(run) -> None:
 
 # leaves of several update blocks (funcshard.optim._adamw.CHUNK elements each), one with a ragged last block
 BIG_SPECS = {"w": P(None, "tp"), "b": P("tp"), "n": P()}
-BIG_SHAPES = {"w": (3, 2 * 65_536 + 34), "b": (2 * 131_072 + 6,), "n": (7,)}
+_BLOCK = 1 << 20  # funcshard.optim._adamw.CHUNK (checked in the test)
+BIG_SHAPES = {"w": (3, _BLOCK + 34), "b": (2 * _BLOCK + 6,), "n": (7,)}
 
 
 def _adamw_donated_body(mesh: fs.Mesh) -> tuple[int, bool, bool]:
@@ -168,7 +169,8 @@ def _adamw_donated_body(mesh: fs.Mesh) -> tuple[int, bool, bool]:
     exact = all(torch.equal(a, b) for a, b in zip(optree.tree_leaves(got), optree.tree_leaves(ref), strict=True))
     nu = optree.tree_leaves(fs.device_get(state.nu))
     exact = exact and all(torch.equal(v, topt.state[r]["exp_avg_sq"]) for r, v in zip(ref_leaves, nu, strict=True))
-    local_w = torch.zeros(3, 65_536 + 17)  # one device's block of "w"
+    assert CHUNK == _BLOCK, "BIG_SHAPES are sized for the update's block"
+    local_w = torch.zeros(3, _BLOCK // 2 + 17)  # one device's block of "w": 1.5 blocks
     blocks = len(list(_chunks(CHUNK, local_w, local_w)))
     return blocks, exact, len(list(_chunks(0, local_w))) == 1
 

@@ -71,9 +71,11 @@ def adamw(
     return Optimizer(h.init, h.transform, h.state_specs, name=fn, apply=h.apply)
 
 
-#: elements per block of the in-place update (:func:`_chunks`): 128K float32 = 512 KiB per operand, so a block's
-#: gradient, moments, parameter and denominator (~2.5 MiB) stay in cache through its seven ops
-CHUNK = 1 << 17
+#: elements per block of the in-place update (:func:`_chunks`): 1M float32 = 4 MiB per operand, so a block's
+#: gradient, moments, parameter and denominator (~20 MiB) stay in the last-level cache through its seven ops.
+#: Measured on the 13.2M Llama's AdamW step (2 gloo processes on one 32 MiB-L3 CPU, load 2): 33-34 ms per step
+#: at 1M against 36-37 ms at 128K (more, smaller ops) and 35 ms for torch.optim.AdamW; one process: 28.4 vs 33.8
+CHUNK = 1 << 20
 
 
 def _chunks(n: int, *ts: torch.Tensor) -> Any:
