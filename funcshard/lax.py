@@ -60,6 +60,8 @@ _Axis = str | tuple[str, ...]
 def _tmap(fn: Any, tree: PyTree, name: str, *, numbers: bool = False) -> PyTree:
     """``fn`` on every tensor leaf of ``tree``. A Python number is a value invariant over every axis: passed
     to ``fn`` as it is where ``numbers`` (the reductions have a rule for it), else as a 0-dim tensor."""
+    if isinstance(tree, torch.Tensor):  # one tensor (the common operand): no tree walk
+        return fn(tree)
 
     def leaf(x: Any) -> Any:
         if isinstance(x, torch.Tensor):
@@ -215,32 +217,39 @@ def pvary(x: PyTree, axis: _Axis) -> PyTree:
     """
     ctx = current("pvary")
     axes = axes_of(axis, ctx.mesh, "pvary")
-    leaves, treedef = optree.tree_flatten(x)
-    groups: dict[Any, list[int]] = {}
-    for i, t in enumerate(leaves):
-        if isinstance(t, torch.Tensor):
-            have = known_vma(t, ctx.check_vma)
-            # unknown or audited axes: pvary them all, as dist (which knows none) does
+    with torch._C.DisableTorchFunction():  # dtype, device, sizes read without the vma mode (tags set here)
+        if isinstance(x, torch.Tensor):  # one tensor (the common operand): no tree walk, no buckets
+            have = known_vma(x, ctx.check_vma)
             todo = tuple(a for a in axes if have is None or isinstance(have, Audited) or a not in have)
-            if todo:
-                groups.setdefault((todo, t.dtype, t.device, have), []).append(i)
-        elif isinstance(t, (int, float)) and not isinstance(t, bool):
-            leaves[i] = torch.tensor(t)
-            groups.setdefault((axes, leaves[i].dtype, leaves[i].device, EMPTY), []).append(i)
-        else:
-            raise ShardingError(f"pvary: leaves must be torch.Tensors (or numbers), found {type(t).__name__}.")
-    out = list(leaves)
-    for (todo, _, _, have), group in groups.items():
-        for idx in _split_buckets(group, leaves):
-            with torch._C.DisableTorchFunction():
+            if not todo:
+                return x
+            y = _prims.call(_prims.Pvary, x, ctx.device, todo)  # [*s] -> [*s]
+            return bind_result(_prims.Pvary, y, have, axes)
+        leaves, treedef = optree.tree_flatten(x)
+        groups: dict[Any, list[int]] = {}
+        for i, t in enumerate(leaves):
+            if isinstance(t, torch.Tensor):
+                have = known_vma(t, ctx.check_vma)
+                # unknown or audited axes: pvary them all, as dist (which knows none) does
+                todo = tuple(a for a in axes if have is None or isinstance(have, Audited) or a not in have)
+                if todo:
+                    groups.setdefault((todo, t.dtype, t.device, have), []).append(i)
+            elif isinstance(t, (int, float)) and not isinstance(t, bool):
+                leaves[i] = torch.tensor(t)
+                groups.setdefault((axes, leaves[i].dtype, leaves[i].device, EMPTY), []).append(i)
+            else:
+                raise ShardingError(f"pvary: leaves must be torch.Tensors (or numbers), found {type(t).__name__}.")
+        out = list(leaves)
+        for (todo, _, _, have), group in groups.items():
+            for idx in _split_buckets(group, leaves):
                 if len(idx) == 1:
                     ys: tuple[torch.Tensor, ...] = (
                         _prims.call(_prims.Pvary, leaves[idx[0]], ctx.device, todo),
                     )  # [*s] -> [*s]
                 else:  # n x [*s_i] -> same; backward: one all-reduce of the bucket
                     ys = _prims.call(_prims.PvaryBucket, ctx.device, todo, *(leaves[i] for i in idx))
-            for i, y in zip(idx, ys, strict=True):
-                out[i] = bind_result(_prims.Pvary, y, have, axes)
+                for i, y in zip(idx, ys, strict=True):
+                    out[i] = bind_result(_prims.Pvary, y, have, axes)
     return optree.tree_unflatten(treedef, out)
 
 
