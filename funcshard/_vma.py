@@ -119,10 +119,21 @@ def pvary_to(x: torch.Tensor, want: frozenset[str], dev: Any) -> torch.Tensor:
     missing = want - have
     if not missing:
         return x
-    axes = tuple(a for a in dev.mesh.axis_names if a in missing)
     with torch._C.DisableTorchFunction():
-        y = call(Pvary, x, dev, axes)
+        if _constant(x):  # no gradient or tangent can reach it: the pvary is the identity, and no Function is made
+            y = x.view_as(x)  # (a view, as Pvary's forward gives: the caller's tensor keeps its own tag)
+        else:
+            y = call(Pvary, x, dev, tuple(a for a in dev.mesh.axis_names if a in missing))
     return set_vma(y, have | missing)
+
+
+def _constant(x: torch.Tensor) -> bool:
+    """Whether no derivative can flow through ``x``: it does not require grad, no torch.func transform is
+    active, and it carries no forward-mode tangent (a constant: a mask, positions, a table)."""
+    if x.requires_grad or torch._C._are_functorch_transforms_active() or _is_wrapped(x):
+        return False
+    fwd = torch.autograd.forward_ad
+    return fwd._current_level < 0 or fwd.unpack_dual(x).tangent is None
 
 
 def official_vma(t: torch.Tensor) -> frozenset[str] | None:
@@ -368,7 +379,7 @@ class VmaMode(TorchFunctionMode):
         """Tag an op's result (a tensor, or the tensors of a tuple / list) with ``union``."""
         if isinstance(out, torch.Tensor):
             self._tag(out, union)
-        elif isinstance(out, (tuple, list)):
+        elif isinstance(out, (tuple, list)) and type(out) is not torch.Size:  # (a shape read: no tensor inside)
             for o in out:
                 if isinstance(o, torch.Tensor):
                     self._tag(o, union)

@@ -156,3 +156,48 @@ def test_psum_backward_makes_no_pvary_unless_differentiated(run, backend) -> Non
         assert r["grad"] and r["hvp"], r
         assert r["once"] == 0, r  # a plain backward: the identity, no Function
         assert r["twice"] >= 1, r  # a backward that is differentiated again keeps the pvary (its psum is needed)
+
+
+def _constant_pvary_body(mesh: fs.Mesh) -> dict[str, Any]:
+    """An invariant constant (positions) meeting a value varying over dp is widened without a ``Pvary`` Function
+    (nothing can flow back into it); an invariant weight that a gradient reaches still gets its ``Pvary``, whose
+    backward sums the gradient over dp."""
+    from funcshard import _prims
+
+    made = {"n": 0}
+    real = _prims.Pvary.forward
+
+    def counted(*a: Any) -> Any:
+        made["n"] += 1
+        return real(*a)
+
+    gen = torch.Generator().manual_seed(3)
+    x, w = torch.randn(4, 3, generator=gen), torch.randn(3, generator=gen)
+
+    def loss(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        pos = torch.arange(3, dtype=x.dtype)  # invariant constant, meets x (varying over dp): no Function
+        y = (x + pos) * w  # w invariant and differentiated: one Pvary (its backward: psum over dp)
+        return fs.psum((y**2).sum(), "dp")
+
+    f = fs.shard_map(lambda w, x: fs.value_and_grad(loss)(w, x), mesh=mesh, in_specs=(P(), P("dp")), out_specs=P())
+    _prims.Pvary.forward = staticmethod(counted)
+    try:
+        value, grad = f(w, x)
+    finally:
+        _prims.Pvary.forward = staticmethod(real)
+
+    def ref(w: torch.Tensor) -> torch.Tensor:
+        return (((x + torch.arange(3.0)) * w) ** 2).sum()
+
+    ref_value, ref_grad = torch.func.grad_and_value(ref)(w)[::-1]
+    return {
+        "made": made["n"],
+        "close": torch.allclose(fs.device_get(value), ref_value) and torch.allclose(fs.device_get(grad), ref_grad),
+    }
+
+
+def test_constants_are_widened_without_a_function(run, backend) -> None:
+    n_dev = 2 if backend == "sim" else 1  # sim counts both devices in this process
+    for r in run(_constant_pvary_body, {"dp": 2}):
+        assert r["close"], r
+        assert r["made"] == n_dev, r  # w's Pvary only: none for the constant positions
