@@ -57,30 +57,44 @@ message, a wait of one C++ call):
                                      interleaved 1.047x | 1.053x (0.994x)
       every row within 5% of torch's wall/ideal, and interleaved faster than 1F1B for both libraries.
 
-    B, D=128 fs/torch step, 6 runs (load 9-14)   vma on                        vma off (5 runs)
-      1f1b                                       0.98x-1.57x, median 1.14x     0.86x-1.27x, median 1.08x
-                                                 (CPU 1.05x-1.16x, median 1.10) (CPU 0.93x-1.10x, median 1.03)
-      interleaved                                0.75x-0.99x (CPU 0.85-0.97)   0.64x-1.05x (CPU 0.83-0.96)
-      the previous round (load 12-20)            1f1b 1.12x-1.26x (CPU 1.09x-1.21x) on, 1.04x-1.14x
-                                                 (CPU 1.03x-1.24x) off
+    B, D=128 fs/torch step, 21 steps a library, 7 launches (load 1.9-5.2)
+                          vma on                              vma off
+      1f1b                0.97x-1.04x wall, median 1.005x     0.96x-1.05x, median 1.002x
+                          (CPU 0.97x-1.04x, median 1.005)     (CPU 0.90x-1.03x, median 0.987)
+      interleaved         0.74x-0.89x (CPU 0.80-0.91)         0.84x-0.90x (CPU 0.82-0.91)
+      with 6 busy loops beside it (2 launches, load 6-13): 1f1b 0.99x / 0.66x on (CPU 1.06 / 1.00), 0.79x /
+      0.92x off (CPU 0.85 / 0.97); interleaved 0.81x / 0.91x on, 0.90x / 0.79x off
+      before / after this round's runtime, A/B at the same load (2 launches each, load 1.9-3.7): 1f1b vma on
+      1.01-1.03x wall, CPU 1.07-1.09x -> 0.97-1.01x, CPU 1.01-1.02x; vma off CPU 1.02-1.04x -> 0.90-1.01x
+      the previous round (load 9-14, 7-step medians): 1f1b on median 1.14x (0.98-1.57x, CPU 1.10x), off 1.08x
+      (0.86-1.27x, CPU 1.03x); the load of this round was lower, so its wall ratios are not like for like
     Messages sent/received per step: 48/48 (1f1b) and 112/112 (interleaved) on both sides, every run.
+
+    cProfile of a middle stage's main thread (thread-CPU timer, 1F1B, vma on, 30 steps, load 3-6), ms per step:
+                                   fs before   fs now     torch
+      stage forward (8 actions)    8.40        6.64       6.50 (forward_one_chunk)
+      stage backward (8)           10.72       11.88      11.78 (backward_one_chunk)
+      gradient accumulation        1.34        in the backward's engine, as torch's .grad
+      sends + receive posts        4.67        5.08       6.59 (_batch_p2p + get_*_ops)
+      waits before use             0.86        1.01       0.64
+      loss / result                0.27        0.07       -
+      step                         28.6        26.9       26.3 (the torch column of the before run: 25.2)
+    (cProfile inflates Python-heavy paths: the unprofiled CPU ratios above are the measure.) What changed: the
+    vma mode tracks ``stage_fn`` / ``first_fn`` / ``loss_fn`` once per chunk and step and the runtime replays the
+    later microbatches untracked where that is exact (~14 mode dispatches an action, 80-140 us, gone from 7 of
+    8 actions); parameter gradients accumulated by the autograd engine into ``.grad`` (no Python add_ / clone).
 
 What is left of the gap, with counters rather than the wall clock:
 - Per message, fs's Python is now ~4 us per op and wait (a fake process group: ``tests/test_dist_p2p.py``
   counts one Python call per op and none below ``wait()``); fs's main-thread CPU per message is at or under
   torch's, ~40-50 us above the process group's own calls (gloo's ``send`` itself takes 0.4-1 ms of the
   main thread under this load, for both libraries: cProfile of a middle stage, 20 steps).
-- cProfile of a middle stage (1F1B, D=128, 20 steps, vma off): fs 1.52 s, torch 1.59 s, of which the C++
-  waits 0.74 / 0.95 s, ``send`` 0.16 / 0.13 s, the backward 0.27 / 0.21 s (fs asks for the input and
-  parameter gradients in one ``autograd.grad`` and adds them in place, 2.5 ms a step; torch accumulates in
-  ``.grad``). With the vma mode: ~14 torch functions per action through ``VmaMode.__torch_function__``,
-  ~30 us per action of its own time (the mode's dispatch in torch is the rest of the 0.1-0.2 ms).
-- 1F1B's wall ratio ranges 0.86x-1.57x between runs of the same code while its CPU ratio stays at
-  0.93x-1.16x: on this host the wall clock of a step moves with the scheduling of 4 processes and their gloo
-  threads on 2 cores more than with either library's work (torch's own wall/ideal ranged 1.03x-1.68x between
-  rounds); the <= 1.10x target is met in some runs and missed in others, so it is not shown met here.
+- What is left in 1F1B is ~1 tracked call per chunk and step under the vma mode (its first microbatch), and
+  the wall clock's noise: at load 6-13 the same code gave 0.66x and 0.99x; CPU stays within 0.85x-1.06x.
+  The <= 1.10x wall target was met in all 9 launches of this round; CPU <= 1.05 in 8 of 9 (1.058 once, at
+  load 6-8).
 - Whether interleaved beats 1F1B depended on the load: the previous round (load 12-20) had it slower for
-  both libraries even at F=30 B=60 ms; this round (load 8-14) it is faster for both at both costs. torch's
+  both libraries even at F=30 B=60 ms; the next (load 8-14) had it faster for both at both costs. torch's
   code did not change, so the inversion was the load (per-action scheduling of 4 processes on 2 cores, ~1-2
   ms an action, is a large part of a 5 ms chunk), not funcshard's schedule or runtime.
 """
