@@ -28,11 +28,11 @@ place by the autograd engine (``torch.autograd.backward(..., inputs=...)`` into 
 leaf per parameter and chunk, as ``Tensor.backward`` does), no Python per gradient.
 
 Under ``check_vma=True`` the vma mode's per-op dispatch is paid once per chunk and step: ``stage_fn``'s first
-microbatch on each chunk runs tracked, and when that run only tagged (no ``pvary`` inserted on the way to the
-parameters, no collective, no custom Function) the later microbatches, whose operands carry the same tags, run
-untracked (the same ops, values and graph) and their output takes the tag of the first. So ``stage_fn`` must
-run the same ops on every microbatch (no Python control flow on the data, as under ``jax.jit``); a collective
-made only by a later microbatch raises.
+microbatch on each chunk (and ``first_fn``'s and ``loss_fn``'s first) runs tracked, and when that run only
+tagged (no ``pvary`` inserted on the way to the parameters, no collective, no custom Function) the later
+microbatches, whose operands carry the same tags, run untracked (the same ops, values and graph) and their
+output takes the tag of the first. So these functions must run the same ops on every microbatch (no Python
+control flow on the data, as under ``jax.jit``); a collective made only by a later microbatch raises.
 
 Example:
     >>> import torch, funcshard as fs
@@ -200,9 +200,9 @@ def run(
     sent as soon as they are made; the gradients are accumulated here (no autograd across stages), so call
     ``run`` directly, not under ``torch.autograd.grad``. Other mesh axes (dp, fsdp, tp, cp) work inside
     ``stage_fn``, ``first_fn`` and ``loss_fn`` as usual (the devices of one stage run the same actions in
-    the same order, so their collectives match). With ``check_vma=True``, ``stage_fn`` is tracked on the first
-    microbatch of each chunk and replayed untracked on the others where that is exact (see the module's
-    docstring): it must run the same ops on every microbatch.
+    the same order, so their collectives match). With ``check_vma=True``, ``stage_fn``, ``first_fn`` and
+    ``loss_fn`` are tracked on the first microbatch (of each chunk) and replayed untracked on the others where
+    that is exact (see the module's docstring): they must run the same ops on every microbatch.
 
     Args:
         schedule: a validated ``Schedule`` (any of ``by_name``'s, V-shaped and overlapped ones included).
