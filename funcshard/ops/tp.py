@@ -32,9 +32,11 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from .. import lax
+from .. import _prims, lax
 from .._backend.base import tracing
+from .._context import axes_of, current
 from .._errors import ShardingError
+from .._vma import Audited, known_vma, set_vma
 
 __all__ = [
     "column_parallel_linear",
@@ -80,6 +82,10 @@ def column_parallel_linear(
         >>> torch.equal(column_parallel_linear(x, w, axis=None), F.linear(x, w))  # no axis: local math
         True
     """
+    if axis is not None and gather_dim is None and b is None:
+        ys = _column_overlapped(x, [w] if isinstance(w, torch.Tensor) else list(w), axis)
+        if ys is not None:
+            return ys[0] if isinstance(w, torch.Tensor) else ys
     if axis is not None and gather_dim is not None:
         x = lax.all_gather(x, axis, dim=gather_dim, tiled=True)  # [.., s/n, .., in] -> [.., s, .., in]
     elif axis is not None:
@@ -88,6 +94,72 @@ def column_parallel_linear(
         return F.linear(x, w, b)  # [..., in] @ [in, out/n] -> [..., out/n]
     bs = [None] * len(w) if b is None else list(b)
     return tuple(F.linear(x, wi, bi) for wi, bi in zip(w, bs, strict=True))  # [..., in] @ [in, out_i/n]
+
+
+class ColumnParallel(_prims.Prim):
+    """Column-parallel ``F.linear`` of one input ``x`` (invariant over ``axes``) with ``k`` weights, no bias.
+
+    - forward: ``ys_i = x @ w_i.T`` (``[..., in] @ [in, out_i/n] -> [..., out_i/n]``), varying over ``axes``.
+    - backward: ``dx = psum(sum_i g_i @ w_i)`` over ``axes``, the all-reduce issued BEFORE the weights' gradients
+      ``dw_i = g_i.T @ x`` are computed: under ``dist`` (``fs.value_and_grad``'s overlapped backward) it travels
+      while they compute, where ``pvary`` + ``F.linear`` would issue it after them and wait for it at once
+      (Megatron's asynchronous tensor-parallel all-reduce). The same matmuls as ``F.linear``'s backward.
+
+    Not used under a ``torch.func`` transform or in a compiled graph (no ``jvp`` / ``vmap`` rule: the plain ops
+    run there).
+    """
+
+    @staticmethod
+    def forward(dev: object, axes: tuple[str, ...], x: torch.Tensor, *ws: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
+        return tuple(F.linear(x, w) for w in ws)  # [..., in] @ [in, out_i/n] -> [..., out_i/n]
+
+    @staticmethod
+    def setup_context(ctx: object, inputs: tuple, output: object) -> None:
+        dev, axes, x, *ws = inputs
+        ctx.dev, ctx.axes = dev, axes  # type: ignore[attr-defined]
+        ctx.save_for_backward(x, *ws)  # type: ignore[attr-defined]
+
+    @staticmethod
+    def backward(ctx: object, *gs: torch.Tensor | None) -> tuple:  # type: ignore[override]
+        x, *ws = ctx.saved_tensors  # type: ignore[attr-defined]
+        x2 = x.reshape(-1, x.shape[-1])  # [n, in]
+        g2 = [None if g is None else g.reshape(-1, g.shape[-1]) for g in gs]  # [n, out_i/tp]
+        dx = None
+        for g, w in zip(reversed(g2), reversed(ws), strict=True):  # summed in the order autograd sums them
+            if g is not None:
+                part = g.mm(w)  # [n, out_i/tp] @ [out_i/tp, in] -> [n, in]
+                dx = part if dx is None else dx + part
+        if dx is not None:  # issued now (under dist, pending); the weights' gradients compute meanwhile
+            dx = _prims.call(_prims.AllReduce, dx.view(x.shape), ctx.dev, ctx.axes, "sum", "psum")  # type: ignore[attr-defined]
+        dws = [None if g is None else g.t().mm(x2) for g in g2]  # [out_i/tp, n] @ [n, in] -> [out_i/tp, in]
+        return (None, None, dx, *dws)
+
+
+def _column_overlapped(x: torch.Tensor, ws: list[torch.Tensor], axis: str) -> tuple[torch.Tensor, ...] | None:
+    """:class:`ColumnParallel` of ``x`` and ``ws``, tagged as ``pvary`` + ``F.linear`` would be; None where the
+    plain ops must run instead: a gradient-less call, a ``torch.func`` transform, a compiled graph, ``x``
+    already varying over ``axis`` (no all-reduce in its backward), or operands whose varying axes differ."""
+    if not torch.is_grad_enabled() or torch._C._are_functorch_transforms_active() or tracing():
+        return None
+    if not (x.requires_grad or any(w.requires_grad for w in ws)):
+        return None
+    ctx = current("column_parallel_linear")
+    axes = axes_of(axis, ctx.mesh, "column_parallel_linear")
+    with torch._C.DisableTorchFunction():
+        have = known_vma(x, ctx.check_vma)
+        if have is not None and not isinstance(have, Audited) and any(a in have for a in axes):
+            return None
+        tag = None if have is None else have | frozenset(axes)
+        for w in ws:
+            wt = known_vma(w, ctx.check_vma)
+            if (wt is None) != (tag is None) or (tag is not None and frozenset(wt) != frozenset(tag)):
+                return None
+        ys = _prims.call(ColumnParallel, ctx.device, axes, x, *ws)  # [..., in] -> k x [..., out_i/n]
+        if tag is not None:
+            out = Audited(tag) if isinstance(have, Audited) else frozenset(tag)
+            for y in ys:
+                set_vma(y, out)
+    return ys
 
 
 def row_parallel_linear(
