@@ -71,6 +71,15 @@ def _tag_args(leaves: list[list[Any]], specs: list[list[Any]], tagged: list[torc
                 tagged.append(t)
 
 
+def _tag_known(leaves: list[list[Any]], tags: list[list[frozenset[str]]], tagged: list[torch.Tensor]) -> None:
+    """:func:`_tag_args` with each leaf's tag made once per call signature (``Inputs.tags``)."""
+    for arg_leaves, arg_tags in zip(leaves, tags, strict=True):
+        for t, v in zip(arg_leaves, arg_tags, strict=True):
+            if isinstance(t, torch.Tensor):
+                set_vma(t, v)
+                tagged.append(t)
+
+
 def _differentiable(leaves: list[Any]) -> bool:
     """Whether a cotangent can flow back into any of ``leaves`` (else an output's pvary would do nothing)."""
     if torch._C._are_functorch_transforms_active():
@@ -120,7 +129,10 @@ class DeviceBody:
                     for k, st in enumerate(steps):
                         if st:
                             arg[k] = apply_reshard(arg[k], st)
-        _tag_args(leaves, inputs.specs, self.tagged)
+        if inputs.tags is None:  # an Inputs built by hand
+            _tag_args(leaves, inputs.specs, self.tagged)
+        else:
+            _tag_known(leaves, inputs.tags, self.tagged)
         args = [optree.tree_unflatten(td, lv) for td, lv in zip(inputs.treedefs, leaves, strict=True)]
         mode = VmaMode(dev, audit=not self.check_vma) if self.check_vma or self.audit else nullcontext()
         mine = frozenset()
