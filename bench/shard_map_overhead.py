@@ -24,35 +24,43 @@ All five make the same two all-reduces of a [batch, d] tensor per step. The scri
 each other and with the unsharded model before timing, then prints the median time per step and the ratios to
 (a), and the communication of one funcshard step as counted by ``fs.comm_stats()``.
 
-Measured (torch 2.13 CPU, 2 gloo processes on a 2-core host shared with 3-4 other jobs, load average 10-12;
-ratios to (a), median wall clock (CPU of the calling thread); "before" (the code before this round) and "now"
-alternate launch by launch: 3 launches of before, 2 of now at the small size, 3 and 1 at the large size):
+Measured (torch 2.13 CPU, 2 gloo processes on a 2-core host shared with 3 other jobs; ratios to (a), median
+wall clock (CPU of the calling thread); "before" = main at 2361aa9, "now" = this round's code; before and now
+alternate launch by launch, 3 launches each per size; small with --steps 300, large with the default 100):
 
-    small (--batch 8 --d 128 --h 512)   before                      now                         target
-      (b) shard_map, vma off            1.13-1.26x (CPU 1.51-1.53)  1.20-1.26x (CPU 1.44-1.45)  1.05
-      (c) shard_map, vma on             1.11-1.36x (CPU 1.62-1.66)  1.25-1.27x (CPU 1.53-1.54)  1.25
-      (d) value_and_grad, vma off       1.27-1.57x (CPU 1.95-2.04)  1.30-1.31x (CPU 1.59)       1.10
-      (e) value_and_grad, vma on        1.35-1.62x (CPU 2.21-2.27)  1.32x (CPU 1.67-1.69)       1.25
-    large (defaults: 64 x 512 x 2048)
-      (b) shard_map, vma off            1.04-1.13x (CPU 1.08-1.11)  1.06x (CPU 1.09)            1.05
-      (c) shard_map, vma on             1.05-1.08x (CPU 1.07-1.13)  1.07x (CPU 1.10)            1.25
-      (d) value_and_grad, vma off       1.06-1.19x (CPU 1.14-1.16)  1.08x (CPU 1.11)            1.03
-      (e) value_and_grad, vma on        1.10-1.16x (CPU 1.15-1.22)  1.08x (CPU 1.12)            1.03
+    small (--batch 8 --d 128 --h 512)   before (load 1.8-3.9)       now (load 1.8-4.2)          target
+      (b) shard_map, vma off            1.16-1.26x (CPU 1.40-1.43)  1.02-1.11x (CPU 1.26-1.29)  1.05
+      (c) shard_map, vma on             1.16-1.30x (CPU 1.51-1.55)  1.01-1.06x (CPU 1.39-1.41)  1.25
+      (d) value_and_grad, vma off       1.14-1.29x (CPU 1.57-1.58)  0.97-1.14x (CPU 1.35-1.37)  1.10
+      (e) value_and_grad, vma on        1.17-1.32x (CPU 1.66-1.70)  0.95-1.10x (CPU 1.43-1.45)  1.25
+    large (defaults: 64 x 512 x 2048)   before (load 1.4-5.0)       now (load 2.2-7.8)
+      (b) shard_map, vma off            0.99-1.05x (CPU 1.07-1.08)  1.01-1.04x (CPU 1.04-1.06)  1.05
+      (c) shard_map, vma on             1.04-1.05x (CPU 1.08)       1.03-1.04x (CPU 1.06-1.07)  1.25
+      (d) value_and_grad, vma off       1.02-1.07x (CPU 1.09-1.10)  0.92-1.06x (CPU 1.06-1.07)  1.03
+      (e) value_and_grad, vma on        1.05-1.08x (CPU 1.10-1.11)  1.04-1.06x (CPU 1.06-1.08)  1.03
 
-What changed: (d) / (e) made their backward all-reduce as a pending functional collective (~0.35 ms of CPU
-against ~0.1 ms synchronous) although it is the last node the backward runs, with nothing left to overlap:
-value_and_grad now finds that node in the graph walk it already made, and the dist backend makes that node's
-reduction synchronously (``tests/test_dist_last_node.py`` counts 0 pending of 2 psums; the per-layer gradient
-reductions of a DDP step stay pending, ``tests/test_overlap.py``); a synchronous sum is the process group's own
-``allreduce`` (torch's ``dist.all_reduce`` Python skipped); one executor per mesh; a replicated full tensor
-argument (the ``x`` of (d) / (e)) handed over whole, not sliced per call; value_and_grad's and shard_map's
-own reads (grad-mode switches, requires_grad, dtypes, zeros, detach) outside the vma mode (9 -> 4 torch
-functions through the mode for a 3-op ``f``, ``tests/test_shard_map_calls.py``). One process (``tp`` of size 1,
-no peer to wait for: the library's own CPU), main-thread CPU over (a) at the small size: (b) +356 -> +316-347
-us, (d) +606 -> +425-535 us, (e) +810 -> +577 us. What is left there: each psum copies its operand
-(functional: the caller keeps its tensor; (a) reduces in place), the per-call tags and ``fs.Array``s,
-``lax.pvary``, and value_and_grad's detached leaf copies and graph walk: ~20-50 us each, none dominant; on this
-host the wall ratios move by 10-20% between launches.
+Targets against those numbers: by the wall-clock medians (a)-relative targets are met in 2 of 3 launches for
+(d) small, all 3 for (e) small, 2 of 3 for (d) large, none for (e) large (1.04-1.06). They are NOT met on
+CPU time, the steadier measure here: the hand-written step spends 0.73-0.83 ms of CPU at the small size and
+its wall median is 2.8-4.7 ms, i.e. the wall clock is mostly waiting for the other process to be scheduled
+on this busy host, which hides the library's CPU. What funcshard still spends per step, one process (``tp`` of
+size 1, no peer to wait for), main-thread CPU over (a) at the small size, before -> now (A/B, load 2.4-3.0):
+(b) +284-303 -> +179-191 us, (d) +385-403 -> +254-256 us, (e) +463-485 -> +312 us; at the large size (d)
++562 us (3.2%, part of it the psum's copy of its operand into a fresh 128 KiB buffer).
+
+What changed this round: shard_map flattens its arguments once per call and caches per call signature
+everything it fixes (tree structures, specs, layouts, resharding plans, how each leaf's blocks are found, the
+vma tags), and assembles one device's outputs without the cross-device comparisons; ``fs.value_and_grad``
+runs the autograd engine itself (no ``torch.autograd.grad`` argument handling, no dispatch through the vma
+mode; the backward still runs with the mode off the stack); a psum's backward returns the cotangent itself
+when no graph is recorded (no ``Pvary`` Function: its transpose is the identity there); the vma mode widens
+an invariant constant (no grad, no tangent) by a tagged view instead of a ``Pvary`` Function (67 of the 84
+per device in the tp=2 Llama step) and makes operands agree without a pytree walk; axis names checked once
+per mesh. ``tests/test_calls_grad.py`` and ``tests/test_calls_io.py`` count each of these. What is left,
+~15-40 us each: the lazy copy-on-write clone of each input block, the tags set and cleared per call, the
+``fs.Array`` per output, the collectives' layers (``lax``, the Function, the dist backend's copy of the
+operand into a fresh buffer: (a) sums in place), value_and_grad's leaf copies and graph walk, and per op ~2 us
+for any torch function mode plus ~1.7 us for the vma mode's handler.
 
 Usage:
     python bench/shard_map_overhead.py            # spawns 2 gloo processes itself
