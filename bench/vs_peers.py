@@ -56,9 +56,32 @@ box, loaded (the same session measured dp 1.039 (0.859-1.055), CPU 1.071, load 3
     13.2M   2     tp    DTensor TP  0.906 (0.888-0.908)  0.901  36/61  11.5->8.2    5 x 3
 
 dp stays 1.04-1.12x DDP in wall time (CPU 1.04-1.05x, was 1.05-1.16x); tp 0.89-0.92x DTensor (CPU 0.90-0.91x).
-What dp still does that DDP does not: the stacked layer weights' gradients are stacked again after the
-backward (``run_layers`` unbinds ``[n_layers, ...]`` leaves: one fresh 52 MB copy per step), and the loss's
-sums are all-reduced in the forward (a synchronisation point DDP does not have; it costs the ranks' skew).
+
+Then (this round): the stacked ``[n_layers, ...]`` layer weights' gradients are stacked back into buffers kept
+from step to step (``models.stacked.unstack``: the fresh 52 MB stack per step cost ~55 ms of page faults, profile
+at load 1-2); AdamW's in-place blocks 1M elements (33-34 ms a step, was 36-37; torch's 35); ``pvary`` / ``psum``
+of one tensor without a tree walk; and tp's column-parallel backward issues the input gradient's all-reduce before
+computing the weights' gradients (``ops.tp.ColumnParallel``: it travels during those matmuls, Megatron's
+overlap; DTensor waits for it at once). Launches of 5 x 3 on the same shared box:
+
+    size    procs case  peer        wall ratio           CPU    calls  load         steps x repeats
+    13.2M   2     dp    DDP         1.048 (1.038-1.066)  1.046  10/3   2.95->2.50   5 x 3
+    13.2M   2     dp    DDP         1.056 (1.030-1.060)  1.035  10/3   4.08->2.90   5 x 3
+    13.2M   2     dp    DDP         1.039 (1.019-1.046)  1.035  10/3   2.90->2.36   5 x 3
+    13.2M   2     dp    DDP         1.040 (1.011-1.040)  1.034  10/3   3.02->2.45   5 x 3
+    13.2M   2     tp    DTensor TP  0.853 (0.851-0.863)  0.882  36/61  4.80->3.15   5 x 3
+    13.2M   2     tp    DTensor TP  0.850 (0.846-0.865)  0.880  36/61  2.25->2.36   5 x 3
+    13.2M   2     tp    DTensor TP  0.866 (0.859-0.890)  0.899  36/61  2.46->2.12   5 x 3
+    13.2M   2     tp    DTensor TP  0.920 (0.836-0.960)  0.921  36/61  3.11->5.02   5 x 3 (steps 2x slower: load)
+
+tp now 0.85-0.87x DTensor (CPU 0.88-0.90x) at load 2-5, 0.92x once at load 3->5: the <= 0.90 target met in 3
+of 4 launches. dp 1.04-1.06x DDP (CPU 1.034-1.046x): the <= 1.00 target is NOT met. Where the dp step's extra time
+is (per rank, main-thread CPU by phase, 10 interleaved steps, load 2-3): forward +16 ms over DDP's ~400 (the vma
+mode and shard_map: ~10 ms of it goes with check_vma=False), backward +15-20 ms over ~840 (the Python backward
+nodes, the pending all-reduces' AsyncCollectiveTensor wrap ~0.2 ms each and their views), optimiser ~0; and in
+wall time the loss's all-reduce in the forward, a synchronisation point DDP does not have (~10 ms: the ranks'
+skew). Removing that last one needs value_and_grad to seed the backward without waiting for a pending loss value
+and the dist backend to issue a forward sum asynchronously (requested; not in).
 
 ``fsdp`` here keeps the gathered weights (funcshard's default without remat: 11 gathers per step) against
 FSDP2's default, which gathers each block again for its backward (17); ``fsdp_keep`` compares like with like.
