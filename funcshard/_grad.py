@@ -194,8 +194,8 @@ class _GradCall:
                 g = torch.zeros_like(x) if g is None else settle(g)
                 tag_through(g, EMPTY if v is None else v)
                 grads_flat.append(g)
-            if not keep:
-                value = value.detach()
+            if not keep:  # (a pending loss sum, whose backward was seeded without it, is waited for here)
+                value = settle(value).detach()
                 if aux is not None:
                     aux = optree.tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, aux)
         if self.has_aux:  # inner passed only aux's tensors: put them back among the other leaves
@@ -256,7 +256,13 @@ def _autograd_grad(value: torch.Tensor, leaves: list[torch.Tensor], keep: bool) 
     ``value`` with no torch function mode around but this thread's vma mode, the engine's own call, as
     ``torch.autograd.grad`` ends in (its argument handling and, inside shard_map, a dispatch through the vma
     mode skipped: the gradients are tagged by the caller). The backward runs with the vma mode off the stack,
-    as it does when ``torch.autograd.grad`` is dispatched through the mode (which pops itself to handle it)."""
+    as it does when ``torch.autograd.grad`` is dispatched through the mode (which pops itself to handle it). A
+    pending ``value`` (an asynchronous collective's result) is not waited for: the backward is seeded with 1."""
+    if type(value).__name__ == "AsyncCollectiveTensor":
+        # a pending result (a loss summed asynchronously under dist): the backward is seeded with an explicit 1,
+        # so that nothing reads the value (ones_like would wait for it) and the sum travels on through the backward
+        seed = torch.ones((), dtype=value.dtype, device=value.device)  # [] : d value / d value
+        return torch.autograd.grad(value, leaves, grad_outputs=(seed,), allow_unused=True, create_graph=keep)
     depth = torch._C._len_torch_function_stack()
     if (
         depth > 1

@@ -8,6 +8,7 @@ from __future__ import annotations
 import threading
 from typing import Any
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
@@ -201,3 +202,56 @@ def test_constants_are_widened_without_a_function(run, backend) -> None:
     for r in run(_constant_pvary_body, {"dp": 2}):
         assert r["close"], r
         assert r["made"] == n_dev, r  # w's Pvary only: none for the constant positions
+
+
+def _pending_value_body(mesh: fs.Mesh) -> dict[str, Any]:
+    """A loss that is the pending result of an asynchronous all-reduce (as the dist backend's functional
+    collectives give): value_and_grad seeds the backward without waiting for it, and hands back its value."""
+    import torch.distributed._functional_collectives as funcol
+
+    from funcshard._context import current
+
+    seen: dict[str, Any] = {}
+
+    class SumAsync(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, t: torch.Tensor, group: Any) -> torch.Tensor:
+            return funcol.all_reduce(t, "sum", group)  # [] -> [] (pending)
+
+        @staticmethod
+        def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None]:
+            seen["waited_before_backward"] = seen["y"].completed
+            return g, None
+
+    def loss(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        y = SumAsync.apply(((x @ w) ** 2).sum(), current("loss").device.process_group(("dp",)))  # [b/dp, d] @ [d]
+        seen["y"] = y
+        return y
+
+    gen = torch.Generator().manual_seed(4)
+    x, w = torch.randn(4, 3, generator=gen), torch.randn(3, generator=gen)
+    f = fs.shard_map(
+        lambda w, x: fs.value_and_grad(loss)(w, x),
+        mesh=mesh,
+        in_specs=(P(), P("dp")),
+        out_specs=(P(), P("dp")),  # the gradient: each device's share (the hand-written backward sums nothing)
+        check_vma=False,
+    )
+    value, grad = f(w, x)
+    ref_value = ((x @ w) ** 2).sum()
+    ref_shares = [torch.func.grad(lambda w, xb=xb: ((xb @ w) ** 2).sum())(w) for xb in x.chunk(2)]
+    return {
+        "waited": seen["waited_before_backward"],
+        "value": torch.allclose(fs.device_get(value), ref_value),
+        "type": type(value.local).__name__,
+        "grad": torch.allclose(grad.local, ref_shares[mesh.coords_of(torch.distributed.get_rank())["dp"]]),
+    }
+
+
+def test_a_pending_loss_is_not_waited_for_before_the_backward(run, backend) -> None:
+    if backend == "sim":
+        pytest.skip("simulated devices have no asynchronous collectives")
+    for r in run(_pending_value_body, {"dp": 2}):
+        assert r["value"] and r["grad"], r
+        assert r["waited"] is False, r  # the seed did not read the pending sum
+        assert r["type"] == "Tensor", r  # handed back settled
