@@ -80,8 +80,10 @@ is (per rank, main-thread CPU by phase, 10 interleaved steps, load 2-3): forward
 mode and shard_map: ~10 ms of it goes with check_vma=False), backward +15-20 ms over ~840 (the Python backward
 nodes, the pending all-reduces' AsyncCollectiveTensor wrap ~0.2 ms each and their views), optimiser ~0; and in
 wall time the loss's all-reduce in the forward, a synchronisation point DDP does not have (~10 ms: the ranks'
-skew). Removing that last one needs value_and_grad to seed the backward without waiting for a pending loss value
-and the dist backend to issue a forward sum asynchronously (requested; not in).
+skew). Tried: the loss's sum left pending through the backward (value_and_grad now seeds a pending loss with an
+explicit 1; the forward sum made asynchronous by a patch of the dist backend): 10 interleaved steps at load 3-6,
+1343 ms vs 1338 ms synchronous (DDP 1304): the forward shrinks and the backward grows by as much (the skew moves
+to the end), so the Llama keeps its one synchronous (total, count) all-reduce.
 
 ``fsdp`` here keeps the gathered weights (funcshard's default without remat: 11 gathers per step) against
 FSDP2's default, which gathers each block again for its backward (17); ``fsdp_keep`` compares like with like.
