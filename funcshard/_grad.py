@@ -143,7 +143,7 @@ class _GradCall:
                     f"called with {len(args)} positional arguments."
                 )
         # each differentiated argument flattened once, for the check and for the plain path
-        flat = [optree.tree_flatten(args[i], none_is_leaf=True) for i in self.nums]
+        flat = [_flatten(args[i]) for i in self.nums]
         # this wrapper's own reads (requires_grad, dtypes, detach, zeros) skip the vma mode: it re-tags what it
         # returns itself, and each read through the mode costs a Python dispatch
         with torch._C.DisableTorchFunction():
@@ -170,7 +170,7 @@ class _GradCall:
                     copies.append(c)
                     tags.append(v)
                 leaves.extend(copies)
-                args[i] = optree.tree_unflatten(treedef, copies)
+                args[i] = copies[0] if treedef is _LEAF else optree.tree_unflatten(treedef, copies)
         outer = torch.is_grad_enabled()
         with _GradOn():  # like torch.func.grad, an outer no_grad does not stop the differentiation
             out = self.inner(*args, **kwargs)
@@ -208,7 +208,8 @@ class _GradCall:
         per_arg = []
         start = 0
         for xs, treedef in flat:
-            per_arg.append(optree.tree_unflatten(treedef, grads_flat[start : start + len(xs)]))
+            part = grads_flat[start : start + len(xs)]
+            per_arg.append(part[0] if treedef is _LEAF else optree.tree_unflatten(treedef, part))
             start += len(xs)
         grads = per_arg[0] if isinstance(self.argnums, int) else tuple(per_arg)
         return self._finish(args, value, aux, grads, grads_tagged=True)
@@ -279,6 +280,16 @@ def _autograd_grad(value: torch.Tensor, leaves: list[torch.Tensor], keep: bool) 
     finally:
         if mode is not None:
             torch._C._push_on_torch_function_stack(mode)
+
+
+_LEAF = optree.tree_flatten(0, none_is_leaf=True)[1]  # the structure of a bare leaf (one tensor argument)
+
+
+def _flatten(x: Any) -> tuple[list[Any], Any]:
+    """``optree.tree_flatten(x, none_is_leaf=True)``; a tensor (the common argument) without the pytree walk."""
+    if isinstance(x, torch.Tensor):
+        return [x], _LEAF
+    return optree.tree_flatten(x, none_is_leaf=True)
 
 
 class _GradOn:
