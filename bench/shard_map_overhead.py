@@ -26,24 +26,26 @@ each other and with the unsharded model before timing, then prints the median ti
 
 Measured (torch 2.13 CPU, 2 gloo processes on a 2-core host shared with 3 other jobs; ratios to (a), median
 wall clock (CPU of the calling thread); "before" = main at 2361aa9, "now" = this round's code; before and now
-alternate launch by launch, 3 launches each per size; small with --steps 300, large with the default 100):
+alternate launch by launch, 3 launches each per size, and 2 more launches of now at the end of the round
+(small); small with --steps 300, large with the default 100):
 
-    small (--batch 8 --d 128 --h 512)   before (load 1.8-3.9)       now (load 1.8-4.2)          target
-      (b) shard_map, vma off            1.16-1.26x (CPU 1.40-1.43)  1.02-1.11x (CPU 1.26-1.29)  1.05
-      (c) shard_map, vma on             1.16-1.30x (CPU 1.51-1.55)  1.01-1.06x (CPU 1.39-1.41)  1.25
-      (d) value_and_grad, vma off       1.14-1.29x (CPU 1.57-1.58)  0.97-1.14x (CPU 1.35-1.37)  1.10
-      (e) value_and_grad, vma on        1.17-1.32x (CPU 1.66-1.70)  0.95-1.10x (CPU 1.43-1.45)  1.25
+    small (--batch 8 --d 128 --h 512)   before (3, load 1.8-3.9)    now (5, load 1.8-4.2)       target
+      (b) shard_map, vma off            1.16-1.26x (CPU 1.40-1.43)  1.02-1.15x (CPU 1.26-1.29)  1.05
+      (c) shard_map, vma on             1.16-1.30x (CPU 1.51-1.55)  1.01-1.25x (CPU 1.39-1.43)  1.25
+      (d) value_and_grad, vma off       1.14-1.29x (CPU 1.57-1.58)  0.97-1.24x (CPU 1.35-1.38)  1.10
+      (e) value_and_grad, vma on        1.17-1.32x (CPU 1.66-1.70)  0.95-1.24x (CPU 1.43-1.45)  1.25
     large (defaults: 64 x 512 x 2048)   before (load 1.4-5.0)       now (load 2.2-7.8)
       (b) shard_map, vma off            0.99-1.05x (CPU 1.07-1.08)  1.01-1.04x (CPU 1.04-1.06)  1.05
       (c) shard_map, vma on             1.04-1.05x (CPU 1.08)       1.03-1.04x (CPU 1.06-1.07)  1.25
       (d) value_and_grad, vma off       1.02-1.07x (CPU 1.09-1.10)  0.92-1.06x (CPU 1.06-1.07)  1.03
       (e) value_and_grad, vma on        1.05-1.08x (CPU 1.10-1.11)  1.04-1.06x (CPU 1.06-1.08)  1.03
 
-Targets against those numbers: by the wall-clock medians (a)-relative targets are met in 2 of 3 launches for
-(d) small, all 3 for (e) small, 2 of 3 for (d) large, none for (e) large (1.04-1.06). They are NOT met on
-CPU time, the steadier measure here: the hand-written step spends 0.73-0.83 ms of CPU at the small size and
-its wall median is 2.8-4.7 ms, i.e. the wall clock is mostly waiting for the other process to be scheduled
-on this busy host, which hides the library's CPU. What funcshard still spends per step, one process (``tp`` of
+Targets against those numbers: by the wall-clock medians the (a)-relative targets are met in 2 of 5 launches
+for (d) small (1.01, 0.97; the others 1.14, 1.24, 1.18), all 5 for (e) small, 2 of 3 for (d) large, none for
+(e) large (1.04-1.06). They are NOT met on CPU time, the steadier measure here: the hand-written step spends
+0.73-0.95 ms of CPU at the small size and its wall median is 2.6-4.7 ms, i.e. the wall clock is mostly waiting
+for the other process to be scheduled on this busy host, which hides (or, when (a) is scheduled promptly,
+shows) the library's CPU. What funcshard still spends per step, one process (``tp`` of
 size 1, no peer to wait for), main-thread CPU over (a) at the small size, before -> now (A/B, load 2.4-3.0):
 (b) +284-303 -> +179-191 us, (d) +385-403 -> +254-256 us, (e) +463-485 -> +312 us; at the large size (d)
 +562 us (3.2%, part of it the psum's copy of its operand into a fresh 128 KiB buffer).
