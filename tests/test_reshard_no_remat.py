@@ -184,3 +184,63 @@ def test_llama_reshard_without_remat_frees_the_gathered_weights(run, backend, pr
             # the resharding run's peak; measured 1.42 layers below the keep run's, 2.50 with the overlap off)
             least = (L - 2) * layer if backend == "sim" else layer
             assert pk - pr >= least - layer / 8, ((pk - pr) / layer, pk, pr)
+
+
+# ------------------------------------------------------------------------------------------ where the prefetch goes
+def _prefetch_order_body(mesh: fs.Mesh, layers: int) -> list[list[tuple[int, int, int]]]:
+    """Per device thread, for each regather issued from a later layer's backward: (the layer, the later layer's
+    restored saved weights at that moment, its dropped ones)."""
+    from funcshard.ops import fsdp as fsdp_mod
+
+    got: dict[int, list[tuple[int, int, int]]] = {}
+    index: dict[int, int] = {}  # id(_Layer) -> its index in the forward
+    running: dict[int, Any] = {}  # thread -> the layer whose saved weights were restored last
+    restore, issue = fsdp_mod._Layer.restore, fsdp_mod._Layer.issue
+
+    def restore_probe(self: Any, a: Any) -> torch.Tensor:
+        running[threading.get_ident()] = self
+        return restore(self, a)
+
+    def issue_probe(self: Any) -> None:
+        cur = running.get(threading.get_ident())
+        if self.pending is None and self.leaves is None and cur is not None and cur is not self:
+            got.setdefault(threading.get_ident(), []).append((index[id(self)], cur.restored, cur.dropped))
+        issue(self)
+
+    def loss(ps: list[dict[str, torch.Tensor]], x: torch.Tensor) -> torch.Tensor:
+        h, scope = x, None
+        for i, p in enumerate(ps):
+            full = fsdp_gather(p, SPECS)  # [8/n, 8] -> [8, 8]
+            with reshard_after_forward(full, lambda p=p: fsdp_gather(p, SPECS), after=scope) as scope:
+                h = _toy_layer(h, full)
+            index[id(scope.layer)] = i
+            del full
+        return fs.pmean(h.pow(2).mean(), "fsdp")
+
+    g = torch.Generator().manual_seed(0)
+    params = [{k: torch.randn(8, 8, generator=g) / 3 for k in ("w", "u")} for _ in range(layers)]
+    for p in params:
+        p["n"] = torch.rand(8, generator=g) + 0.5
+    specs = [SPECS] * layers
+    f = fs.shard_map(fs.value_and_grad(loss), mesh=mesh, in_specs=(specs, P("fsdp")), out_specs=(P(), specs))
+    fsdp_mod._Layer.restore, fsdp_mod._Layer.issue = restore_probe, issue_probe
+    try:
+        f(fs.device_put(params, mesh, specs), torch.randn(4, 8, generator=g))
+    finally:
+        fsdp_mod._Layer.restore, fsdp_mod._Layer.issue = restore, issue
+    return list(got.values())
+
+
+def test_reshard_prefetch_waits_for_half_the_layers_backward(run):
+    """The previous layer's regather is issued once half of this layer's dropped saved weights are restored, not
+    at its first (under gloo an all-gather in flight holds a temporary copy of its output besides the output:
+    issued at the layer's first restore it lands on the layer's activation-gradient peak; bench/memory.py's
+    fsdp4_dist_reshard_noremat 148.5-150.7 -> 144.6-145.0 MiB, FSDP2 146.1-146.3), and before its last (it still
+    travels during the rest of this layer's backward)."""
+    layers = 3
+    for per_device in run(_prefetch_order_body, {"fsdp": 2}, layers):
+        assert per_device, "no device recorded a prefetch"
+        for got in per_device:
+            assert [i for i, _, _ in got] == list(range(layers - 2, -1, -1)), got  # each layer but the last
+            for _, restored, dropped in got:
+                assert dropped >= 3 and 2 * restored >= dropped and restored < dropped, got

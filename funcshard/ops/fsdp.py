@@ -249,6 +249,9 @@ class _Layer:
         self.pending: Any = None  # the issued regather (a function giving the tree, or the tree)
         self.leaves: list[Any] | None = None
         self.rebuilt: dict[int, torch.Tensor] = {}
+        self.dropped = 0  # saved tensors dropped in the forward (restored in the backward)
+        self.restored = 0
+        self.prefetched = False  # the previous layer's regather issued from this one's backward
 
     def known(self, key: int | None) -> tuple[int, torch.dtype] | None:
         """(bytes, dtype) of a known storage, or None."""
@@ -277,10 +280,26 @@ class _Layer:
                 tree = self.pending() if callable(self.pending) else self.pending
                 self.leaves = [settle(t) for t in optree.tree_leaves(tree)]
             self.pending = None
-            before = None if self.before is None else self.before()
-            if self.prefetch and before is not None:
-                before.issue()  # the layer whose backward comes next: its weights travel while this one's runs
         return self.leaves
+
+    def restore(self, a: _Arg) -> torch.Tensor:
+        """The saved tensor ``a`` describes, over the regathered weights; once half of this layer's dropped saved
+        tensors are restored, the previous layer's regather is issued (under dist it travels during the rest of
+        this layer's backward).
+
+        Not at this layer's first restore (FSDP2's place, where its CPU prefetch is synchronous): the layer's
+        backward starts with its largest activation gradients (the MLP's), and a gloo all-gather in flight holds
+        a second copy of its output (``ProcessGroupGloo::allgather`` gathers into a flat temporary, then copies)
+        besides the output itself, so an early prefetch puts up to two layers' gathered size on top of this
+        layer's peak. Past the half, the layer's first saved activations are freed already."""
+        t = self.view(a.key, a.size, a.stride, a.offset)
+        self.restored += 1
+        if self.prefetch and not self.prefetched and 2 * self.restored >= self.dropped:
+            self.prefetched = True
+            before = None if self.before is None else self.before()
+            if before is not None:
+                before.issue()  # the layer whose backward comes next: its weights travel while this one's ends
+        return t
 
     def base(self, key: int) -> torch.Tensor:
         """A tensor over the regathered (or rebuilt) storage that was ``key`` in the forward."""
@@ -319,8 +338,7 @@ class _Dropped:
         self.layer, self.args = layer, _Arg(key, t)
 
     def restore(self) -> torch.Tensor:
-        a = self.args
-        return self.layer.view(a.key, a.size, a.stride, a.offset)
+        return self.layer.restore(self.args)
 
 
 _local = threading.local()  # .pending: weakrefs to gradients of resharded shards, maybe still in flight (dist)
@@ -440,16 +458,18 @@ class reshard_after_forward:
 
     The forward's gathered weights are then freed as soon as the caller drops them (after the layer): memory
     holds one layer's gathered weights in the forward (two with the next layer's prefetch) and, in the backward,
-    the layer being differentiated (plus, with ``prefetch``, the one before it, whose regather is issued as soon
-    as this one's is needed, and travels meanwhile under ``dist``). Outside a gradient computation, or under a
-    ``torch.func`` transform (which has no saved-tensor hooks), it does nothing: the weights are kept.
+    the layer being differentiated (plus, with ``prefetch``, the one before it, whose regather is issued once half
+    of this layer's dropped saved tensors are restored, and travels during the rest of its backward under
+    ``dist``). Outside a gradient computation, or under a ``torch.func`` transform (which has no saved-tensor
+    hooks), it does nothing: the weights are kept.
 
     Args:
         gathered: the tree of gathered weights the layer uses (``fsdp_gather``'s result).
         regather: gathers them again, as the forward did: returns the tree, or a function of no arguments
             returning it (``fsdp_gather(..., prefetch=True)``). Called once, in the backward, without grad.
         after: the scope of the layer before this one (its regather is prefetched when this one's runs).
-        prefetch: issue ``after``'s regather when this layer's is needed.
+        prefetch: issue ``after``'s regather during this layer's backward (once half of its dropped saved tensors
+            are restored: past the layer's largest activation gradients).
 
     Under ``dist`` with ``FUNCSHARD_OVERLAP`` the gradient reduce-scatters of the forward's gather stay in flight
     until a later layer's regather: each scope waits for those still pending once it has gathered its weights, so
@@ -514,6 +534,7 @@ class reshard_after_forward:
             k = _key(t)
             hit = layer.known(k)
             if hit is not None and hit[1] == _raw(t).dtype:
+                layer.dropped += 1
                 return _Dropped(layer, k, t)  # type: ignore[arg-type]
             # not the tensor itself: an op's saved output would hold its own grad_fn, a cycle through C++
             return t.detach()
