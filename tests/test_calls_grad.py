@@ -5,7 +5,9 @@ unsharded function, sim and dist."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -108,9 +110,9 @@ def test_complex_value_still_raises_as_torch_does() -> None:
         raise AssertionError("a complex value was differentiated without an error")
 
 
-def _psum_transpose_body(mesh: fs.Mesh) -> dict[str, Any]:
-    """How many ``Pvary`` Functions a psum's backward makes: none when the backward records no graph (its
-    transpose is the identity there), one when it is differentiated again; and the second derivative is right."""
+@contextlib.contextmanager
+def _counting_pvary() -> Iterator[dict[str, int]]:
+    """Counts the ``Pvary`` Functions made (their forwards run) while inside: ``{"n": count}``."""
     from funcshard import _prims
 
     made = {"n": 0}
@@ -120,6 +122,16 @@ def _psum_transpose_body(mesh: fs.Mesh) -> dict[str, Any]:
         made["n"] += 1
         return real(*a)
 
+    _prims.Pvary.forward = staticmethod(counted)
+    try:
+        yield made
+    finally:
+        _prims.Pvary.forward = staticmethod(real)
+
+
+def _psum_transpose_body(mesh: fs.Mesh) -> dict[str, Any]:
+    """How many ``Pvary`` Functions a psum's backward makes: none when the backward records no graph (its
+    transpose is the identity there), one when it is differentiated again; and the second derivative is right."""
     gen = torch.Generator().manual_seed(2)
     x = torch.randn(4, generator=gen)
 
@@ -134,15 +146,12 @@ def _psum_transpose_body(mesh: fs.Mesh) -> dict[str, Any]:
         in_specs=(P("tp"),),
         out_specs=P("tp"),
     )
-    _prims.Pvary.forward = staticmethod(counted)
-    try:
+    with _counting_pvary() as made:
         g = fs.device_get(grad_once(x))
         once = made["n"]
         made["n"] = 0
         h = fs.device_get(hvp(x))
         twice = made["n"]
-    finally:
-        _prims.Pvary.forward = staticmethod(real)
     s = x.reshape(2, 2).sum(0)  # psum over the 2 devices of tp: the blocks added
     return {
         "once": once,
@@ -163,15 +172,6 @@ def _constant_pvary_body(mesh: fs.Mesh) -> dict[str, Any]:
     """An invariant constant (positions) meeting a value varying over dp is widened without a ``Pvary`` Function
     (nothing can flow back into it); an invariant weight that a gradient reaches still gets its ``Pvary``, whose
     backward sums the gradient over dp."""
-    from funcshard import _prims
-
-    made = {"n": 0}
-    real = _prims.Pvary.forward
-
-    def counted(*a: Any) -> Any:
-        made["n"] += 1
-        return real(*a)
-
     gen = torch.Generator().manual_seed(3)
     x, w = torch.randn(4, 3, generator=gen), torch.randn(3, generator=gen)
 
@@ -181,11 +181,8 @@ def _constant_pvary_body(mesh: fs.Mesh) -> dict[str, Any]:
         return fs.psum((y**2).sum(), "dp")
 
     f = fs.shard_map(lambda w, x: fs.value_and_grad(loss)(w, x), mesh=mesh, in_specs=(P(), P("dp")), out_specs=P())
-    _prims.Pvary.forward = staticmethod(counted)
-    try:
+    with _counting_pvary() as made:
         value, grad = f(w, x)
-    finally:
-        _prims.Pvary.forward = staticmethod(real)
 
     def ref(w: torch.Tensor) -> torch.Tensor:
         return (((x + torch.arange(3.0)) * w) ** 2).sum()
