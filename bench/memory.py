@@ -41,8 +41,9 @@ Asking for a row runs its peer too. ``--json PATH`` writes the rows (variant, wh
 ratio, loss, per-rank MiB) and the sizes.
 
 Measured (2-core CPU shared with 3 other jobs, load 8-11; the default sizes: 13,179,264 parameters, global batch
-8 x 256; forward + backward; one run per row, every row of one ``python bench/memory.py`` run except the last
-two lines; MiB = the max over the 4 ranks for "4 procs"):
+8 x 256; forward + backward; one run per row, every row of one ``python bench/memory.py`` run except the
+``fsdp4_dist_reshard_noremat`` lines after its first, each a ``--variants`` run of that row with its peer; MiB =
+the max over the 4 ranks for "4 procs"):
 
     variant                    where         MiB  peer                 peer MiB   ratio
     torch                      1 proc      520.5  module                  520.6   1.00x
@@ -63,6 +64,9 @@ two lines; MiB = the max over the 4 ranks for "4 procs"):
     fsdp4_dist_reshard_noremat 4 procs     148.7  fsdp2_reshard           146.0   1.02x  (pending reductions settled
                                                                                         before the next prefetch)
     fsdp4_dist_reshard_noremat 4 procs     147.0  fsdp2_reshard           146.4   1.00x  (FUNCSHARD_OVERLAP=0)
+    fsdp4_dist_reshard_noremat 4 procs     144.9  fsdp2_reshard           146.1   0.99x  (the backward's prefetch
+                                                                                        issued half-way through
+                                                                                        the layer; load 2-3)
     fsdp4_dist_bf16            4 procs      98.4  fsdp2_bf16_keep          98.3   1.00x
     cp4_dist                   4 procs     132.1  ddp4                    132.5   1.00x
 
@@ -86,13 +90,25 @@ Reading the rows over 1.00x:
 - ``fsdp4_dist_reshard_noremat`` (issue #10's reshard-after-forward without remat): the first version held one
   more layer's gradient bucket (6.2 MiB) at its peak than FSDP2: under ``FUNCSHARD_OVERLAP`` (the default) the
   reduce-scatter of a layer's gradients travels during the next layer's backward and was waited for only after
-  the previous layer's regather had been issued. Settling it before that prefetch: 153.2 -> 148.7 MiB. What is left
-  (ranks 143.3 / 148.7 / 148.1 / 144.9 against FSDP2's 145.8-146.0) is the reduce-scatter still in flight on some
-  ranks at their peak; with the overlap off the row is 147.0 vs 146.4 on every rank (1.00x).
+  the previous layer's regather had been issued. Settling it before that prefetch: 153.2 -> 148.7 MiB. The rest
+  (ranks 143.3 / 148.7 / 148.1 / 144.9 against FSDP2's 145.8-146.0; 148.5 and 150.7 in two more runs) was NOT a
+  reduce-scatter in flight: a trace of the RSS after every aten op on every rank puts every rank's peak (ours and
+  FSDP2's) in the first layer differentiated (layer 7), in its MLP backward (w2's matmul, then silu's product),
+  where no layer's reduce-scatter is pending yet; our peak RSS there exceeded the traced per-op maximum by up to
+  4 MiB on some ranks. The bytes: the previous layer's regather, prefetched at this layer's first restored weight,
+  in flight during those matmuls: gloo's all-gather (``ProcessGroupGloo::_allgather_base`` -> ``allgather``)
+  gathers into a flat temporary the size of the output and then copies it into the output, so while it travels
+  it holds two layers' gathered size (2 x 6.2 MiB), written by gloo's thread page by page (how much is resident at
+  the peak depends on timing, hence the spread over ranks). FSDP2 on CPU issues the same prefetch synchronously, so
+  its temporary is gone before the peak. Now the prefetch is issued once half of the layer's dropped saved weights
+  are restored (past its MLP backward, whose activations are freed by then): 144.6-145.0 MiB in 5 runs (ranks
+  141.8-145.0) against FSDP2's 145.9-146.3: 0.99x. Speed (the same step, 4 gloo processes, A/B interleaved, load
+  3-4): 1.00-1.05x wall, 1.01-1.04x CPU of rank 0; ``bench/vs_peers.py --size large --cases fsdp`` (Config()
+  reshards after forward) 1.045-1.049x FSDP2 after vs 1.037-1.042x before (CPU 1.065-1.072 vs 1.067-1.070, load 2-3).
 
 The issue's acceptance "dp=4 and fsdp=4 step peaks <= DDP's / FSDP2's" (13.2M params here): dp 132.6 vs 132.5
 (1.00x, noise), fsdp keep 185.1 vs 184.7 (1.00x, noise), fsdp reshard with remat 43.5 vs 53.1 (0.82x), fsdp reshard
-without remat 148.7 vs 146.0 (1.02x with the overlap on; 1.00x off). Not met strictly on the last row.
+without remat 144.9 vs 146.1 (0.99x with the overlap on, after the prefetch fix above; 148.7 vs 146.0 before).
 
 Usage:
     python bench/memory.py                      # the 13M-parameter Llama, every row: ~6 minutes on 2 cores
