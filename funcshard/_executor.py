@@ -52,13 +52,17 @@ _clone_lock = threading.Lock()  # a lazy clone turns its source's storage copy-o
 
 def _own(t: Any) -> Any:
     """A tensor the running device may write in place without touching anyone else's: a copy-on-write clone
-    where torch has it (free until the first write; differentiable), else a copy."""
+    where torch has it (free until the first write; differentiable), else a copy (also for a storage torch cannot
+    make copy-on-write: memory it does not own, as ``torch.from_numpy``'s or one that gloo handed back)."""
     if not isinstance(t, torch.Tensor):
         return t
     if _lazy_clone is None or torch._C._are_functorch_transforms_active():
         return t.clone()
     with _clone_lock:
-        return _lazy_clone(t)
+        try:
+            return _lazy_clone(t)
+        except RuntimeError:  # "Expected storage != nullptr": not a plain allocation of torch's
+            return t.clone()
 
 
 def _tag_args(leaves: list[list[Any]], specs: list[list[Any]], tagged: list[torch.Tensor]) -> None:

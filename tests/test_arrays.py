@@ -104,3 +104,25 @@ def test_visualize_picture() -> None:
     assert "dp=1 tp=3" in pic
     pic2 = fs.visualize(fs.device_put(torch.zeros(4, 8), mesh, P(None, "tp")), show=False)
     assert "dev 0,4" in pic2 and "dp=* tp=0" in pic2
+
+
+def _numpy_body(mesh: fs.Mesh) -> tuple[bool, bool]:
+    """A tensor over memory torch does not own (``torch.from_numpy``) as a shard_map argument and its result."""
+    import numpy as np
+
+    data = np.arange(8, dtype=np.float32).reshape(4, 2)
+    x = torch.from_numpy(data)
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        return x.mul_(2)  # in place on the device's own block: never on the caller's memory
+
+    out = fs.device_get(fs.shard_map(f, mesh=mesh, in_specs=(P("dp"),), out_specs=P("dp"))(x))
+    again = fs.device_get(fs.device_put(torch.from_numpy(data), mesh, P("dp")))  # owned from numpy memory too
+    return torch.equal(out, 2 * torch.arange(8.0).reshape(4, 2)) and torch.equal(again, x), bool(
+        (data == np.arange(8, dtype=np.float32).reshape(4, 2)).all()
+    )
+
+
+def test_numpy_backed_arguments(run) -> None:
+    for right, untouched in run(_numpy_body, {"dp": 2}):
+        assert right and untouched
