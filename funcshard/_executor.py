@@ -65,23 +65,19 @@ def _own(t: Any) -> Any:
             return t.clone()
 
 
-def _tag_args(leaves: list[list[Any]], specs: list[list[Any]], tagged: list[torch.Tensor]) -> None:
-    """Tag each tensor argument with the axes its spec names (both vma modes: the optimisers and the
-    collectives under ``check_vma=False`` read them)."""
-    for arg_leaves, arg_specs in zip(leaves, specs, strict=True):
-        for t, s in zip(arg_leaves, arg_specs, strict=True):
-            if isinstance(t, torch.Tensor):
-                set_vma(t, frozenset(s.axes))
-                tagged.append(t)
-
-
-def _tag_known(leaves: list[list[Any]], tags: list[list[frozenset[str]]], tagged: list[torch.Tensor]) -> None:
-    """:func:`_tag_args` with each leaf's tag made once per call signature (``Inputs.tags``)."""
+def _tag_args(leaves: list[list[Any]], tags: list[list[frozenset[str]]], tagged: list[torch.Tensor]) -> None:
+    """Tag each tensor argument with the axes its spec names (``tags``: per argument and leaf; both vma modes:
+    the optimisers and the collectives under ``check_vma=False`` read them)."""
     for arg_leaves, arg_tags in zip(leaves, tags, strict=True):
         for t, v in zip(arg_leaves, arg_tags, strict=True):
             if isinstance(t, torch.Tensor):
                 set_vma(t, v)
                 tagged.append(t)
+
+
+def _spec_tags(specs: list[list[Any]]) -> list[list[frozenset[str]]]:
+    """Per argument and leaf, the axes its spec names."""
+    return [[frozenset(s.axes) for s in arg] for arg in specs]
 
 
 def _differentiable(leaves: list[Any]) -> bool:
@@ -127,16 +123,14 @@ class DeviceBody:
         inputs = self.inputs
         donated = inputs.donated
         if inputs.resharded:  # below the transform: move blocks to their in_spec, untracked
-            _tag_args(leaves, inputs.layouts, self.tagged)
+            _tag_args(leaves, _spec_tags(inputs.layouts), self.tagged)
             with enter(DeviceContext(self.mesh, dev, False)):
                 for arg, steps in zip(leaves, inputs.steps, strict=True):
                     for k, st in enumerate(steps):
                         if st:
                             arg[k] = apply_reshard(arg[k], st)
-        if inputs.tags is None:  # an Inputs built by hand
-            _tag_args(leaves, inputs.specs, self.tagged)
-        else:
-            _tag_known(leaves, inputs.tags, self.tagged)
+        tags = _spec_tags(inputs.specs) if inputs.tags is None else inputs.tags  # None: an Inputs built by hand
+        _tag_args(leaves, tags, self.tagged)
         args = [optree.tree_unflatten(td, lv) for td, lv in zip(inputs.treedefs, leaves, strict=True)]
         mode = VmaMode(dev, audit=not self.check_vma) if self.check_vma or self.audit else nullcontext()
         mine = frozenset()

@@ -5,6 +5,7 @@ devices, below the transform); then check the devices' outputs and assemble them
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -72,8 +73,8 @@ class _InSig:
     layouts: list[list[P]]
     steps: list[list[list[Step]]]
     resharded: bool
-    kinds: list[int]
-    tags: list[list[frozenset[str]]]  # per leaf (all arguments in order): _ARRAY, _WHOLE, _CUT or _VALUE
+    kinds: list[int]  # per leaf (all arguments in order): _ARRAY, _WHOLE, _CUT or _VALUE
+    tags: list[list[frozenset[str]]]
 
 
 _ARRAY, _WHOLE, _CUT, _VALUE = 0, 1, 2, 3
@@ -252,7 +253,7 @@ def donated_blocks(name: str, args: tuple[Any, ...], donate: tuple[int, ...]) ->
     return out
 
 
-def _owned(leaves: list[Any]) -> bool:
+def _owned(leaves: Sequence[Any]) -> bool:
     """Whether a shard_map output's device blocks are fresh: no views, no copy-on-write clones of an input."""
     return all(isinstance(v, torch.Tensor) and v._base is None and not torch._C._is_cow_tensor(v) for v in leaves)
 
@@ -318,12 +319,7 @@ def assemble_outputs(
                     f"{name} at '{path}': device {c} returned a {type(v).__name__} but device {all_coords[0]} "
                     f"returned a {type(v0).__name__}; every device must return the same kind of value."
                 )
-        if not isinstance(v0, torch.Tensor):
-            if spec != P():
-                raise ShardingError(
-                    f"{name} at '{path}': the function returned a {type(v0).__name__}, which cannot be laid "
-                    f"out by {spec!r}; return a tensor or give P()."
-                )
+        if gshape is None:  # a non-tensor leaf (its spec checked P() with the plan)
             for c, v in zip(all_coords, vals, strict=True):
                 if not _equal_values(v, v0):
                     axes = [a for a, i, j in zip(mesh.axis_names, c, all_coords[0], strict=True) if i != j]
@@ -335,7 +331,7 @@ def assemble_outputs(
                     )
             out.append(v0)
             continue
-        allowed = frozenset(spec.axes)
+        allowed = plan.allowed[k]
         for c, v in zip(all_coords, vals, strict=True):
             if v.dtype != v0.dtype:
                 raise ShardingError(
@@ -377,7 +373,7 @@ def _assemble_one(
             vma = get_vma(v)
             if not vma <= allowed:
                 _vma_error(name, path, spec, sorted(vma - allowed))
-        owned = v._base is None and not torch._C._is_cow_tensor(v)
+        owned = _owned((v,))
         if owned and v.numel():  # no storage shared with another output (returned twice)
             ptr = v.untyped_storage().data_ptr()
             owned = ptr not in seen

@@ -202,6 +202,12 @@ def _split_buckets(idx: list[int], leaves: list[Any]) -> list[list[int]]:
     return out
 
 
+def _pvary_axes(axes: tuple[str, ...], have: Any) -> tuple[str, ...]:
+    """The axes of ``axes`` a value with tag ``have`` still has to be made varying over: unknown or audited
+    axes are pvary-ed all, as dist (which knows none) does."""
+    return tuple(a for a in axes if have is None or isinstance(have, Audited) or a not in have)
+
+
 def pvary(x: PyTree, axis: _Axis) -> PyTree:
     """Mark ``x`` as varying over ``axis``: identity (forward), psum over ``axis`` (backward).
 
@@ -220,7 +226,7 @@ def pvary(x: PyTree, axis: _Axis) -> PyTree:
     with torch._C.DisableTorchFunction():  # dtype, device, sizes read without the vma mode (tags set here)
         if isinstance(x, torch.Tensor):  # one tensor (the common operand): no tree walk, no buckets
             have = known_vma(x, ctx.check_vma)
-            todo = tuple(a for a in axes if have is None or isinstance(have, Audited) or a not in have)
+            todo = _pvary_axes(axes, have)
             if not todo:
                 return x
             y = _prims.call(_prims.Pvary, x, ctx.device, todo)  # [*s] -> [*s]
@@ -230,8 +236,7 @@ def pvary(x: PyTree, axis: _Axis) -> PyTree:
         for i, t in enumerate(leaves):
             if isinstance(t, torch.Tensor):
                 have = known_vma(t, ctx.check_vma)
-                # unknown or audited axes: pvary them all, as dist (which knows none) does
-                todo = tuple(a for a in axes if have is None or isinstance(have, Audited) or a not in have)
+                todo = _pvary_axes(axes, have)
                 if todo:
                     groups.setdefault((todo, t.dtype, t.device, have), []).append(i)
             elif isinstance(t, (int, float)) and not isinstance(t, bool):
