@@ -102,6 +102,42 @@ def summary(fp32: dict[int, float], bf16: dict[int, float], last: int = 50) -> d
     }
 
 
+def report(ref_csv: str, other_csv: str, *, show: int = 5, names: tuple[str, str] = ("fp32", "bf16")) -> None:
+    """Print the statistics of run ``other_csv`` against run ``ref_csv`` (two ``metrics.csv``): the validation
+    loss, the training loss's 10-step moving average and per step (max, mean, last 50, final, the ``show`` worst).
+
+    Example:
+        >>> report("runs/precision_curve/fp32/metrics.csv", "runs/precision_curve/bf16/metrics.csv")  # doctest: +SKIP
+    """
+    a, b = names
+    fp32, bf16 = _losses(ref_csv), _losses(other_csv)
+    vf, vb = _losses(ref_csv, "val_loss"), _losses(other_csv, "val_loss")
+    if set(vf) & set(vb):
+        v = summary(vf, vb, last=len(vf))
+        print(
+            f"validation loss (fixed held-out batches), over {v['steps']} evaluations: max {100 * v['max']:.2f}% "
+            f"at step {v['max_step']}, mean {100 * v['mean']:.2f}%, final {100 * v['final']:.2f}%"
+        )
+        print("  " + " ".join(f"{k}:{100 * (vb[k] - vf[k]) / vf[k]:+.2f}%" for k in sorted(set(vf) & set(vb))))
+    m = summary(_moving(fp32, 10), _moving(bf16, 10))
+    print(
+        f"training loss, 10-step moving average: max {100 * m['max']:.2f}% at step {m['max_step']}, "
+        f"mean {100 * m['mean']:.2f}%"
+    )
+    s = summary(fp32, bf16)
+    print(f"training loss, {b} vs {a}, |{b} - {a}| / {a} over {s['steps']} steps:")
+    print(f"  max    {100 * s['max']:.2f}% at step {s['max_step']} ({s['over_2pct']} steps over 2%)")
+    print(f"  mean   {100 * s['mean']:.2f}%")
+    print(f"  last 50 steps: mean {100 * s['tail_mean']:.2f}%, max {100 * s['tail_max']:.2f}%")
+    print(
+        f"  final  {100 * s['final']:.2f}% (step {s['final_step']}: {a} {fp32[s['final_step']]:.4f}, "
+        f"{b} {bf16[s['final_step']]:.4f})"
+    )
+    steps = sorted(set(fp32) & set(bf16), key=lambda k: -abs(bf16[k] - fp32[k]) / fp32[k])[:show]
+    for k in steps:
+        print(f"  step {k:>4}: {a} {fp32[k]:.4f}  {b} {bf16[k]:.4f}  {100 * (bf16[k] - fp32[k]) / fp32[k]:+.2f}%")
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     extra: list[str] = []
@@ -121,33 +157,7 @@ def main(argv: list[str] | None = None) -> int:
         for dtype in ("fp32", "bf16"):
             wall = _run(dtype, folder, args, extra)
             print(f"{dtype}: {wall:.0f} s", file=sys.stderr)
-    fp32 = _losses(os.path.join(folder, "fp32", "metrics.csv"))
-    bf16 = _losses(os.path.join(folder, "bf16", "metrics.csv"))
-    vf = _losses(os.path.join(folder, "fp32", "metrics.csv"), "val_loss")
-    vb = _losses(os.path.join(folder, "bf16", "metrics.csv"), "val_loss")
-    if set(vf) & set(vb):
-        v = summary(vf, vb, last=len(vf))
-        print(
-            f"validation loss (fixed held-out batches), over {v['steps']} evaluations: max {100 * v['max']:.2f}% "
-            f"at step {v['max_step']}, mean {100 * v['mean']:.2f}%, final {100 * v['final']:.2f}%"
-        )
-    m = summary(_moving(fp32, 10), _moving(bf16, 10))
-    print(
-        f"training loss, 10-step moving average: max {100 * m['max']:.2f}% at step {m['max_step']}, "
-        f"mean {100 * m['mean']:.2f}%"
-    )
-    s = summary(fp32, bf16)
-    print(f"training loss, bf16 vs fp32, |bf16 - fp32| / fp32 over {s['steps']} steps:")
-    print(f"  max    {100 * s['max']:.2f}% at step {s['max_step']} ({s['over_2pct']} steps over 2%)")
-    print(f"  mean   {100 * s['mean']:.2f}%")
-    print(f"  last 50 steps: mean {100 * s['tail_mean']:.2f}%, max {100 * s['tail_max']:.2f}%")
-    print(
-        f"  final  {100 * s['final']:.2f}% (step {s['final_step']}: fp32 {fp32[s['final_step']]:.4f}, "
-        f"bf16 {bf16[s['final_step']]:.4f})"
-    )
-    steps = sorted(set(fp32) & set(bf16), key=lambda k: -abs(bf16[k] - fp32[k]) / fp32[k])[: args.show]
-    for k in steps:
-        print(f"  step {k:>4}: fp32 {fp32[k]:.4f}  bf16 {bf16[k]:.4f}  {100 * (bf16[k] - fp32[k]) / fp32[k]:+.2f}%")
+    report(os.path.join(folder, "fp32", "metrics.csv"), os.path.join(folder, "bf16", "metrics.csv"), show=args.show)
     return 0
 
 
