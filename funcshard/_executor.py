@@ -59,10 +59,31 @@ def _own(t: Any) -> Any:
     if _lazy_clone is None or torch._C._are_functorch_transforms_active():
         return t.clone()
     with _clone_lock:
-        try:
-            return _lazy_clone(t)
-        except RuntimeError:  # "Expected storage != nullptr": not a plain allocation of torch's
-            return t.clone()
+        return _cow(t)
+
+
+def _cow(t: torch.Tensor) -> torch.Tensor:
+    """:func:`_own` of a tensor, with ``_clone_lock`` held and no torch.func transform active."""
+    try:
+        return _lazy_clone(t)
+    except RuntimeError:  # "Expected storage != nullptr": not a plain allocation of torch's
+        return t.clone()
+
+
+def _own_all(leaves: list[list[Any]], donated: list[list[bool]] | None) -> list[list[Any]]:
+    """:func:`_own` of every leaf (per argument) but the donated ones, under one hold of the lock."""
+    if _lazy_clone is None or torch._C._are_functorch_transforms_active():
+        if donated is None:
+            return [[_own(t) for t in arg] for arg in leaves]
+        return [[t if d else _own(t) for t, d in zip(arg, ds, strict=True)] for arg, ds in zip(leaves, donated)]
+    T = torch.Tensor
+    with _clone_lock:
+        if donated is None:
+            return [[_cow(t) if isinstance(t, T) else t for t in arg] for arg in leaves]
+        return [
+            [_cow(t) if not d and isinstance(t, T) else t for t, d in zip(arg, ds, strict=True)]
+            for arg, ds in zip(leaves, donated)
+        ]
 
 
 def _tag_args(leaves: list[list[Any]], tags: list[list[frozenset[str]]], tagged: list[torch.Tensor]) -> None:
@@ -112,11 +133,8 @@ class DeviceBody:
     def own(self, leaves: list[list[Any]]) -> list[list[Any]]:
         """Each device owns what it may write: a copy-on-write clone of every input block (no copy is made
         unless the function writes to it in place), so no write reaches another device or the caller."""
-        donated = self.inputs.donated
-        if donated is None:
-            return [[_own(t) for t in arg] for arg in leaves]
         # donated blocks are handed over as they are: the call may write into them (then they are deleted)
-        return [[t if d else _own(t) for t, d in zip(arg, ds, strict=True)] for arg, ds in zip(leaves, donated)]
+        return _own_all(leaves, self.inputs.donated)
 
     def run(self, dev: Any, leaves: list[list[Any]]) -> Result:
         """Reshard, tag and call ``f`` on blocks this device owns (see :meth:`own`)."""
@@ -131,12 +149,18 @@ class DeviceBody:
                             arg[k] = apply_reshard(arg[k], st)
         tags = _spec_tags(inputs.specs) if inputs.tags is None else inputs.tags  # None: an Inputs built by hand
         _tag_args(leaves, tags, self.tagged)
-        args = [optree.tree_unflatten(td, lv) for td, lv in zip(inputs.treedefs, leaves, strict=True)]
+        bare = inputs.bare
+        if bare is None:
+            args = [optree.tree_unflatten(td, lv) for td, lv in zip(inputs.treedefs, leaves, strict=True)]
+        else:  # an argument that is one leaf is its block (no tree to rebuild)
+            args = [lv[0] if b else optree.tree_unflatten(td, lv) for td, lv, b in zip(inputs.treedefs, leaves, bare)]
         mode = VmaMode(dev, audit=not self.check_vma) if self.check_vma or self.audit else nullcontext()
-        mine = frozenset()
         if donated is not None:
             mine = frozenset(id(t) for arg, ds in zip(leaves, donated) for t, d in zip(arg, ds) if d)
-        with enter(DeviceContext(self.mesh, dev, self.check_vma, mine)), mode:
+            ctx = DeviceContext(self.mesh, dev, self.check_vma, mine)
+        else:
+            ctx = _context_of(self.mesh, dev, self.check_vma)
+        with enter(ctx), mode:
             out = self.f(*args)
             out_leaves, out_def = optree.tree_flatten(out, is_leaf=is_array)
             out_leaves = [settle(t) for t in out_leaves]  # no pending collective leaves the call
@@ -155,6 +179,23 @@ class DeviceBody:
                 t = vary_output(t, frozenset(spec.axes), dev, self.check_vma, path)
             out.append(t)
         return out
+
+
+def _context_of(mesh: Mesh, dev: Any, check_vma: bool) -> DeviceContext:
+    """The context of a call without donation on ``dev``: made once per device and mode where the device lives
+    on (``"dist"``: the process's one device; a sim device lives for one call only)."""
+    if mesh.backend == "sim":
+        return DeviceContext(mesh, dev, check_vma)
+    key = (id(dev), id(mesh), check_vma)
+    ctx = _CONTEXTS.get(key)
+    if ctx is None:  # (the context holds its device and mesh: their ids are not reused while it is here)
+        if len(_CONTEXTS) > 64:
+            _CONTEXTS.clear()
+        ctx = _CONTEXTS[key] = DeviceContext(mesh, dev, check_vma)
+    return ctx
+
+
+_CONTEXTS: dict[tuple[int, int, bool], DeviceContext] = {}
 
 
 class Executor(Protocol):
@@ -189,16 +230,16 @@ class DistExecutor:
     """This process's device of a ``"dist"`` mesh."""
 
     def __init__(self, mesh: Mesh) -> None:
-        from ._backend.dist import device_for
+        from ._backend import dist as dist_backend
 
-        self.device = device_for(mesh)
+        self.mesh = mesh
+        self.device = dist_backend.device_for(mesh)
         self.coords: list[Coords] = [tuple(self.device.coords.values())]
+        self._devices = dist_backend._DEVICES  # the backend's devices (emptied when torch.distributed restarts)
 
     def stale(self) -> bool:
         """Whether the process's device for this mesh is no longer the one held (torch.distributed restarted)."""
-        from ._backend import dist as dist_backend
-
-        return dist_backend._DEVICES.get(self.device.mesh) is not self.device
+        return self._devices.get(self.mesh) is not self.device
 
     def run(self, body: DeviceBody, plan: PlanFn) -> list[Result]:
         leaves = device_args(self.coords[0], body.inputs.blocks)

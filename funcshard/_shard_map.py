@@ -93,14 +93,16 @@ def shard_map(
     cache = InputCache()
     options = compile_options(compile)
     compiled = None
+    name = f"shard_map({getattr(f, '__name__', 'f')})"
     if options is not None and mesh.backend != "sim":  # one device per process: its body compiles
-        compiled = CompiledBody(f"shard_map({getattr(f, '__name__', 'f')})", options)
+        compiled = CompiledBody(name, options)
+    check = bool(check_vma)
 
     @functools.wraps(f)
     def mapped(*args: Any) -> Any:
         if options is not None and compiled is None:
-            warn_sim(f"shard_map({getattr(f, '__name__', 'f')})", id(mapped))
-        return _call(f, mesh, in_specs, out_specs, bool(check_vma), args, cache, donated, compiled)
+            warn_sim(name, id(mapped))
+        return _call(f, mesh, in_specs, out_specs, check, args, cache, donated, compiled, name)
 
     return mapped
 
@@ -115,9 +117,11 @@ def _call(
     cache: InputCache,
     donate: tuple[int, ...] = (),
     compiled: CompiledBody | None = None,
+    name: str | None = None,
 ) -> Any:
     """prepare (check and cut the arguments) -> run (on the backend's executor) -> assemble (the outputs)."""
-    name = f"shard_map({getattr(f, '__name__', 'f')})"
+    if name is None:
+        name = f"shard_map({getattr(f, '__name__', 'f')})"
     if maybe_current() is not None:
         raise ShardingError(
             f"{name}: called inside another shard_map; nesting is not supported. Call the inner function "
@@ -156,10 +160,12 @@ def _run(
     cache: InputCache,
     compiled: CompiledBody | None = None,
 ) -> Any:
-    executor = executor_for(mesh)
+    executor = cache.executor  # (a cache serves one shard_map'd function: one mesh)
+    if executor is None or (mesh.backend != "sim" and executor.stale()):
+        executor = cache.executor = executor_for(mesh)
 
     def plan(results: list[Any]) -> Any:
-        out_def = check_structures(name, executor.coords, results)
+        out_def = results[0][1] if len(results) == 1 else check_structures(name, executor.coords, results)
         return cache.out_plan(name, mesh, out_specs, out_def, results[0][0])
 
     def device_plan(out_def: Any, leaves: list[Any]) -> Any:  # one device's outputs: their specs

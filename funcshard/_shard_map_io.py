@@ -51,6 +51,7 @@ class Inputs:
         resharded: whether any leaf is resharded on the devices before the function runs.
         tags: per argument and leaf, the axes its in_spec names (the vma tag each block gets), found once per
             call signature.
+        bare: per argument, whether it is one leaf (no tree to rebuild around its block); None: not known.
     """
 
     treedefs: list[Any]
@@ -61,6 +62,7 @@ class Inputs:
     donated: list[list[bool]] | None = None
     resharded: bool = False
     tags: list[list[frozenset[str]]] | None = None
+    bare: list[bool] | None = None
 
 
 @dataclass
@@ -75,6 +77,7 @@ class _InSig:
     resharded: bool
     kinds: list[int]  # per leaf (all arguments in order): _ARRAY, _WHOLE, _CUT or _VALUE
     tags: list[list[frozenset[str]]]
+    bare: list[bool]  # per argument: one leaf, its own tree
 
 
 _ARRAY, _WHOLE, _CUT, _VALUE = 0, 1, 2, 3
@@ -136,6 +139,7 @@ class InputCache:
         self.specs: dict[Any, _InSig] = {}
         self.outputs: dict[Any, OutPlan] = {}
         self.dist_local: tuple[Coords, torch.device | None] | None = None  # this process's coords, its device
+        self.executor: Any = None  # the mesh's executor (``_executor.executor_for``), kept for the next call
 
     def prepare(self, name: str, mesh: Mesh, in_specs: Any, args: tuple[Any, ...]) -> Inputs:
         """Validate ``args`` against ``in_specs`` (cached per call signature) and cut them for the devices.
@@ -166,7 +170,7 @@ class InputCache:
                     whole = self.whole_blocks(mesh, leaf) if kind == _WHOLE else None
                     blk.append(local_shards(leaf, mesh, s) if whole is None else whole)
             blocks.append(blk)
-        return Inputs(sig.treedefs, sig.specs, sig.layouts, sig.steps, blocks, None, sig.resharded, sig.tags)
+        return Inputs(sig.treedefs, sig.specs, sig.layouts, sig.steps, blocks, None, sig.resharded, sig.tags, sig.bare)
 
     @staticmethod
     def _signature(
@@ -197,7 +201,8 @@ class InputCache:
             steps.append(st)
         resharded = any(x for arg in steps for x in arg)
         tags = [[frozenset(sp.axes) for sp in specs] for specs in specs_all]
-        return _InSig(treedefs, specs_all, layouts, steps, resharded, kinds, tags)
+        bare = [td.num_nodes == 1 and td.num_leaves == 1 for td in treedefs]
+        return _InSig(treedefs, specs_all, layouts, steps, resharded, kinds, tags, bare)
 
     def whole_blocks(self, mesh: Mesh, x: torch.Tensor) -> dict[Coords, torch.Tensor] | None:
         """The blocks of a replicated full tensor ``x`` under ``"dist"``: ``x`` itself, where it already lives on
@@ -251,6 +256,9 @@ def donated_blocks(name: str, args: tuple[Any, ...], donate: tuple[int, ...]) ->
             flags.append(i in donate and isinstance(leaf, Array) and leaf.owned)
         out.append(flags)
     return out
+
+
+_is_cow = torch._C._is_cow_tensor
 
 
 def _owned(leaves: Sequence[Any]) -> bool:
@@ -373,7 +381,7 @@ def _assemble_one(
             vma = get_vma(v)
             if not vma <= allowed:
                 _vma_error(name, path, spec, sorted(vma - allowed))
-        owned = _owned((v,))
+        owned = v._base is None and not _is_cow(v)  # _owned((v,))
         if owned and v.numel():  # no storage shared with another output (returned twice)
             ptr = v.untyped_storage().data_ptr()
             owned = ptr not in seen

@@ -295,11 +295,35 @@ class VmaMode(TorchFunctionMode):
         _active.mode = self._prev
         super().__exit__(*exc)
 
-    def _agree(self, tree: Any, union: frozenset[str], skip: torch.Tensor | None = None) -> Any:
-        """``tree`` with every tensor (but ``skip``) made varying over ``union`` (``Pvary`` where it lacks axes)."""
+    def _agree(
+        self,
+        tree: Any,
+        union: frozenset[str],
+        skip: torch.Tensor | None = None,
+        passed: list[torch.Tensor] | None = None,
+    ) -> Any:
+        """``tree`` with every tensor (but ``skip``) made varying over ``union`` (``Pvary`` where it lacks axes).
+
+        With ``passed``, an invariant constant (no gradient or tangent can reach it: its pvary is the identity)
+        is left as it is and appended to ``passed`` (the op's result is tagged with ``union`` anyway; the caller
+        makes sure that result is not the constant itself, whose own tag must stay); else it is widened by a
+        tagged view."""
 
         def fix(a: Any) -> Any:
-            return pvary_to(a, union, self.dev) if isinstance(a, torch.Tensor) and a is not skip else a
+            if not isinstance(a, torch.Tensor) or a is skip:
+                return a
+            if passed is not None:
+                have = getattr(a, _ATTR, None)
+                if have is None:
+                    have = get_vma(a)
+                if not union <= have:
+                    with torch._C.DisableTorchFunction():
+                        if _constant(a):
+                            passed.append(a)
+                            return a
+                    return pvary_to(a, union, self.dev)
+                return a
+            return pvary_to(a, union, self.dev)
 
         args, kwargs = tree
         if not kwargs and all(isinstance(a, torch.Tensor) or type(a) in _SCALARS for a in args):
@@ -328,16 +352,21 @@ class VmaMode(TorchFunctionMode):
         # operand carries its own tag; views, torch.func wrappers and untagged constants take the slow path)
         special = _SPECIAL.get(func)
         if special is not None:
+            if special is _read:  # x.shape, x.dim(), x.size(1), ...: no tensor comes out, nothing to tag
+                return func(*args, **kwargs) if kwargs else func(*args)
             return special(self, func, args, kwargs or {})
         if not kwargs and len(args) == 1 and isinstance(args[0], torch.Tensor):
-            # one tensor operand (a unary op, a property read such as x.shape or x.T): nothing can mix
+            # one tensor operand (a unary op, a read such as x.T): nothing can mix
             a = args[0]
             v = getattr(a, _ATTR, None)
             if v is None:
                 v = get_vma(a)
             out = func(a)
             if v:
-                self._tag_out(out, v)
+                if type(out) is torch.Tensor and not self.audit and not _is_wrapped(out):
+                    out.__dict__[_ATTR] = v  # the common result: a plain tensor (_tag_through, inline)
+                else:
+                    self._tag_out(out, v)
             return out
         if kwargs is None:
             kwargs = {}
@@ -370,7 +399,12 @@ class VmaMode(TorchFunctionMode):
             if target is not None and get_vma(target) != union:
                 self._widen_inplace(func, target, union)
             if not self.audit:
-                args, kwargs = self._agree((args, kwargs), union, skip=target)
+                passed: list[torch.Tensor] = []  # invariant constants handed to func as they are
+                args, kwargs = self._agree((args, kwargs), union, skip=target, passed=passed)
+                if passed:
+                    out = _not_one_of(func(*args, **kwargs), passed)
+                    self._tag_out(out, union)
+                    return out
         out = func(*args, **kwargs)
         self._tag_out(out, union)
         return out
@@ -414,8 +448,73 @@ class VmaMode(TorchFunctionMode):
         return out
 
 
-#: the autograd entry points the mode lets through (its method for each): backward untouched, grad re-tagging
+def _not_one_of(out: Any, passed: list[torch.Tensor]) -> Any:
+    """``out``, with a result that is one of the constants ``passed`` to the op as they are (``c.to(x)``,
+    ``c.type_as(x)`` hand ``c`` itself back) replaced by a view of it, which takes the op's tag in its stead."""
+    if isinstance(out, torch.Tensor):
+        if any(out is c for c in passed):
+            with torch._C.DisableTorchFunction():
+                return out.view_as(out)
+        return out
+    if isinstance(out, (tuple, list)) and type(out) is not torch.Size:
+        if any(o is c for o in out for c in passed):
+            with torch._C.DisableTorchFunction():
+                fresh = [o.view_as(o) if any(o is c for c in passed) else o for o in out]
+            return type(out)(fresh) if type(out) in (tuple, list) else out
+    return out
+
+
+def _read(self: VmaMode, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """Marks the reads of a tensor's metadata in ``_SPECIAL``: handled inline (their result holds no tensor)."""
+    return func(*args, **kwargs)
+
+
+#: reads of a tensor's metadata: what comes out is no tensor (a size, a dtype, a flag), so there is nothing to tag
+_READS = (
+    *(
+        getattr(torch.Tensor, n).__get__
+        for n in (
+            "shape",
+            "dtype",
+            "device",
+            "ndim",
+            "requires_grad",
+            "is_cuda",
+            "is_leaf",
+            "layout",
+            "is_sparse",
+            "grad_fn",
+            "_version",
+            "is_meta",
+            "is_quantized",
+            "is_nested",
+        )
+    ),
+    *(
+        getattr(torch.Tensor, n)
+        for n in (
+            "dim",
+            "size",
+            "numel",
+            "nelement",
+            "stride",
+            "is_floating_point",
+            "is_complex",
+            "is_contiguous",
+            "element_size",
+            "data_ptr",
+            "storage_offset",
+            "__len__",
+            "get_device",
+            "ndimension",
+        )
+    ),
+)
+
+#: the autograd entry points the mode lets through (its method for each): backward untouched, grad re-tagging;
+#: and the metadata reads, handed straight to torch
 _SPECIAL: dict[Any, Callable[..., Any]] = {
+    **{f: _read for f in _READS},
     **{f: VmaMode._pass for f in _PASS},
     **{f: VmaMode._grad for f in _GRAD},
 }
