@@ -29,7 +29,7 @@ from typing import Any, Protocol
 import optree
 import torch
 
-from ._arraytype import Coords, is_array
+from ._arraytype import Coords
 from ._backend.base import settle
 from ._backend.sim import SimWorld
 from ._context import DeviceContext, enter
@@ -37,7 +37,7 @@ from ._mesh import Mesh
 from ._reshard import apply_reshard
 from ._shard_map_io import Inputs, OutPlan, device_args
 from ._sim_grad import SimState, run_differentiable
-from ._vma import VmaMode, set_vma, vary_output
+from ._vma import TAG_ATTR, VmaMode, vary_output
 
 __all__ = ["DeviceBody", "DistExecutor", "Executor", "SimExecutor", "executor_for"]
 
@@ -89,11 +89,12 @@ def _own_all(leaves: list[list[Any]], donated: list[list[bool]] | None) -> list[
 def _tag_args(leaves: list[list[Any]], tags: list[list[frozenset[str]]], tagged: list[torch.Tensor]) -> None:
     """Tag each tensor argument with the axes its spec names (``tags``: per argument and leaf; both vma modes:
     the optimisers and the collectives under ``check_vma=False`` read them)."""
+    T, push = torch.Tensor, tagged.append
     for arg_leaves, arg_tags in zip(leaves, tags, strict=True):
         for t, v in zip(arg_leaves, arg_tags, strict=True):
-            if isinstance(t, torch.Tensor):
-                set_vma(t, v)
-                tagged.append(t)
+            if isinstance(t, T):
+                setattr(t, TAG_ATTR, v)  # set_vma
+                push(t)
 
 
 def _spec_tags(specs: list[list[Any]]) -> list[list[frozenset[str]]]:
@@ -162,8 +163,9 @@ class DeviceBody:
             ctx = _context_of(self.mesh, dev, self.check_vma)
         with enter(ctx), mode:
             out = self.f(*args)
-            out_leaves, out_def = optree.tree_flatten(out, is_leaf=is_array)
-            out_leaves = [settle(t) for t in out_leaves]  # no pending collective leaves the call
+            out_leaves, out_def = optree.tree_flatten(out)  # (an Array is a leaf: no pytree node of optree's)
+            # no pending collective leaves the call
+            out_leaves = [t if type(t) is torch.Tensor else settle(t) for t in out_leaves]
             with torch._C.DisableTorchFunction():  # a read the vma mode need not see
                 differentiable = _differentiable(out_leaves)
             if differentiable:

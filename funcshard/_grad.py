@@ -40,7 +40,7 @@ from torch.autograd.graph import _engine_run_backward
 
 from ._backend.base import overlap_scope, settle
 from ._errors import ConfigError
-from ._vma import EMPTY, active_mode, find_vma, get_vma, set_vma, tag_leaves, tag_like, tag_through, tags_of
+from ._vma import EMPTY, TAG_ATTR, active_mode, find_vma, get_vma, tag_leaves, tag_like, tag_through, tags_of
 
 __all__ = ["graph_walk", "has_tangent", "reaches_other_leaf", "value_and_grad"]
 
@@ -193,9 +193,11 @@ class _GradCall:
                 copies = []
                 for x in xs:
                     c = x.detach().requires_grad_()
-                    v = find_vma(x)
+                    v = getattr(x, TAG_ATTR, None)
+                    if v is None:
+                        v = find_vma(x)  # (a view of a tagged tensor)
                     if v is not None:  # the tag the argument had (untagged stays untagged: check_vma=False)
-                        set_vma(c, v)
+                        setattr(c, TAG_ATTR, v)  # set_vma (no torch.func transform is active on this path)
                     copies.append(c)
                     tags.append(v)
                 leaves.extend(copies)
@@ -205,7 +207,8 @@ class _GradCall:
             out = self.inner(*args, **kwargs)
             value, aux = (out[0], out[1]) if self.has_aux else (out, None)
             with torch._C.DisableTorchFunction():
-                _check_scalar(self.name, value)
+                if not isinstance(value, torch.Tensor) or value.dim() != 0:
+                    _check_scalar(self.name, value)
                 differentiable = value.requires_grad
                 # a value f closed over that requires grad: keep the graph to it (an outer backward may follow)
                 keep, last = graph_walk([value], leaves) if outer and differentiable else (False, None)
@@ -220,8 +223,11 @@ class _GradCall:
         grads_flat = []
         with torch._C.DisableTorchFunction():  # tagged here and in _finish
             for g, x, v in zip(found, leaves, tags, strict=True):
-                g = torch.zeros_like(x) if g is None else settle(g)
-                tag_through(g, EMPTY if v is None else v)
+                if g is None:
+                    g = torch.zeros_like(x)
+                elif type(g) is not torch.Tensor:
+                    g = settle(g)
+                setattr(g, TAG_ATTR, EMPTY if v is None else v)  # tag_through: no torch.func wrapper on this path
                 grads_flat.append(g)
             if not keep:  # (a pending loss sum, whose backward was seeded without it, is waited for here)
                 value = settle(value).detach()
@@ -412,21 +418,27 @@ def graph_walk(outs: list[torch.Tensor], own: list[torch.Tensor]) -> tuple[bool,
     # every node seen stays referenced (the dict's values), so no id in it is reused by a newer object
     seen: dict[int, Any] = {}
     stack = [o.grad_fn for o in outs if o.grad_fn is not None]
-    last, first_nr = None, -1
+    last, first_nr = None, _NO_NR
+    pop, push = stack.pop, stack.append
     while stack:
-        node = stack.pop()
+        node = pop()
         if type(node) is acc:  # a leaf's node: only these have a .variable
             if id(node.variable) not in ids:
                 return True, None
             continue
         nr = node._sequence_nr()
-        if nr < first_nr or last is None:
+        if nr < first_nr:
             last, first_nr = node, nr
         for n, _ in node.next_functions:
-            if n is not None and id(n) not in seen:
-                seen[id(n)] = n
-                stack.append(n)
+            if n is not None:
+                k = id(n)
+                if k not in seen:
+                    seen[k] = n
+                    push(n)
     return False, last
+
+
+_NO_NR = 1 << 64  # above every node's sequence number (a uint64 in torch)
 
 
 _ACC: list[type] = []

@@ -146,7 +146,7 @@ class InputCache:
 
         A repeat call flattens the arguments once, looks its signature up and gathers the blocks: the specs,
         layouts, resharding steps and tree structures are the signature's, found at its first call."""
-        leaves, treedef = optree.tree_flatten(args, is_leaf=is_array)
+        leaves, treedef = optree.tree_flatten(args)  # (an Array is a leaf: no pytree node of optree's)
         key = (treedef, *map(_leaf_sig, leaves))
         sig = self.specs.get(key)
         if sig is None:

@@ -28,6 +28,7 @@ from ._prims import Pvary, call
 
 __all__ = [
     "EMPTY",
+    "TAG_ATTR",
     "Audited",
     "VmaMode",
     "active_mode",
@@ -49,6 +50,7 @@ __all__ = [
 
 EMPTY: frozenset[str] = frozenset()
 _ATTR = "_fs_vma"
+TAG_ATTR = _ATTR  # the attribute holding a tensor's tag, for the modules that set it inline (no call)
 _unwrap = torch._C._functorch.get_unwrapped
 _is_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
 
@@ -109,8 +111,9 @@ def clear_vma(tensors: Iterable[Any]) -> None:
     """Remove the tags of ``tensors`` (non-tensors are skipped)."""
     for t in tensors:
         if isinstance(t, torch.Tensor):
-            if hasattr(t, _ATTR):
-                delattr(t, _ATTR)
+            d = t.__dict__
+            if _ATTR in d:
+                del d[_ATTR]
 
 
 def pvary_to(x: torch.Tensor, want: frozenset[str], dev: Any) -> torch.Tensor:
@@ -406,7 +409,10 @@ class VmaMode(TorchFunctionMode):
                     self._tag_out(out, union)
                     return out
         out = func(*args, **kwargs)
-        self._tag_out(out, union)
+        if type(out) is torch.Tensor and not self.audit and not _is_wrapped(out):
+            out.__dict__[_ATTR] = union  # the common result: a plain tensor (_tag_through, inline)
+        else:
+            self._tag_out(out, union)
         return out
 
     def _tag_out(self, out: Any, union: frozenset[str]) -> None:
