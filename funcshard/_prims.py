@@ -287,13 +287,65 @@ class BucketPool:
 BUCKETS = BucketPool()
 
 
+class _LayerMajor:
+    """One gradient buffer for the buckets of the same rows of stacked ``[n, ...]`` leaves (a stacked model's
+    layers, one bucket per layer): ``[n, row]`` layer-major, bucket ``i`` in row ``i``, taken from :data:`BUCKETS`
+    by the first bucket's backward. Each leaf's ``n`` row gradients then lie at one stride in it: the unstacking
+    node hands them back as one strided ``[n, *s]`` view instead of copying them into a stack."""
+
+    __slots__ = ("buf", "n", "row")
+
+    def __init__(self, n: int, row: int) -> None:
+        self.buf: torch.Tensor | None = None
+        self.n, self.row = n, row
+
+
+def _row_of(x: torch.Tensor) -> int | None:
+    """``i`` when ``x`` is row ``i`` of a contiguous stacked ``[n, *s]`` tensor, as an unstacking node (a Function
+    whose ctx has ``stacked_rows``, e.g. ``models.stacked.Unstack``) made it, else None."""
+    node, base = x.grad_fn, x._base
+    if node is None or base is None or not getattr(node, "stacked_rows", False) or not base.is_contiguous():
+        return None
+    if base.shape[1:] != x.shape or not x.is_contiguous():
+        return None
+    i, rem = divmod(x.storage_offset() - base.storage_offset(), max(x.numel(), 1))
+    return i if rem == 0 and 0 <= i < base.shape[0] else None
+
+
+def _layer_major(xs: tuple[torch.Tensor, ...]) -> tuple[_LayerMajor, int] | None:
+    """The shared layer-major buffer of a bucket whose operands are all row ``i`` of stacked leaves of one length
+    ``n`` (unstacked by a ``stacked_rows`` node), and ``i``; None for any other bucket. Buckets of the same leaves,
+    in the same order, share one (kept on the first leaf's unstacking node, so it lives as long as the graph)."""
+    if not xs or not all(x.dtype == xs[0].dtype for x in xs):
+        return None
+    i = _row_of(xs[0])
+    if i is None:
+        return None
+    n = xs[0]._base.shape[0]  # type: ignore[union-attr]
+    for x in xs[1:]:
+        if _row_of(x) != i or x._base.shape[0] != n:  # type: ignore[union-attr]
+            return None
+    key = tuple(id(x.grad_fn) for x in xs)
+    node = xs[0].grad_fn
+    groups = getattr(node, "layer_major", None)
+    if groups is None:
+        groups = node.layer_major = {}  # type: ignore[union-attr]
+    group = groups.get(key)
+    if group is None:
+        group = groups[key] = _LayerMajor(n, sum(x.numel() for x in xs))
+    return group, i
+
+
 class PvaryBucket(Prim):
     """:class:`Pvary` of several tensors of one dtype, with one collective for all of them.
 
     - forward: ``ys = xs`` (views).
     - backward: the cotangents are written once into one flat buffer (the bucket), all-reduced once in place
       where the backend can (``all_reduce_inplace``: no second copy; the buffer then comes from
-      :data:`BUCKETS`, reused from step to step once nothing holds it) and handed back as views of it.
+      :data:`BUCKETS`, reused from step to step once nothing holds it) and handed back as views of it (under
+      ``dist``'s overlap each its own pending view, ``all_reduce_inplace_parts``). A bucket of the rows ``i`` of
+      stacked leaves (a stacked model's layer) is row ``i`` of one buffer shared by all the layers' buckets
+      (:class:`_LayerMajor`), so the unstacking node hands each leaf's gradient back as a strided view of it.
     - jvp: ``PvaryBucket`` of the tangents present (outputs whose input has none get none).
     - vmap: ``PvaryBucket`` of the operands as they come (batched or not), each batch dim where it was.
     """
@@ -314,6 +366,9 @@ class PvaryBucket(Prim):
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
         ctx.dev, ctx.axes = inputs[0], inputs[1]
         ctx.shapes = [x.shape for x in inputs[2:]]
+        # rows of stacked leaves (a stacked model's layer): the bucket is a row of one buffer for all the layers
+        inplace = hasattr(ctx.dev, "all_reduce_inplace") and not torch._C._are_functorch_transforms_active()
+        ctx.rows = _layer_major(inputs[2:]) if inplace else None
 
     @staticmethod
     def backward(ctx: Any, *gs: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
@@ -329,8 +384,19 @@ class PvaryBucket(Prim):
             total = call(AllReduce, flat, ctx.dev, ctx.axes, "sum", "psum")  # [sum |s_i|] -> [sum |s_i|]
         else:  # the bucket is this backward's own: summed in place, as DDP's flat buckets (no second copy)
             n = sum(g.numel() for g in flat_gs)
-            flat = torch.cat(flat_gs, out=BUCKETS.take(n, gs[0].dtype, gs[0].device))  # -> [sum |s_i|]
+            rows, dtype, device = ctx.rows, gs[0].dtype, gs[0].device
+            if rows is not None and rows[0].row == n:  # row i of the layers' shared [n_layers, n] buffer
+                group, i = rows
+                if group.buf is None or group.buf.dtype != dtype:
+                    group.buf = BUCKETS.take(group.n * n, dtype, device)
+                out = group.buf[i * n : (i + 1) * n]  # [n_layers * n] -> [n]
+            else:
+                out = BUCKETS.take(n, dtype, device)
+            flat = torch.cat(flat_gs, out=out)  # k x [*s_i] -> [sum |s_i|]
             record(ctx.dev.rank, "psum", ctx.axes, _nbytes(flat))
+            cut = getattr(ctx.dev, "all_reduce_inplace_parts", None)
+            if cut is not None:  # the backend cuts the (pending) sum into the gradients' views itself
+                return (None, None, *cut(flat, ctx.axes, ctx.shapes))  # [sum |s_i|] -> k x [*s_i]
             total = inplace(flat, ctx.axes)  # [sum |s_i|] -> [sum |s_i|]
         parts = total.split([s.numel() for s in ctx.shapes])
         return (None, None, *(p.view(s) for p, s in zip(parts, ctx.shapes, strict=True)))

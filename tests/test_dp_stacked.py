@@ -9,6 +9,7 @@ import torch
 
 import funcshard as fs
 from funcshard import P
+from funcshard._prims import BUCKETS
 from funcshard.models import llama
 from funcshard.models.llama import model as llama_model
 from funcshard.models.stacked import Unstack, _pool, unstack
@@ -16,8 +17,9 @@ from funcshard.models.stacked import Unstack, _pool, unstack
 CFG = llama.Config(vocab_size=64, dim=32, n_layers=3, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=16)
 
 
-def _stacked_body(mesh: fs.Mesh) -> tuple[bool, bool, bool, bool, int, bool]:
+def _stacked_body(mesh: fs.Mesh) -> tuple[bool, bool, bool, bool, int, bool, int, bool]:
     _pool().clear()
+    BUCKETS.clear()
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, CFG.vocab_size, (4, 16), generator=g)
     targets = tokens.roll(-1, dims=1)
@@ -51,16 +53,24 @@ def _stacked_body(mesh: fs.Mesh) -> tuple[bool, bool, bool, bool, int, bool]:
     ptr3, val3 = local(g3)
     wq = g3["layers"]["wq"]
     made = len(_pool().kept.get((wq.shards[min(wq.shards)].numel(), torch.float32, torch.device("cpu")), []))
-    return same, kept, ptr3 in (ptr1, ptr2), torch.equal(val3, val1), made, mesh.backend == "dist"
+    # the layers' gradient buckets: rows of one [n_layers, per layer] buffer, each stacked gradient a strided view
+    layers = [a.shards[min(a.shards)] for a in g3["layers"].values()]
+    per_layer = sum(t[0].numel() for t in layers)
+    shared = len(BUCKETS.kept.get((CFG.n_layers * per_layer, torch.float32, torch.device("cpu")), []))
+    views = all(t.untyped_storage().data_ptr() == layers[0].untyped_storage().data_ptr() for t in layers)
+    return same, kept, ptr3 in (ptr1, ptr2), torch.equal(val3, val1), made, mesh.backend == "dist", shared, views
 
 
 def test_stacked_layer_gradients_in_kept_buffers(run) -> None:
-    for same, kept, reused, equal, made, dist in run(_stacked_body, {"dp": 2}):
+    for same, kept, reused, equal, made, dist, shared, views in run(_stacked_body, {"dp": 2}):
         assert same and kept and equal
-        if dist:  # wq and wo (the same size): 2 buffers a step, 4 in all (step 3 took step 1's or step 2's)
-            assert reused and made == 4
+        if dist:
+            # every layer's bucket is a row of one [n_layers, per layer] buffer, and each stacked gradient a strided
+            # view of it (no stack copy, so no buffer of the stacks' own pool); 2 such buffers (step 3 took step
+            # 1's or step 2's, step 2 could not take step 1's: its gradients were still held)
+            assert reused and views and shared == 2 and made == 0
         else:  # under sim it is torch.unbind (fresh memory each step)
-            assert made == 0
+            assert made == 0 and shared == 0 and not views
 
 
 def test_unstack_function_rules() -> None:

@@ -474,6 +474,27 @@ class DistDevice(DeviceHandle):
             dist.all_reduce(buf, group=g)  # [*s] -> [*s] in place
         return buf
 
+    def all_reduce_inplace_parts(
+        self, x: torch.Tensor, axes: tuple[str, ...], shapes: Sequence[torch.Size]
+    ) -> list[torch.Tensor]:
+        """:meth:`all_reduce_inplace` of the flat buffer ``x``, handed back as its consecutive views of ``shapes``
+        (a gradient bucket's gradients). In a backward under overlap each view is its own pending result, made
+        from a plain view of ``x`` (one wrapper each, no dispatch through a pending flat result: splitting and
+        viewing that one costs two Python dispatches a view); waiting for any of them waits for the sum (the
+        collective is registered under ``x``'s storage, which they share)."""
+        if tracing():
+            return _cut(self.all_reduce(x, axes, "sum"), shapes)
+        g, members, _, _ = self._group(axes)
+        buf = x.detach()
+        with _waiting("psum", axes, members):
+            if _functional(_in_backward()):
+                torch.ops._c10d_functional.all_reduce_(buf, "sum", g.group_name)  # [n] -> [n] in place
+                if issued_hook is not None:
+                    _issued(_funcol.AsyncCollectiveTensor(buf))
+                return [_funcol.AsyncCollectiveTensor(v) for v in _cut(buf, shapes)]  # pending views
+            dist.all_reduce(buf, group=g)  # [n] -> [n] in place
+        return _cut(buf, shapes)
+
     def all_gather(self, x: torch.Tensor, axes: tuple[str, ...]) -> torch.Tensor:
         g, members, gr, _ = self._group(axes)
         n = len(members)
@@ -658,6 +679,12 @@ def _traced_ppermute(
         flat, [out_splits[j] for j in order], [in_splits[j] for j in order], g
     )  # [|s|] or [0] -> [|s|] or [0]
     return got.view(send.shape) if src is not None else torch.zeros_like(send)
+
+
+def _cut(flat: torch.Tensor, shapes: Sequence[torch.Size]) -> list[torch.Tensor]:
+    """``flat`` cut into consecutive views of ``shapes``."""
+    parts = flat.split([s.numel() for s in shapes])  # [sum |s_i|] -> k x [|s_i|]
+    return [p.view(s) for p, s in zip(parts, shapes, strict=True)]
 
 
 def initialized() -> bool:

@@ -79,13 +79,23 @@ CHUNK = 1 << 20
 
 
 def _chunks(n: int, *ts: torch.Tensor) -> Any:
-    """``ts`` (same shape) cut into matching blocks of ``n`` elements (flat views), or ``(ts,)`` itself where
-    that is one block, ``n`` is 0, or a tensor is not contiguous. The update is elementwise, so its numbers do
-    not depend on the cut; block by block, each op reads its operands from cache instead of memory (a
-    whole-leaf op streams a stacked ``[layers, ...]`` leaf through memory seven times)."""
-    if n <= 0 or ts[0].numel() <= n or not all(t.is_contiguous() for t in ts):
+    """``ts`` (same shape) cut into matching blocks of about ``n`` elements (views), or ``(ts,)`` itself where
+    that is one block or ``n`` is 0. Contiguous: flat blocks of ``n``; else (a stacked leaf's gradient as a
+    strided view of the layers' bucket buffer) blocks of whole rows of dim 0, as even as they come. The update
+    is elementwise, so its numbers do not depend on the cut; block by block, each op reads its operands from
+    cache instead of memory (a whole-leaf op streams a stacked ``[layers, ...]`` leaf through memory seven
+    times)."""
+    numel = ts[0].numel()
+    if n <= 0 or numel <= n:
         return (ts,)
-    return zip(*(t.view(-1).split(n) for t in ts), strict=True)
+    if all(t.is_contiguous() for t in ts):
+        return zip(*(t.view(-1).split(n) for t in ts), strict=True)
+    rows = ts[0].shape[0] if ts[0].dim() else 1
+    blocks = min(rows, -(-numel // n))  # ceil(numel / n) blocks of whole rows, at most one row each
+    if blocks <= 1:
+        return (ts,)
+    per = -(-rows // blocks)
+    return zip(*(t.split(per) for t in ts), strict=True)  # [rows, *s] -> k x [<= per, *s]
 
 
 def _addcdiv(
