@@ -367,8 +367,9 @@ class PvaryBucket(Prim):
         ctx.dev, ctx.axes = inputs[0], inputs[1]
         ctx.shapes = [x.shape for x in inputs[2:]]
         # rows of stacked leaves (a stacked model's layer): the bucket is a row of one buffer for all the layers
-        inplace = hasattr(ctx.dev, "all_reduce_inplace") and not torch._C._are_functorch_transforms_active()
-        ctx.rows = _layer_major(inputs[2:]) if inplace else None
+        share = getattr(ctx.dev, "pending_sums_share_storage", None)
+        ok = share is not None and not torch._C._are_functorch_transforms_active() and share()
+        ctx.rows = _layer_major(inputs[2:]) if ok else None
 
     @staticmethod
     def backward(ctx: Any, *gs: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]

@@ -93,3 +93,32 @@ def test_adamw_blocks_a_strided_gradient_by_rows() -> None:
     b = fs.device_get(donated(p0.clone(), grad.contiguous()))
     c = step(p0.clone(), grad.contiguous())  # out of place (no donation): the reference arithmetic
     assert torch.equal(a, b) and torch.equal(a, c)
+
+
+def _one_work_body(mesh: fs.Mesh) -> tuple[bool, bool]:
+    # a torch whose registry of pending collectives keeps one per storage (before 2.13): no shared buffer
+    from funcshard._backend import dist as dist_backend
+
+    share = dist_backend.DistDevice.pending_sums_share_storage
+    dist_backend.DistDevice.pending_sums_share_storage = lambda self: False
+    try:
+        close, _, contiguous, _ = _dispatch_body(mesh)
+    finally:
+        dist_backend.DistDevice.pending_sums_share_storage = share
+    return close, contiguous
+
+
+def test_no_shared_bucket_buffer_where_pending_sums_cannot_share_storage(run) -> None:
+    for close, contiguous in run(_one_work_body, {"dp": 2}):
+        assert close and contiguous  # the stacked gradients stacked into their own buffers, the same numbers
+
+
+def test_registry_probe_leaves_nothing_registered() -> None:
+    import torch.distributed
+
+    from funcshard._backend.dist import _registry_keeps_every_work
+
+    c10d = torch._C._distributed_c10d
+    n0 = c10d._get_work_registry_size()
+    assert isinstance(_registry_keeps_every_work(), bool)
+    assert c10d._get_work_registry_size() == n0

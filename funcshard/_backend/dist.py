@@ -474,6 +474,13 @@ class DistDevice(DeviceHandle):
             dist.all_reduce(buf, group=g)  # [*s] -> [*s] in place
         return buf
 
+    def pending_sums_share_storage(self) -> bool:
+        """Whether several pending in-place sums may lie in one buffer (its rows: the layers' gradient buckets of
+        ``_prims.PvaryBucket``): torch's registry of pending collectives keeps every one issued on a storage (a
+        wait on any view waits for them all), as torch 2.13's does; older ones keep only the first, so a later
+        row's sum would not be waited for. Probed once."""
+        return _registry_keeps_every_work()
+
     def all_reduce_inplace_parts(
         self, x: torch.Tensor, axes: tuple[str, ...], shapes: Sequence[torch.Size]
     ) -> list[torch.Tensor]:
@@ -679,6 +686,28 @@ def _traced_ppermute(
         flat, [out_splits[j] for j in order], [in_splits[j] for j in order], g
     )  # [|s|] or [0] -> [|s|] or [0]
     return got.view(send.shape) if src is not None else torch.zeros_like(send)
+
+
+_EVERY_WORK: list[bool] = []
+
+
+def _registry_keeps_every_work() -> bool:
+    """See :meth:`DistDevice.pending_sums_share_storage`: two finished stand-in works registered on two views of
+    one storage, counted, and waited for (which unregisters them)."""
+    if not _EVERY_WORK:
+        try:
+            c10d = torch._C._distributed_c10d
+            t = torch.empty(2)
+            n0 = c10d._get_work_registry_size()
+            c10d._register_work(t[:1], c10d.FakeWork())
+            c10d._register_work(t[1:], c10d.FakeWork())
+            both = c10d._get_work_registry_size() - n0 == 2
+            for _ in range(2):  # waits (at once: fake works) and unregisters them
+                torch.ops._c10d_functional.wait_tensor(t)
+            _EVERY_WORK.append(both)
+        except (AttributeError, RuntimeError):  # a torch without these: never share
+            _EVERY_WORK.append(False)
+    return _EVERY_WORK[0]
 
 
 def _cut(flat: torch.Tensor, shapes: Sequence[torch.Size]) -> list[torch.Tensor]:
