@@ -64,6 +64,30 @@ per mesh. ``tests/test_calls_grad.py`` and ``tests/test_calls_io.py`` count each
 operand into a fresh buffer: (a) sums in place), value_and_grad's leaf copies and graph walk, and per op ~2 us
 for any torch function mode plus ~1.7 us for the vma mode's handler.
 
+Issue #11's per-op / per-call round (A/B: main at 0f746b8 "before" and this code "now" alternating launch by
+launch, 3 launches each, small size, --steps 300, load 4.2-7.5 at launch; median of the launches' ratios to (a),
+range in brackets):
+
+    small, CPU / (a)                    before                  now                     wall / (a), before -> now
+      (b) shard_map, vma off            1.319 (1.293-1.357)     1.276 (1.269-1.312)     1.03-1.16 -> 1.14-1.20
+      (c) shard_map, vma on             1.413 (1.395-1.448)     1.397 (1.392-1.430)     1.15-1.27 -> 1.16-1.35
+      (d) value_and_grad, vma off       1.362 (1.357-1.402)     1.341 (1.313-1.347)     0.95-1.22 -> 1.06-1.20
+      (e) value_and_grad, vma on        1.439 (1.382-1.465)     1.388 (1.386-1.421)     1.12-1.24 -> 1.13-1.20
+
+The wall targets: (d) <= 1.10 met in 1 of 3 launches before and now, (e) <= 1.25 in 3 of 3 both; on CPU none
+(the CPU ratios moved by 0.02-0.05, less than one launch's spread at this load). A load-independent count
+instead of a clock: Python bytecodes executed per step over (a) (``sys.settrace`` with opcode events; one
+process, tp of size 1, so no peer): (b) +3098 -> +2742, (c) +5039 -> +4649, (d) +5207 -> +4533, (e) +6272 ->
++5569 (-11 to -13%). What changed: the vma mode hands metadata reads (``x.shape``, ``x.dim()``, ``x.size(i)``)
+straight to torch, passes an invariant constant that meets a varying operand as it is (no tagged view), and
+tags results inline; ``fs.value_and_grad(f)`` is a small callable object (``functools.wraps`` cost more than
+the rest of making it: the README's step makes one per call) whose leaf copies and gradients are tagged
+without calls; shard_map keeps its executor, its name and (dist) the device context across calls, clones the
+argument blocks under one hold of the lock, and rebuilds no tree around a one-leaf argument. What is left, by
+bytecodes per (d) step: value_and_grad's graph walk (~680: the closed-over-leaf check and the last node, one
+Python step per edge of the graph) and its leaf handling (~620), assembling the 4 output Arrays (~320), the
+collectives' layers (``lax``, ``_prims.call``, the dist backend: ~500), argument preparation (~400).
+
 Usage:
     python bench/shard_map_overhead.py            # spawns 2 gloo processes itself
     torchrun --nproc-per-node 2 bench/shard_map_overhead.py
