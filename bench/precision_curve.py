@@ -35,6 +35,25 @@ is itself 2.14% off at one step. The validation loss (fixed held-out batches, ev
     bf16 loss of precision at one op (step 1-11 agree to 0.07%; loss, softmax statistics, RMSNorm, RoPE,
     cross-entropy and AdamW's masters are fp32; the one op that summed in bf16, the CPU embedding backward, is
     fixed) but the divergence of two chaotic trajectories, larger than the fp32 reorder floor.
+
+    The peer oracle (``bench/precision_peer.py``: the ``nn.Module`` twin on the same init, batches, clipping,
+    AdamW and schedule, one process; load 4-15, same machine): torch's own bf16 moves the curve as much or more.
+    Step 0's gradients (the default batch) against fp32, per leaf: funcshard bf16 0.51-0.77%, the twin's
+    FSDP2-style bf16 0.51-0.76% (each leaf within 0.011 points of funcshard's), autocast 0.44-0.68%; loss +6e-6 / +9e-6.
+      twin fp32 vs funcshard fp32 (two implementations, fp32: the summation order only): validation max 0.96%
+        (step 125), final 0.54%; per step max 3.45% (2 of 200 over 2%), mean 0.56%, last 50 mean 0.70%; moving
+        average max 1.30%
+      twin bf16 (FSDP2's MixedPrecisionPolicy: fp32 masters, weights cast to bf16 in the graph) vs twin fp32:
+        validation +4.12 +2.88 +2.00 +0.82 +2.57 +1.92 +1.87 +1.63% (steps 25-200: bf16 HIGHER); max 4.12%, mean
+        1.98%; per step max 6.83% at step 25 (91 of 200 steps over 2%), mean 1.85%, last 50 mean 1.94% / max
+        3.67%, final 2.30% (fp32 1.8893, bf16 1.9329); moving average max 3.12% (step 29), mean 1.81%
+      funcshard bf16 vs twin bf16 (63 steps: the bf16 job stopped there): validation -3.75% (25), -3.62% (50);
+        per step max 6.00%, mean 1.86%
+    So funcshard's bf16 is not the outlier: torch's own bf16 is further from its fp32 curve (validation max 4.12%
+    vs 2.21%, 91 vs 54 steps over 2%), in the other direction. The 2% bar fails at the default lr 3e-3 in torch
+    too. At lr 1e-3 (the twin, all else the default): bf16 vs fp32 validation max 1.05%, final 0.44%; per step
+    max 5.25% at step 17 (4 of 200 over 2%), mean 0.50%, last 50 mean 0.44%; moving average max 0.70%; and the
+    fp32 run's final validation loss is lower: 1.8544 against 1.9263 (twin) / 1.9368 (funcshard) at lr 3e-3.
 """
 
 from __future__ import annotations
