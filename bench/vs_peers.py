@@ -87,6 +87,18 @@ explicit 1; the forward sum made asynchronous by a patch of the dist backend): 1
 1343 ms vs 1338 ms synchronous (DDP 1304): the forward shrinks and the backward grows by as much (the skew moves
 to the end), so the Llama keeps its one synchronous (total, count) all-reduce.
 
+Then (issue #11, helper A): the layers' gradient buckets are rows of one ``[n_layers, per layer]`` buffer, so each
+stacked gradient is a strided view of it (``models.stacked.Unstack`` copies nothing: the 52 MB stack copy gone) and
+a bucket's pending sum comes back as one pending view per gradient made from plain views (no split / view / stack
+dispatched through a pending tensor: 72 per step). Per step and rank (main-thread CPU, 8 interleaved steps, load
+5-7): PvaryBucket backward 19.6 -> 14.0 ms, Unstack backward 9.6 -> 1.4 ms, AdamW 38.9 -> 43.5 ms median (min 34.1
+-> 35.7: the strided gradients, blocked by rows). Launches of 5 x 3 (the machine loaded by the other helpers' tests
+and benches; load in the row):
+
+    size    procs case  peer        wall ratio           CPU    calls  load         steps x repeats
+    13.2M   2     dp    DDP         1.005 (1.002-1.012)  1.011  10/3   4.27->4.18   5 x 3
+    13.2M   2     dp    DDP         0.969 (0.598-1.043)  0.967  10/3   4.13->11.16  5 x 3 (load rose 4 -> 11)
+
 The ``fsdp`` rows above up to stop 16 ran funcshard keeping the gathered weights (then the Llama's default
 without remat: 11 gathers per step) against FSDP2's default, which gathers each block again for its backward.
 Since the Llama reshards after forward without remat too (``ops.fsdp.reshard_after_forward``), ``fsdp`` compares
