@@ -47,6 +47,9 @@ is itself 2.14% off at one step. The validation loss (fixed held-out batches, ev
         validation +4.12 +2.88 +2.00 +0.82 +2.57 +1.92 +1.87 +1.63% (steps 25-200: bf16 HIGHER); max 4.12%, mean
         1.98%; per step max 6.83% at step 25 (91 of 200 steps over 2%), mean 1.85%, last 50 mean 1.94% / max
         3.67%, final 2.30% (fp32 1.8893, bf16 1.9329); moving average max 3.12% (step 29), mean 1.81%
+      twin autocast (bf16 matmuls only; residual stream and norms fp32) vs twin fp32: validation +3.30% (25), then
+        within 0.78% (50-200), final -0.59%; per step max 5.80% at step 30 (13 of 200 over 2%), mean 0.83%, last 50
+        mean 0.76% / max 2.74%; moving average max 1.46%
       funcshard bf16 vs twin bf16 (63 steps: the bf16 job stopped there): validation -3.75% (25), -3.62% (50);
         per step max 6.00%, mean 1.86%
     So funcshard's bf16 is not the outlier: torch's own bf16 is further from its fp32 curve (validation max 4.12%
