@@ -106,6 +106,26 @@ like with like (31 gloo calls per step vs FSDP2's 26): 1.037 / 1.042x (CPU 1.067
 (CPU 1.065-1.072) after the half-way backward prefetch (2 procs, 5 x 3, load 2-3): the <= 1.00 target is NOT met
 for the resharding step; ``fsdp_keep`` (both keep) was 0.998x.
 
+Then (issue #11, helper B): a later layer's gradient reduce-scatter is waited for when the next regather is issued
+(half-way through the layer's backward), not as a layer's regathered weights are first read, right after autograd
+had issued it (rank 0's waits there 180-250 -> 30-80 ms a step, traced); and a prefetched bucket is waited for once
+through an identity Function, so the layer's weights are plain views, not pending-collective wrappers whose every
+op went through Python (643 -> 195 such dispatches a step). The box was loaded by other jobs (steps up to 3.5x
+slower than quiet); before, the same session: 1.047 (1.042-1.109), CPU 1.068, load 2.5->6.3:
+
+    size    procs case  peer        wall ratio           CPU    calls  load         steps x repeats
+    13.2M   2     fsdp  FSDP2       0.937 (0.918-0.941)  1.062  31/26  9.6->8.4     5 x 3 (the wait moved only)
+    13.2M   2     fsdp  FSDP2       0.945 (0.693-1.195)  1.066  31/26  12.5->9.8    5 x 3 (the wait moved only)
+    13.2M   2     fsdp  FSDP2       0.983 (0.968-1.034)  1.037  31/26  8.7->13.1    5 x 3 (both)
+    13.2M   4     fsdp  FSDP2       1.030 (0.995-1.052)  1.025  31/26  6.3->6.2     4 x 3 (both)
+
+Under this load the wall ratios are not the quiet machine's (the loaded rows above show FSDP2 losing more to load
+than funcshard); the CPU ratio, steadier, went 1.068 -> 1.037 (2 procs). What is left of funcshard's CPU over
+FSDP2's: the reshard scope's TorchDispatchMode (~1,180 ops a step through Python, ~40 ms a device-step, measured
+by replacing it with no mode in a one-process sim step), 2 more all-gathers and reduce-scatters (embed, norm and
+head in 3 buckets, FSDP2's root in one), and the last layer's regather, not prefetched during the head's backward
+as FSDP2's root pre-backward does (~20-30 ms wait).
+
 Usage:
     python bench/vs_peers.py --size small --procs 2 --steps 3 --repeats 1       # 1-2 min on a quiet host
     python bench/vs_peers.py --size large --procs 2 --cases dp,fsdp,tp
