@@ -36,6 +36,14 @@ per step through the mode (~2 us each for any torch function mode, ~1.7 us for i
 property reads such as ``x.shape``), and the pvarys it inserts where an invariant value meets a varying one: 84
 per device per step before, 17 now (an invariant constant is widened by a tagged view, with no Function).
 
+Issue #11's per-op round (vma mode: metadata reads handed straight to torch, invariant constants passed
+without a tagged view, results tagged inline), one launch each of main at 0f746b8 ("before") and this code:
+dist tp=2 vma on vs off 1.005 wall, CPU 1.060 (load 5.8) -> 0.988 wall, CPU 1.040 (load 22.7): the CPU target
+1.03 is still not met in these launches. The forward alone (one process, dp of 1, batch 4 x 256: one rank's
+share of vs_peers' dp step), CPU of vma on minus off: +11.9 ms (load 6.0) -> +6.1 ms (load 15.0) per forward, one
+launch each; load-independent, the Python bytecodes the tracking adds per forward (``sys.settrace``):
+159,745 -> 135,583 (-15%), for the 1,009 torch functions the mode sees (281 of them property reads).
+
 Usage:
     python bench/overhead.py                      # both rows at the ~13M-parameter Llama (a few minutes)
     python bench/overhead.py --rows sim --batch 2 --seq 64
