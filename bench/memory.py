@@ -67,6 +67,12 @@ the max over the 4 ranks for "4 procs"):
     fsdp4_dist_reshard_noremat 4 procs     144.9  fsdp2_reshard           146.1   0.99x  (the backward's prefetch
                                                                                         issued half-way through
                                                                                         the layer; load 2-3)
+    fsdp4_dist_reshard_noremat 4 procs     145.1  fsdp2_reshard           146.3   0.99x  (reduce-scatters waited for
+                                                                                        at the next regather's
+                                                                                        issue; load 13)
+    fsdp4_dist_reshard_noremat 4 procs     145.0  fsdp2_reshard           145.8   0.99x  (and the prefetched bucket
+                                                                                        settled once; keep 185.2
+                                                                                        vs 184.6; load 12-24)
     fsdp4_dist_bf16            4 procs      98.4  fsdp2_bf16_keep          98.3   1.00x
     cp4_dist                   4 procs     132.1  ddp4                    132.5   1.00x
 

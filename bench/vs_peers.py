@@ -122,13 +122,14 @@ slower than quiet); before, the same session: 1.047 (1.042-1.109), CPU 1.068, lo
     13.2M   2     fsdp  FSDP2       0.945 (0.693-1.195)  1.066  31/26  12.5->9.8    5 x 3 (the wait moved only)
     13.2M   2     fsdp  FSDP2       0.983 (0.968-1.034)  1.037  31/26  8.7->13.1    5 x 3 (both)
     13.2M   4     fsdp  FSDP2       1.030 (0.995-1.052)  1.025  31/26  6.3->6.2     4 x 3 (both)
+    13.2M   4     fsdp  FSDP2       0.920 (0.825-0.921)  1.031  31/26  16.1->24.0   3 x 3 (both)
 
 Under this load the wall ratios are not the quiet machine's (the loaded rows above show FSDP2 losing more to load
-than funcshard); the CPU ratio, steadier, went 1.068 -> 1.037 (2 procs). What is left of funcshard's CPU over
-FSDP2's: the reshard scope's TorchDispatchMode (~1,180 ops a step through Python, ~40 ms a device-step, measured
-by replacing it with no mode in a one-process sim step), 2 more all-gathers and reduce-scatters (embed, norm and
-head in 3 buckets, FSDP2's root in one), and the last layer's regather, not prefetched during the head's backward
-as FSDP2's root pre-backward does (~20-30 ms wait).
+than funcshard); the CPU ratio, steadier, went 1.068 -> 1.037 (2 procs; 4 procs 1.025-1.031). What is left of
+funcshard's CPU over FSDP2's: the reshard scope's TorchDispatchMode (~1,180 ops a step through Python, ~40 ms a
+device-step, measured by replacing it with no mode in a one-process sim step), 2 more all-gathers and
+reduce-scatters (embed, norm and head in 3 buckets, FSDP2's root in one), and the last layer's regather, not
+prefetched during the head's backward as FSDP2's root pre-backward does (~20-30 ms wait).
 
 Usage:
     python bench/vs_peers.py --size small --procs 2 --steps 3 --repeats 1       # 1-2 min on a quiet host
