@@ -99,6 +99,8 @@ and benches; load in the row):
     13.2M   2     dp    DDP         1.005 (1.002-1.012)  1.011  10/3   4.27->4.18   5 x 3
     13.2M   2     dp    DDP         0.969 (0.598-1.043)  0.967  10/3   4.13->11.16  5 x 3 (load rose 4 -> 11)
     13.2M   2     dp    DDP         1.210 (1.138-1.449)  1.043  10/3   24.4->31.2   5 x 3 (load 24-31: not a measure)
+    13.2M   4     dp    DDP         1.028 (1.016-1.054)  1.039  10/3   9.14->8.59   5 x 3
+    3.1M    2     dp    DDP         1.012 (1.009-1.074)  1.057  6/2    7.65->7.08   5 x 3
 
 Median of the three 1.005x (the <= 1.00 target not shown: the spread under this load is wider than the gap);
 the CPU ratio at load 4 was 1.011 / 0.967, against 1.034-1.046 before.
