@@ -20,6 +20,7 @@ Example:
 
 from __future__ import annotations
 
+import atexit
 import os
 import threading
 from collections.abc import Callable
@@ -198,6 +199,7 @@ def _context_of(mesh: Mesh, dev: Any, check_vma: bool) -> DeviceContext:
 
 
 _CONTEXTS: dict[tuple[int, int, bool], DeviceContext] = {}
+atexit.register(_CONTEXTS.clear)  # no device (and its process groups) held into the interpreter's teardown
 
 
 class Executor(Protocol):

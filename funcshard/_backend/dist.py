@@ -118,9 +118,13 @@ _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_sc
 
 def _drop_groups() -> None:
     """Forget the cached process groups and devices (before the interpreter tears torch down: gloo can
-    abort at exit while a module-level dict still holds its groups)."""
+    abort at exit while a module-level dict still holds its groups). A device held elsewhere (a shard_map's
+    cached executor or context) keeps no group either: the group dicts it shares are emptied, not just dropped."""
     for dev in _DEVICES.values():
         dev._order.clear()
+        dev._p2p.clear()
+    for groups in _GROUPS.values():
+        groups.clear()
     _DEVICES.clear()
     _GROUPS.clear()
 
