@@ -163,12 +163,16 @@ def report(ref_csv: str, other_csv: str, *, show: int = 5, names: tuple[str, str
         print(f"  step {k:>4}: {a} {fp32[k]:.4f}  {b} {bf16[k]:.4f}  {100 * (bf16[k] - fp32[k]) / fp32[k]:+.2f}%")
 
 
+def split_extra(argv: list[str]) -> tuple[list[str], list[str]]:
+    """``argv`` cut at ``--``: this script's own arguments, and those passed on to every train run."""
+    if "--" not in argv:
+        return argv, []
+    i = argv.index("--")
+    return argv[:i], argv[i + 1 :]
+
+
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    extra: list[str] = []
-    if "--" in argv:
-        i = argv.index("--")
-        argv, extra = argv[:i], argv[i + 1 :]
+    argv, extra = split_extra(sys.argv[1:] if argv is None else argv)
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--seed", type=int, default=0)
