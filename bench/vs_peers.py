@@ -105,6 +105,16 @@ and benches; load in the row):
 Median of the three 1.005x (the <= 1.00 target not shown: the spread under this load is wider than the gap);
 the CPU ratio at load 4 was 1.011 / 0.967, against 1.034-1.046 before.
 
+At the end of that round, the helpers stopped, on a quiet host (the lead, HEAD 8baf1b1):
+
+    size    procs case  peer        wall ratio           CPU    calls  load         steps x repeats
+    13.2M   2     dp    DDP         1.002 (0.804-1.013)  0.995  10/3   2.26->2.01   5 x 3
+    13.2M   2     dp    DDP         1.001 (0.986-1.034)  0.993  10/3   1.92->2.10   5 x 3
+    13.2M   2     fsdp  FSDP2       0.996 (0.977-1.012)  1.026  31/26  2.06->2.38   5 x 3
+    13.2M   4     fsdp  FSDP2       1.041 (1.030-1.083)  1.065  31/26  3.38->4.27   4 x 3
+
+dp is at DDP (1.00x wall, CPU 0.99x); fsdp at 2 processes 1.00x wall (CPU 1.03x), at 4 processes 1.04x.
+
 The ``fsdp`` rows above up to stop 16 ran funcshard keeping the gathered weights (then the Llama's default
 without remat: 11 gathers per step) against FSDP2's default, which gathers each block again for its backward.
 Since the Llama reshards after forward without remat too (``ops.fsdp.reshard_after_forward``), ``fsdp`` compares
