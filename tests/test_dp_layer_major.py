@@ -14,24 +14,16 @@ from __future__ import annotations
 
 import optree
 import torch
+from _llama_dp import CFG, llama_step
 
 import funcshard as fs
 from funcshard import P
 from funcshard.models import llama
 from funcshard.optim._adamw import CHUNK, _chunks
 
-CFG = llama.Config(vocab_size=64, dim=32, n_layers=3, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=16)
-
 
 def _dispatch_body(mesh: fs.Mesh) -> tuple[bool, int, bool, bool]:
-    g = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, CFG.vocab_size, (4, 16), generator=g)
-    targets = tokens.roll(-1, dims=1)
-    params = llama.init(fs.random.key(0), CFG)
-    specs, bs = llama.param_specs(CFG, mesh), llama.batch_spec(mesh)
-    f = fs.shard_map(
-        lambda p, t, y: llama.value_and_grad(p, t, y, CFG), mesh=mesh, in_specs=(specs, bs, bs), out_specs=(P(), specs)
-    )
+    f, params, tokens, targets = llama_step(mesh)
     dispatched = [0]
     act = None
     if mesh.backend == "dist":

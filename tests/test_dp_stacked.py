@@ -6,28 +6,18 @@ from __future__ import annotations
 
 import optree
 import torch
+from _llama_dp import CFG, llama_step
 
 import funcshard as fs
-from funcshard import P
 from funcshard._prims import BUCKETS
-from funcshard.models import llama
 from funcshard.models.llama import model as llama_model
 from funcshard.models.stacked import Unstack, _pool, unstack
-
-CFG = llama.Config(vocab_size=64, dim=32, n_layers=3, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=16)
 
 
 def _stacked_body(mesh: fs.Mesh) -> tuple[bool, bool, bool, bool, int, bool, int, bool]:
     _pool().clear()
     BUCKETS.clear()
-    g = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, CFG.vocab_size, (4, 16), generator=g)
-    targets = tokens.roll(-1, dims=1)
-    params = llama.init(fs.random.key(0), CFG)
-    specs, bs = llama.param_specs(CFG, mesh), llama.batch_spec(mesh)
-    f = fs.shard_map(
-        lambda p, t, y: llama.value_and_grad(p, t, y, CFG), mesh=mesh, in_specs=(specs, bs, bs), out_specs=(P(), specs)
-    )
+    f, params, tokens, targets = llama_step(mesh)
 
     def local(grads: dict) -> tuple[int, torch.Tensor]:  # this process's wq gradient: its storage, its value
         a = grads["layers"]["wq"]
