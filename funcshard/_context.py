@@ -80,13 +80,15 @@ def axes_of(axis: Any, mesh: Any, fn: str) -> tuple[str, ...]:
     Raises:
         ShardingError: an axis the mesh lacks, an axis named twice, or an empty tuple.
     """
-    key = (axis, mesh) if isinstance(axis, (str, tuple)) else None
+    # keyed by the mesh object (a Mesh's own hash is a Python call); the entry holds the mesh, so its id is not
+    # reused while the entry is there
+    key = (axis, id(mesh)) if isinstance(axis, (str, tuple)) else None
     try:
         hit = _AXES.get(key) if key is not None else None
     except TypeError:  # a tuple holding something unhashable: checked (and refused) below
         key = hit = None
-    if hit is not None:  # checked before: the same name(s) on the same mesh
-        return hit
+    if hit is not None and hit[1] is mesh:  # checked before: the same name(s) on the same mesh
+        return hit[0]
     axes = (axis,) if isinstance(axis, str) else tuple(axis) if isinstance(axis, (tuple, list)) else None
     if not axes or not all(isinstance(a, str) for a in axes):
         raise ShardingError(
@@ -103,8 +105,8 @@ def axes_of(axis: Any, mesh: Any, fn: str) -> tuple[str, ...]:
     if key is not None:
         if len(_AXES) > 256:
             _AXES.clear()
-        _AXES[key] = axes
+        _AXES[key] = (axes, mesh)
     return axes
 
 
-_AXES: dict[tuple[Any, Any], tuple[str, ...]] = {}  # (axis, mesh) -> its checked axes tuple
+_AXES: dict[tuple[Any, int], tuple[tuple[str, ...], Any]] = {}  # (axis, id(mesh)) -> its checked axes, the mesh

@@ -36,7 +36,7 @@ from ._backend.sim import SimWorld
 from ._context import DeviceContext, enter
 from ._mesh import Mesh
 from ._reshard import apply_reshard
-from ._shard_map_io import Inputs, OutPlan, device_args
+from ._shard_map_io import Inputs, OutPlan, device_args, flatten
 from ._sim_grad import SimState, run_differentiable
 from ._vma import TAG_ATTR, VmaMode, vary_output
 
@@ -164,7 +164,7 @@ class DeviceBody:
             ctx = _context_of(self.mesh, dev, self.check_vma)
         with enter(ctx), mode:
             out = self.f(*args)
-            out_leaves, out_def = optree.tree_flatten(out)  # (an Array is a leaf: no pytree node of optree's)
+            out_leaves, out_def, _ = flatten(out)  # (an Array is a leaf: no pytree node of optree's)
             # no pending collective leaves the call
             out_leaves = [t if type(t) is torch.Tensor else settle(t) for t in out_leaves]
             with torch._C.DisableTorchFunction():  # a read the vma mode need not see

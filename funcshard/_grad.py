@@ -335,12 +335,14 @@ class _GradOn:
 
     def __enter__(self) -> None:
         self.prev = torch.is_grad_enabled()
-        with torch._C.DisableTorchFunction():
-            torch._C._set_grad_enabled(True)
+        if not self.prev:  # (already on, the common case: nothing to switch, ~2 us saved)
+            with torch._C.DisableTorchFunction():
+                torch._C._set_grad_enabled(True)
 
     def __exit__(self, *exc: object) -> None:
-        with torch._C.DisableTorchFunction():
-            torch._C._set_grad_enabled(self.prev)
+        if not self.prev or not torch.is_grad_enabled():  # (f may have switched it off and not back)
+            with torch._C.DisableTorchFunction():
+                torch._C._set_grad_enabled(self.prev)
 
 
 def _plain_autograd_ok(

@@ -71,8 +71,21 @@ def test_axes_checked_once_per_name_and_mesh() -> None:
     _context._AXES.clear()
     assert _context.axes_of("tp", mesh, "f") == ("tp",)
     assert _context.axes_of(("dp", "tp"), mesh, "f") == ("dp", "tp")
-    assert set(_context._AXES) == {("tp", mesh), (("dp", "tp"), mesh)}
-    assert _context.axes_of("tp", mesh, "f") is _context._AXES[("tp", mesh)]  # the checked tuple, not a new one
+    assert set(_context._AXES) == {("tp", id(mesh)), (("dp", "tp"), id(mesh))}  # (keyed by the mesh object)
+    assert _context.axes_of("tp", mesh, "f") is _context._AXES[("tp", id(mesh))][0]  # the checked tuple, not a new one
+    # an equal mesh that is another object: checked on its own (never another mesh's entry)
+    other = fs.make_mesh({"dp": 2, "tp": 2}, backend="sim")
+    assert _context.axes_of("tp", other, "f") == ("tp",) and len(_context._AXES) == 3
+    small = fs.make_mesh({"dp": 2}, backend="sim")
+    try:
+        _context.axes_of("tp", small, "f")
+    except fs.ShardingError:
+        pass
+    else:
+        raise AssertionError("axes_of accepted an axis the mesh lacks")
+    _context._AXES.clear()
+    _context.axes_of("tp", mesh, "f")
+    _context.axes_of(("dp", "tp"), mesh, "f")
     for bad in (("tp", "tp"), "zz", ("dp", ["tp"])):  # refused every time, never cached
         try:
             _context.axes_of(bad, mesh, "f")
