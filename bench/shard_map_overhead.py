@@ -238,6 +238,10 @@ def run(args: argparse.Namespace) -> None:
     step_vma = fs.shard_map(fs_body(False), mesh=mesh, in_specs=IN_SPECS, out_specs=OUT_SPECS, check_vma=True)
     # (d), (e): params kept as Arrays (no autograd leaves: value_and_grad differentiates), x a plain full tensor
     params = fs.device_put((w1_full, w2_full), mesh, IN_SPECS[1:])
+    if not args.view_shards:  # the same compact blocks as (a)'s (w2's block of P(None, "tp") is a strided view)
+        for a in params:
+            for c, t in a.shards.items():
+                a.shards[c] = t.clone(memory_format=torch.contiguous_format)
     step_vag = fs.shard_map(vag_body(True), mesh=mesh, in_specs=IN_SPECS, out_specs=OUT_SPECS, check_vma=False)
     step_vag_vma = fs.shard_map(vag_body(False), mesh=mesh, in_specs=IN_SPECS, out_specs=OUT_SPECS, check_vma=True)
     variants: dict[str, Callable[[], Any]] = {

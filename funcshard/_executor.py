@@ -103,6 +103,19 @@ def _spec_tags(specs: list[list[Any]]) -> list[list[frozenset[str]]]:
     return [[frozenset(s.axes) for s in arg] for arg in specs]
 
 
+_ENV = getattr(os.environ, "_data", None)  # os.environ's own mapping (encoded keys and values), where it has one
+_AUDIT_KEY = os.environ.encodekey("FUNCSHARD_AUDIT") if _ENV is not None and hasattr(os.environ, "encodekey") else None
+
+
+def _audit_env() -> bool:
+    """Whether ``FUNCSHARD_AUDIT=1``, read on every call as ``os.environ.get`` would (which costs ~1 us where the
+    variable is unset, the usual case: a KeyError raised and caught inside it): its mapping read directly."""
+    if _AUDIT_KEY is None:
+        return os.environ.get("FUNCSHARD_AUDIT") == "1"
+    value = _ENV.get(_AUDIT_KEY)  # type: ignore[union-attr]
+    return value is not None and os.environ.decodevalue(value) == "1"  # type: ignore[attr-defined]
+
+
 def _differentiable(leaves: list[Any]) -> bool:
     """Whether a cotangent can flow back into any of ``leaves`` (else an output's pvary would do nothing)."""
     if torch._C._are_functorch_transforms_active():
@@ -125,7 +138,7 @@ class DeviceBody:
         self.f, self.mesh, self.check_vma, self.inputs, self.plan = f, mesh, check_vma, inputs, plan
         # check_vma=False under sim: the vma mode audits the program (see _vma.Audited); dist with
         # FUNCSHARD_AUDIT=1 too
-        self.audit = not check_vma and (mesh.backend == "sim" or os.environ.get("FUNCSHARD_AUDIT") == "1")
+        self.audit = not check_vma and (mesh.backend == "sim" or _audit_env())
         self.tagged: list[torch.Tensor] = []  # every tensor tagged during the call (cleared after it)
         self.compiled: Any = None  # under dist with shard_map(compile=...): its _compile.CompiledBody
 

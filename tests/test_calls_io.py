@@ -94,3 +94,37 @@ def test_axes_checked_once_per_name_and_mesh() -> None:
         else:
             raise AssertionError(f"axes_of accepted {bad!r}")
     assert len(_context._AXES) == 2
+
+
+def _audit_env_body(mesh: fs.Mesh) -> dict[str, Any]:
+    import os
+
+    def loss(w: torch.Tensor) -> torch.Tensor:
+        # w is invariant over tp (P()) and so is its product: untracked, psum's gradient misses the sum over tp
+        return fs.psum((w * 2.0).sum(), "tp")
+
+    def step(w: torch.Tensor) -> Any:
+        return fs.value_and_grad(loss)(w)
+
+    g = fs.shard_map(step, mesh=mesh, in_specs=(P(),), out_specs=(P(), P()), check_vma=False)
+    w = torch.ones(3)
+    raised = []
+    for flag in (None, "1", "0", None):  # set and unset between the calls of one shard_map'd function
+        if flag is None:
+            os.environ.pop("FUNCSHARD_AUDIT", None)
+        else:
+            os.environ["FUNCSHARD_AUDIT"] = flag
+        try:
+            g(w)
+            raised.append(False)
+        except fs.ShardingError as e:
+            raised.append("check_vma=False" in str(e))
+    os.environ.pop("FUNCSHARD_AUDIT", None)
+    return {"raised": raised}
+
+
+def test_audit_variable_read_on_every_call_under_dist() -> None:
+    from _dist_pool import run_body
+
+    for r in run_body("dist", _audit_env_body, {"tp": 2}):
+        assert r["raised"] == [False, True, False, False], r
