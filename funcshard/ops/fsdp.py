@@ -493,6 +493,12 @@ class reshard_after_forward:
         after: the scope of the layer before this one (its regather is prefetched when this one's runs).
         prefetch: issue ``after``'s regather during this layer's backward (once half of its dropped saved tensors
             are restored: past the layer's largest activation gradients).
+        derive: record the ops computed from the weights alone (a ``TorchDispatchMode`` over the layer's
+            forward, every op through Python), so that their saved results are dropped and rebuilt too. False:
+            no mode; only the weights and their views are dropped, a saved cast or concatenation of them is
+            kept as autograd keeps it (the same numbers, more memory), and an in-place write into the weights is
+            found by their version counters as the scope ends. For a layer that reads its weights through views
+            only (``F.linear``'s transpose), as the Llama's, the same memory at less CPU.
 
     Under ``dist`` with ``FUNCSHARD_OVERLAP`` the gradient reduce-scatters of the forward's gather stay in flight
     until a later layer's regather is issued: each scope waits for those still pending before it issues its
@@ -501,7 +507,8 @@ class reshard_after_forward:
     layer's backward starts travels during its first half.
 
     Raises:
-        ConfigError: the layer writes into the gathered weights in place.
+        ConfigError: the layer writes into the gathered weights in place (with ``derive=False``: as the scope
+            ends).
 
     Example:
         >>> import funcshard as fs
@@ -527,6 +534,7 @@ class reshard_after_forward:
         *,
         after: reshard_after_forward | None = None,
         prefetch: bool = True,
+        derive: bool = True,
     ) -> None:
         if not callable(regather):
             raise ConfigError(f"reshard_after_forward: regather must be a function, found {type(regather).__name__}.")
@@ -534,6 +542,8 @@ class reshard_after_forward:
         self._regather = regather
         self._after = after
         self._prefetch = prefetch
+        self._derive = derive
+        self._versions: list[tuple[torch.Tensor, int]] = []  # derive=False: the weights' versions at the start
         self.layer: _Layer | None = None
         self._held: list[Any] = []
         self._hooks: Any = None
@@ -565,18 +575,62 @@ class reshard_after_forward:
             return t.detach()
 
         self._hooks = torch.autograd.graph.saved_tensors_hooks(pack, _unpack)
-        self._mode = _Derive(layer, self._held)
         self._hooks.__enter__()
-        self._mode.__enter__()
+        if self._derive:
+            self._mode = _Derive(layer, self._held)
+            self._mode.__enter__()
+        else:
+            self._versions = [(r, r._version) for r in map(_raw, self._held)]
         return self
 
     def __exit__(self, *exc: object) -> None:
         if self._mode is not None:
             self._mode.__exit__(*exc)
+            self._mode = None
+        if self._hooks is not None:
             self._hooks.__exit__(*exc)
-            self._mode = self._hooks = None
+            self._hooks = None
+        versions, self._versions = self._versions, []
         self._held = []
         self._gathered = None
+        if exc[0] is None and any(t._version != v for t, v in versions):
+            raise ConfigError(
+                "reshard_after_forward: the layer wrote in place into the gathered weights; they are gathered "
+                "again for the backward, so the write would be lost. Compute out of place."
+            )
+
+    def regather_at(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` through an identity whose backward issues this scope's regather: under ``dist`` it travels from
+        the moment the backward reaches ``t`` until the layer's backward first reads it (FSDP2's root
+        pre-backward, which prefetches the last block while the output head is differentiated). ``t`` itself
+        when the scope did nothing (no gradient computation, or a ``torch.func`` transform).
+
+        Example:
+            >>> # with reshard_after_forward(full, regather) as last: h = layer(h, full)
+            >>> # logits = last.regather_at(head(h))  # the backward issues the layer's regather here
+            >>> scope = reshard_after_forward({}, lambda: {})
+            >>> x = torch.ones(2)
+            >>> scope.regather_at(x) is x  # never entered: nothing to regather
+            True
+        """
+        if self.layer is None:
+            return t
+        return _IssueOnBackward.apply(t, self.layer)  # [...] -> [...]
+
+
+class _IssueOnBackward(torch.autograd.Function):
+    """Identity forward; the backward issues a reshard scope's regather (:meth:`reshard_after_forward.regather_at`)
+    and passes the gradient through."""
+
+    @staticmethod
+    def forward(ctx: Any, t: torch.Tensor, layer: _Layer) -> torch.Tensor:
+        ctx.layer = layer
+        return t.view_as(t)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        ctx.layer.issue()
+        return grad, None
 
 
 def fsdp_unsharded_specs(specs: Any, *, axis: str | None = "fsdp") -> Any:

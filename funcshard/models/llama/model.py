@@ -178,6 +178,13 @@ def embed_tokens(table: torch.Tensor, tokens: torch.Tensor, lay: Layout) -> torc
 
 def run_layers(x: torch.Tensor, layers: dict[str, torch.Tensor], cfg: Config, lay: Layout) -> torch.Tensor:
     """The decoder layers stacked on the leading dim of ``layers``' leaves, in order, on ``x [b, s(/tp), d]``."""
+    return _run_layers(x, layers, cfg, lay)[0]
+
+
+def _run_layers(
+    x: torch.Tensor, layers: dict[str, torch.Tensor], cfg: Config, lay: Layout
+) -> tuple[torch.Tensor, reshard_after_forward | None]:
+    """:func:`run_layers`, and the last layer's reshard scope (None when the layers keep their weights)."""
     # [n, ...] -> n x [...]; the gradients stacked back into kept buffers (no fresh 52 MB per step at 13.2M
     # params), except in a pipeline stage (its microbatches' gradients are accumulated by the runtime)
     split = unstack if lay.plan.pp is None else torch.unbind
@@ -188,7 +195,7 @@ def run_layers(x: torch.Tensor, layers: dict[str, torch.Tensor], cfg: Config, la
         for i in range(n):  # gathered inside the layer's remat region: freed after its forward, gathered again
             p = {k: v[i] for k, v in stacked.items()}
             x = layer(x, p, cfg, lay.plan, gather=lambda p: use_params(p, lay.layer_specs, lay.plan, cfg.precision))
-        return x
+        return x, None
 
     def fetch(i: int) -> Callable[[], dict[str, torch.Tensor]]:  # layer i's gathers issued now (dist: in flight)
         return use_params(
@@ -205,10 +212,12 @@ def run_layers(x: torch.Tensor, layers: dict[str, torch.Tensor], cfg: Config, la
             continue
         # without remat: the saved gathered weights are dropped after the forward and gathered again (the same
         # bucketed gather) for the layer's backward, the previous layer's regather prefetched meanwhile
-        with reshard_after_forward(p, functools.partial(fetch, i), after=scope) as scope:
+        # (derive=False: the layer reads its weights through views only, no saved cast or concatenation of them,
+        # fp32 and bf16, with or without tp: so no dispatch mode over its ~150 ops, ~40 ms a step at 13.2M params)
+        with reshard_after_forward(p, functools.partial(fetch, i), after=scope, derive=False) as scope:
             x = layer(x, p, cfg, lay.plan)
         p = None  # [.., s, ..] freed here: the next layer's gather is in flight
-    return x
+    return x, scope
 
 
 def head_logits(
@@ -256,24 +265,35 @@ def _stages_in_turn(params: PyTree, x: torch.Tensor, cfg: Config, lay: Layout) -
 
 
 def _forward(params: PyTree, tokens: torch.Tensor, cfg: Config, lay: Layout) -> torch.Tensor:
-    if lay.plan.fsdp is None and lay.plan.pp is None:
+    plan = lay.plan
+    if plan.pp is None and plan.fsdp is None:
         # nothing to gather: embed, norm and head are only made varying over the replica axes, in ONE bucket
         # (one gradient all-reduce at the end of the backward, where the embedding's gradient is ready, as DDP's
         # last bucket) instead of one each
         names = ("embed", "norm") if cfg.tie_embeddings else ("embed", "norm", "head")
-        top = use_params({k: params[k] for k in names}, {k: lay.specs[k] for k in names}, lay.plan, cfg.precision)
+        top = use_params({k: params[k] for k in names}, {k: lay.specs[k] for k in names}, plan, cfg.precision)
         x = embed_tokens(top["embed"], tokens, lay)  # [b, s] -> [b, s(/tp), d]
         x = run_layers(x, params["layers"], cfg, lay)
         tied = top["embed"] if cfg.tie_embeddings else None
         return head_logits(top, x, cfg, lay, tied, ready=True)  # [b, s(/tp), d] -> [b, s, V/tp]
-    table = use_params(params["embed"], lay.specs["embed"], lay.plan, cfg.precision)  # [V/tp, d/fsdp] -> [V/tp, d]
-    x = embed_tokens(table, tokens, lay)  # [b, s] -> [b, s(/tp), d]
-    if lay.plan.pp is None:
-        x = run_layers(x, params["layers"], cfg, lay)
-    else:
+    table = use_params(params["embed"], lay.specs["embed"], plan, cfg.precision)  # [V/tp, d/fsdp] -> [V/tp, d]
+    if plan.pp is not None:
+        x = embed_tokens(table, tokens, lay)  # [b, s] -> [b, s(/tp), d]
         x = _stages_in_turn(params, x, cfg, lay)
+        tied = table if cfg.tie_embeddings else None
+        return head_logits(params, x, cfg, lay, tied)  # [b, s(/tp), d] -> [b, s, V/tp]
+    # fsdp: the norm and the head in ONE gather, at the start beside the embedding's (not waited for after the
+    # layers): one all-gather and one reduce-scatter for both, the reduce-scatter issued as soon as the head's
+    # backward is done (FSDP2's root group would add the embedding, whose gradient is the backward's last: the
+    # head's full-size gradient would wait in memory until the step's end, +1 MiB on bench/memory.py's keep row)
+    names = ("norm",) if cfg.tie_embeddings else ("norm", "head")
+    top = use_params({k: params[k] for k in names}, {k: lay.specs[k] for k in names}, plan, cfg.precision)
+    x = embed_tokens(table, tokens, lay)  # [b, s] -> [b, s(/tp), d]
+    x, last = _run_layers(x, params["layers"], cfg, lay)
     tied = table if cfg.tie_embeddings else None
-    return head_logits(params, x, cfg, lay, tied)  # [b, s(/tp), d] -> [b, s, V/tp]
+    logits = head_logits(top, x, cfg, lay, tied, ready=True)  # [b, s(/tp), d] -> [b, s, V/tp]
+    # the last layer's regather issued as the backward starts: it travels during the head's backward
+    return logits if last is None else last.regather_at(logits)
 
 
 def forward(params: PyTree, tokens: torch.Tensor, cfg: Config, plan: ParallelPlan | None = None) -> torch.Tensor:
