@@ -283,7 +283,7 @@ class VmaMode(TorchFunctionMode):
     """
 
     def __init__(self, dev: Any, audit: bool = False) -> None:
-        super().__init__()
+        # (TorchFunctionMode.__init__ sets nothing; made on every call of a tracked shard_map)
         self.dev = dev
         self.audit = audit
         self._tag = _tag_audited if audit else _tag_through
@@ -292,11 +292,12 @@ class VmaMode(TorchFunctionMode):
     def __enter__(self) -> VmaMode:
         self._prev = getattr(_active, "mode", None)
         _active.mode = self
-        return super().__enter__()
+        torch._C._push_on_torch_function_stack(self)  # TorchFunctionMode.__enter__, without its two Python calls
+        return self
 
     def __exit__(self, *exc: object) -> None:
         _active.mode = self._prev
-        super().__exit__(*exc)
+        torch._C._pop_torch_function_stack()  # TorchFunctionMode.__exit__
 
     def _agree(
         self,
