@@ -143,6 +143,16 @@ BIG_SHAPES = {"w": (3, _BLOCK + 34), "b": (2 * _BLOCK + 6,), "n": (7,)}
 
 
 def _adamw_donated_body(mesh: fs.Mesh) -> tuple[int, bool, bool]:
+    from funcshard.optim import _adamw
+
+    fused, _adamw._FUSED = _adamw._FUSED, None  # the op-by-op path (a compiled step, other dtypes; fused: below)
+    try:
+        return _adamw_donated_blocks(mesh)
+    finally:
+        _adamw._FUSED = fused
+
+
+def _adamw_donated_blocks(mesh: fs.Mesh) -> tuple[int, bool, bool]:
     from funcshard.optim._adamw import CHUNK, _chunks
 
     params = _rand(BIG_SHAPES, 0)
@@ -176,7 +186,8 @@ def _adamw_donated_body(mesh: fs.Mesh) -> tuple[int, bool, bool]:
 
 
 def test_adamw_donated_blocks_match_torch_bit_for_bit(run) -> None:
-    # the in-place update runs block by block (cache-sized): the numbers are torch.optim.AdamW's, bit for bit
+    # the op-by-op in-place update runs block by block (cache-sized): torch.optim.AdamW's numbers, bit for bit
+    # (float32 CPU leaves take torch's fused kernel instead: tests/test_optim_fused.py)
     for blocks, exact, whole in run(_adamw_donated_body, {"tp": 2}):
         assert blocks == 2 and whole  # a local leaf of 1.5 blocks is cut in two; chunk 0: one block
         assert exact

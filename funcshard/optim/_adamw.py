@@ -34,11 +34,17 @@ def adamw(
     eps: float = 1e-8,
     weight_decay: float = 0.0,
 ) -> Optimizer:
-    """AdamW with decoupled weight decay, the arithmetic of ``torch.optim.AdamW`` (single-tensor path).
+    """AdamW with decoupled weight decay, the arithmetic of ``torch.optim.AdamW``.
 
     Per leaf, with ``t`` the step (from 1): ``p *= 1 - lr * wd``; ``m = lerp(m, g, 1 - b1)``;
     ``v = b2 * v + (1 - b2) * g * g``; ``p -= lr / (1 - b1**t) * m / (sqrt(v) / sqrt(1 - b2**t) + eps)``.
     Elementwise, so each device updates its own shards with no communication.
+
+    ``update`` of float32 CPU leaves runs torch's fused AdamW kernel (one pass over memory for all of them,
+    ``torch.optim.AdamW(fused=True)``'s numbers bit for bit, which round differently from the single-tensor
+    path's in a fraction of the elements, by about one unit in the last place);
+    ``transform``, other dtypes and devices, and a step recorded into a compiled graph run the single-tensor
+    path's ops (``torch.optim.AdamW(foreach=False)``'s numbers).
 
     Args:
         lr: learning rate, or a schedule of the step count (see :func:`warmup_cosine`).
@@ -76,6 +82,86 @@ def adamw(
 #: Measured on the 13.2M Llama's AdamW step (2 gloo processes on one 32 MiB-L3 CPU, load 2): 33-34 ms per step
 #: at 1M against 36-37 ms at 128K (more, smaller ops) and 35 ms for torch.optim.AdamW; one process: 28.4 vs 33.8
 CHUNK = 1 << 20
+
+#: torch's fused AdamW kernel (``torch.optim.AdamW(fused=True)``; None in a torch without it)
+_FUSED: Any = getattr(torch, "_fused_adamw_", None)
+
+#: elements of the widest SIMD vector of torch's CPU kernels (AVX-512, float32). The fused kernel updates a
+#: tensor's last ``numel % vector`` elements by a scalar path whose second moment rounds differently from its
+#: vector path, so each tensor goes over as a body of whole vectors and its tail padded to one vector
+#: (:func:`_fused_update`): every element then gets the vector arithmetic, and its numbers do not depend on how
+#: the leaf is laid out, cut into rows or sharded
+_VEC = 16
+
+
+def _fusable(g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, p: torch.Tensor) -> bool:
+    """Whether the fused kernel takes this leaf: float32 moments, parameter and gradient (converted to the
+    moments' dtype before), all on the CPU, none differentiated (the kernel has no derivative, no batching rule)."""
+    return (
+        _FUSED is not None
+        and type(g) is torch.Tensor
+        and all(t.dtype == torch.float32 and t.device.type == "cpu" and not t.requires_grad for t in (g, m, v, p))
+        and not torch._C._are_functorch_transforms_active()
+    )
+
+
+def _copy(tree: PyTree) -> PyTree:
+    """Contiguous copies of the tensors of ``tree``."""
+    return optree.tree_map(lambda t: t.clone(memory_format=torch.contiguous_format), tree)
+
+
+def _fused_update(
+    leaves: list[tuple[torch.Tensor, ...]], lr: float, b1: float, b2: float, eps: float, wd: float, step: int
+) -> None:
+    """The AdamW step of ``leaves`` (``(g, m, v, p)`` each, :func:`_fusable`) in place, by one call of torch's
+    fused kernel on all of them (``torch.optim.AdamW(fused=True)``'s arithmetic): one pass over each leaf's
+    memory where the op-by-op path makes seven.
+
+    The kernel reads each operand as contiguous memory: a strided gradient (a stacked leaf's, a view of the
+    layers' bucket buffer) goes over by rows, each contiguous (or as a contiguous copy where its rows are not),
+    a non-contiguous moment or parameter as a contiguous copy written back. Each piece goes over as its body of
+    whole SIMD vectors (:data:`_VEC`) and, where there is one, its tail copied into a zero-padded vector of its
+    own, so every element gets the kernel's vector arithmetic (zeros update to zeros)."""
+    pieces: list[list[torch.Tensor]] = [[], [], [], []]  # p, g, m, v
+    back: list[tuple[torch.Tensor, torch.Tensor]] = []  # (destination, source), written back after the kernel
+
+    def add(g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, p: torch.Tensor) -> None:
+        flat = [t.view(-1) for t in (p, g, m, v)]
+        n = flat[0].numel()
+        body = n - n % _VEC
+        if body:
+            for out, t in zip(pieces, flat, strict=True):
+                out.append(t if body == n else t[:body])
+        if body < n:  # [n % VEC] -> [VEC], zero-padded
+            pad = [torch.zeros(_VEC, dtype=t.dtype, device=t.device) for t in flat]
+            for q, t, out in zip(pad, flat, pieces, strict=True):
+                q[: n - body].copy_(t[body:])
+                out.append(q)
+            back.extend((flat[k][body:], pad[k][: n - body]) for k in (0, 2, 3))
+
+    copies: list[tuple[torch.Tensor, torch.Tensor]] = []
+    for g, m, v, p in leaves:
+        own = []
+        for t in (m, v, p):
+            if not t.is_contiguous():
+                copies.append((t, t.contiguous()))
+                t = copies[-1][1]
+            own.append(t)
+        m, v, p = own
+        if g.is_contiguous():
+            add(g, m, v, p)
+        elif g.dim() > 1 and g[0].is_contiguous():  # [n, *s] -> n x [*s], each contiguous: rows of the layers' buffer
+            for row in zip(g.unbind(0), m.unbind(0), v.unbind(0), p.unbind(0), strict=True):
+                add(*row)
+        else:
+            add(g.contiguous(), m, v, p)
+    if pieces[0]:
+        t = torch.tensor(float(step), dtype=torch.float32)  # the step count, as torch.optim.AdamW(fused=True) keeps it
+        ps, gs, ms, vs = pieces
+        _FUSED(ps, gs, ms, vs, [], [t] * len(ps), lr=lr, beta1=b1, beta2=b2, weight_decay=wd, eps=eps,
+               amsgrad=False, maximize=False)  # fmt: skip
+    for dst, src in back + copies:
+        dst.copy_(src)
 
 
 def _chunks(n: int, *ts: torch.Tensor) -> Any:
@@ -166,6 +252,12 @@ class _AdamW:
             *optree.tree_leaves(params), *optree.tree_leaves(state.mu), *optree.tree_leaves(state.nu)
         ):
             return self._apply_in_place(grads, state, params)
+        if not tracing() and _FUSED is not None:
+            # the donated step's arithmetic on copies (the fused kernel's numbers, donated or not)
+            g_leaves, m_leaves, v_leaves, p_leaves, *_ = self._checked(grads, state, params, "adamw.update")
+            if any(_fusable(*leaf) for leaf in zip(g_leaves, m_leaves, v_leaves, p_leaves, strict=True)):
+                mu, nu, params = (_copy(t) for t in (state.mu, state.nu, params))
+                return self._apply_in_place(grads, AdamWState(state.count, mu, nu), params)
         treedef, p_leaves, lr_t, step_size, ms, dens, new_state = self.moments(grads, state, params, "adamw.update")
         new = []
         for p, m, d in zip(p_leaves, ms, dens, strict=True):
@@ -184,8 +276,12 @@ class _AdamW:
             grads, state, params, "adamw.update"
         )
         chunk = 0 if tracing() else CHUNK
+        fused = []
         for g, m, v, p in zip(g_leaves, m_leaves, v_leaves, p_leaves, strict=True):
             g = g if g.dtype == m.dtype else g.to(m.dtype)
+            if chunk and _fusable(g, m, v, p):
+                fused.append((g, m, v, p))
+                continue
             for g_, m_, v_, p_ in _chunks(chunk, g, m, v, p):
                 m_.lerp_(g_, 1 - b1)  # first moment
                 v_.mul_(b2).addcmul_(g_, g_, value=1 - b2)  # second moment
@@ -193,6 +289,9 @@ class _AdamW:
                 if self.wd != 0:
                     p_.mul_(1 - lr_t * self.wd)  # decoupled weight decay
                 _addcdiv(p_, m_, den, -step_size, in_place=True)
+        if fused:
+            step = int(state.count) + 1  # read: not tracing
+            _fused_update(fused, lr_t, b1, b2, self.eps, self.wd, step)
         return params, AdamWState(state.count + 1, state.mu, state.nu)
 
     def state_specs(self, param_specs: PyTree) -> AdamWState:
