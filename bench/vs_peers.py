@@ -143,6 +143,55 @@ device-step, measured by replacing it with no mode in a one-process sim step), 2
 reduce-scatters (embed, norm and head in 3 buckets, FSDP2's root in one), and the last layer's regather, not
 prefetched during the head's backward as FSDP2's root pre-backward does (~20-30 ms wait).
 
+Then (issue #11, helper F, 2eccd1c): the Llama's final norm and head gathered in one bucket at the step's start
+(29 calls; the embedding kept apart: in one root group with it, the head's full gradient waits for the
+embedding's, +1 MiB on bench/memory.py's keep row), the last layer's regather issued as the backward reaches the
+logits (``reshard_after_forward.regather_at``), and the layers' reshard scopes without the dispatch mode
+(``derive=False``). A / B on the same tree (5d63569), 4 x 3 (4 procs) and 5 x 3 (2 procs):
+
+    size    procs case  peer        wall ratio           CPU    calls  load         steps x repeats
+    13.2M   4     fsdp  FSDP2       1.016 (0.944-1.045)  1.085  31/26  5.22->6.17   4 x 3 (before)
+    13.2M   4     fsdp  FSDP2       0.924 (0.627-0.942)  1.011  29/26  12.0->10.8   4 x 3 (norm+head prefetched)
+    13.2M   4     fsdp  FSDP2       0.982 (0.906-0.984)  1.070  29/26  12.95->11.10 4 x 3 (steps 3.5x slower)
+    13.2M   4     fsdp  FSDP2       1.030 (1.006-1.037)  1.057  29/26  4.60->4.43   4 x 3
+    13.2M   2     fsdp  FSDP2       0.983 (0.954-0.992)  1.002  29/26  2.31->2.18   5 x 3
+
+2 processes 0.983x (CPU 1.002, was 0.996 / 1.026 on a quiet host); 4 processes 1.030x at load 4.6 (CPU 1.057;
+was 1.041 / 1.065 quiet): the <= 1.00 target at 4 processes is NOT met on a quiet host.
+
+Then (issue #11, helper T: tp measured at 2 and 4 processes, no tp code changed; the tree of the moment, HEAD
+5d63569 -> 9130ade; torch's fused AdamW (98c16a9) was in the tree for rows 2, 3 and 5). Launches of 5 x 3 (the
+second at 4 processes: 4 x 3, one warm-up step, to stay under six minutes):
+
+    size    procs case  peer        wall ratio           CPU    calls  load         steps x repeats
+    13.2M   2     tp    DTensor TP  0.746 (0.717-0.829)  0.851  36/61  4.28->4.24   5 x 3
+    13.2M   2     tp    DTensor TP  0.821 (0.811-0.830)  0.893  36/61  6.67->5.90   5 x 3
+    13.2M   2     tp    DTensor TP  0.848 (0.817-0.881)  0.884  36/61  2.51->2.48   5 x 3 (quiet: 1783 / 2086 ms)
+    13.2M   4     tp    DTensor TP  0.831 (0.790-0.843)  0.836  36/61  5.38->10.25  5 x 3
+    13.2M   4     tp    DTensor TP  0.758 (0.752-0.781)  0.800  36/61  8.57->6.11   4 x 3
+
+tp <= 0.90 in all five launches (2 processes 0.75-0.85, 4 processes 0.76-0.83); CPU 0.85-0.89 at 2 processes (0.88 on
+the quiet host: not clearly under 0.90), 0.80-0.84 at 4. Where funcshard's tp step goes (rank 0, 2 processes, one
+step under torch.profiler, load 11, self CPU 2,624 ms): aten::mm 63%, flash attention forward + backward 11%, the
+forward's 17 synchronous all-reduces (16 row-parallel, the embedding's) 8.5%, 3-32 ms each: the wait for the other
+rank, the transfer of 3 MB is 3-7 ms at that load; elementwise ops the rest; Python (the vma mode) ~12 ms a step
+(cProfile). The backward's 17 column-parallel all-reduces are waited for 0.02 ms each: issued before the weights'
+gradients (``ops.tp.ColumnParallel``), whose matmuls absorb both the transfer and the ranks' skew. Tried, not kept:
+
+- q/k/v and gate/up as ONE column-parallel matmul (weights concatenated each step; forward and weight gradients
+  bitwise equal, the input gradient at fp32 rounding): the same job, 8 interleaved steps each, load 13-18: CPU
+  3,430 (separate) vs 3,446 ms (fused) a step, both ranks; wall 4,147 vs 4,103 ms: no gain (one-process microbench
+  gains of 1-6 ms a layer do not show in the step);
+- the row-parallel forward in 2 or 4 row chunks, each chunk's all-reduce issued while the next chunk's matmul
+  computes (losses bitwise equal over 3 steps): CPU 3,172 / 3,201 / 3,145 ms, wall min 2,383 / 2,403 / 2,567 ms
+  (1 / 2 / 4 chunks, load 9-13): no gain;
+- SDPA's ``enable_gqa`` instead of ``repeat_interleave`` (``ops.attention``): ~1 ms a layer, dk / dv not bitwise.
+
+What is left: the forward's synchronous all-reduces are where the ranks' skew is paid (8.5% of rank 0's step under
+load); hiding it needs compute that does not depend on them, e.g. the batch in two halves interleaved through the
+layers (one half's all-reduce travels while the other half computes, Domino-style): a model-level change
+(``models/transformer.py``, ``llama.run_layers``), not bitwise (each weight's gradient summed from two halves).
+
 Usage:
     python bench/vs_peers.py --size small --procs 2 --steps 3 --repeats 1       # 1-2 min on a quiet host
     python bench/vs_peers.py --size large --procs 2 --cases dp,fsdp,tp
