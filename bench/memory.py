@@ -73,6 +73,15 @@ the max over the 4 ranks for "4 procs"):
     fsdp4_dist_reshard_noremat 4 procs     145.0  fsdp2_reshard           145.8   0.99x  (and the prefetched bucket
                                                                                         settled once; keep 185.2
                                                                                         vs 184.6; load 12-24)
+    fsdp4_dist_reshard_noremat 4 procs     144.6  fsdp2_reshard           146.1   0.99x  (norm + head one bucket,
+                                                                                        last regather at the
+                                                                                        logits, no dispatch mode:
+                                                                                        2eccd1c; keep 185.0 vs
+                                                                                        184.7, reshard 43.3;
+                                                                                        embed + norm + head in one
+                                                                                        bucket: keep 185.7-186.1
+                                                                                        vs 184.8, 1.01x once;
+                                                                                        load 10-15)
     fsdp4_dist_bf16            4 procs      98.4  fsdp2_bf16_keep          98.3   1.00x
     cp4_dist                   4 procs     132.1  ddp4                    132.5   1.00x
 
