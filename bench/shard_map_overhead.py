@@ -88,6 +88,39 @@ bytecodes per (d) step: value_and_grad's graph walk (~680: the closed-over-leaf 
 Python step per edge of the graph) and its leaf handling (~620), assembling the 4 output Arrays (~320), the
 collectives' layers (``lax``, ``_prims.call``, the dist backend: ~500), argument preparation (~400).
 
+Issue #11, round 3 (8e4a4a7, 9130ade, 6bb6ba5; A/B: the library at 5d63569 "before" and this round's "now",
+alternating launch by launch, 3 launches each, both with this file (whose (d) / (e) now get compact param
+blocks like (a)-(c): w2's block of P(None, "tp") was a strided view), small size, --steps 300, load 2.5-12 at
+launch; median of the launches' ratios to (a), range in brackets):
+
+    small, CPU / (a)                    before                  now                     wall / (a), before -> now
+      (b) shard_map, vma off            1.280 (1.264-1.286)     1.230 (1.207-1.251)     1.03-1.08 -> 1.00-1.20
+      (c) shard_map, vma on             1.387 (1.370-1.427)     1.398 (1.331-1.425)     1.12-1.24 -> 0.98-1.28
+      (d) value_and_grad, vma off       1.296 (1.291-1.337)     1.301 (1.264-1.324)     1.02-1.08 -> 1.00-1.24
+      (e) value_and_grad, vma on        1.361 (1.355-1.422)     1.351 (1.325-1.416)     1.06-1.11 -> 1.05-1.27
+
+Wall targets in these launches: (d) <= 1.10 in 3 of 3 before and 1 of 3 now, (e) <= 1.25 in 3 of 3 and 2 of 3,
+(b) <= 1.05 in 1 of 3 both: a launch's wall ratio is set by how promptly the peer process is scheduled on this
+host (the lowest-load launch of now met all four targets, 1.00 / 0.98 / 1.00 / 1.05), and the CPU ratios move
+by less than one launch's spread. What the change saves, measured without the other process's noise: the same
+process runs each variant with the functions of 5d63569 patched in and with this round's, alternating step by
+step (tp of size 1; paired medians of 600 steps, two runs, load 15): (b) -46 / -47 us a step, (c) -15 / -20,
+(d) -34 / -38, (e) -32 / -27 ((a) ~1 ms CPU there). What changed: the argument tuple and a ``(loss, grads)``
+output are flattened without optree (its C flatten costs ~2.5 us for a tuple of three tensors; ``flatten``
+gives optree's very leaves and structure, keyed by the tuple's flat shape), the call-signature key holds no
+Mesh (its hash is a Python call) and ``axes_of`` is keyed by the mesh object, ``fs.value_and_grad`` switches
+grad mode only when it is off (~2 us), ``FUNCSHARD_AUDIT`` is read from ``os.environ``'s own mapping (its
+``get`` of an unset variable raises and catches a KeyError: 1-2 us a call) and the vma mode pushes and pops
+torch's mode stack itself. What is left, measured by patching one piece out (same process): the psum's fresh
+result buffer (dist backend: a clone of the operand, then gloo on new memory; summing in place saves 31 us a
+step small and ~155 us large, in a patch that is not safe as it stands: asked of the backend's owner), the
+copy-on-write clone of each input block (~15 us), the graph walk (~10 us, and needed: without the last node
+known the backward's last reduction goes asynchronous, +117 us), each op's dispatch through the vma mode, the
+collectives' layers. Tried without gain: the graph walk breadth first with C iterators (682 -> 290 bytecodes but
+9 -> 15 us: a set per level of this chain-like graph costs more than the Python steps) and depth first over a
+node set (no change); bytecode counts mislead here (the Python ``flatten`` executes more bytecodes than optree's
+C call and is twice as fast).
+
 Usage:
     python bench/shard_map_overhead.py            # spawns 2 gloo processes itself
     torchrun --nproc-per-node 2 bench/shard_map_overhead.py
