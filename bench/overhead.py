@@ -44,6 +44,12 @@ share of vs_peers' dp step), CPU of vma on minus off: +11.9 ms (load 6.0) -> +6.
 launch each; load-independent, the Python bytecodes the tracking adds per forward (``sys.settrace``):
 159,745 -> 135,583 (-15%), for the 1,009 torch functions the mode sees (281 of them property reads).
 
+Issue #11 round 3 (per-call changes in shard_map and the vma mode's enter / exit; the per-op handler as before),
+one launch each: dist tp=2 vma on vs off at 5d63569 0.986 wall, CPU 1.002 (load 9.8; 488.7 vs 489.6 ms), and
+with this round's 8e4a4a7, 9130ade, 6bb6ba5 on it 0.955 wall, CPU 1.037 (load 2.3; 507.6 vs 526.4 ms): the CPU
+target 1.03 is met in one launch and missed in the other; with 10 steps a launch the ratio moves by ~3% from
+launch to launch, more than any change of this round could (a few us a call against ~500 ms a step).
+
 Usage:
     python bench/overhead.py                      # both rows at the ~13M-parameter Llama (a few minutes)
     python bench/overhead.py --rows sim --batch 2 --seq 64
