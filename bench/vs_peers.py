@@ -167,12 +167,13 @@ second at 4 processes: 4 x 3, one warm-up step, to stay under six minutes):
     13.2M   2     tp    DTensor TP  0.746 (0.717-0.829)  0.851  36/61  4.28->4.24   5 x 3
     13.2M   2     tp    DTensor TP  0.821 (0.811-0.830)  0.893  36/61  6.67->5.90   5 x 3
     13.2M   2     tp    DTensor TP  0.848 (0.817-0.881)  0.884  36/61  2.51->2.48   5 x 3 (quiet: 1783 / 2086 ms)
+    13.2M   2     tp    DTensor TP  0.829 (0.826-0.894)  0.861  36/61  3.20->2.55   5 x 3 (2131 / 2570 ms)
     13.2M   4     tp    DTensor TP  0.831 (0.790-0.843)  0.836  36/61  5.38->10.25  5 x 3
     13.2M   4     tp    DTensor TP  0.758 (0.752-0.781)  0.800  36/61  8.57->6.11   4 x 3
     13.2M   4     tp    DTensor TP  0.752 (0.719-0.773)  0.772  36/61  3.94->4.09   4 x 3 (2784 / 3601 ms)
 
-tp <= 0.90 in all six launches (2 processes 0.75-0.85, 4 processes 0.75-0.83); CPU 0.85-0.89 at 2 processes (0.88 on
-the quiet host: not clearly under 0.90), 0.77-0.84 at 4. Where funcshard's tp step goes (rank 0, 2 processes, one
+tp <= 0.90 in all seven launches (2 processes 0.75-0.85, 4 processes 0.75-0.83); CPU 0.85-0.89 at 2 processes (0.86-0.88
+at load 2.5-3: not clearly under 0.90), 0.77-0.84 at 4. Where funcshard's tp step goes (rank 0, 2 processes, one
 step under torch.profiler, load 11, self CPU 2,624 ms): aten::mm 63%, flash attention forward + backward 11%, the
 forward's 17 synchronous all-reduces (16 row-parallel, the embedding's) 8.5%, 3-32 ms each: the wait for the other
 rank, the transfer of 3 MB is 3-7 ms at that load; elementwise ops the rest; Python (the vma mode) ~12 ms a step
