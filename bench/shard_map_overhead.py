@@ -99,6 +99,15 @@ launch; median of the launches' ratios to (a), range in brackets):
       (d) value_and_grad, vma off       1.296 (1.291-1.337)     1.301 (1.264-1.324)     1.02-1.08 -> 1.00-1.24
       (e) value_and_grad, vma on        1.361 (1.355-1.422)     1.351 (1.325-1.416)     1.06-1.11 -> 1.05-1.27
 
+    large (defaults), one launch each   before (load 2.3)       now (load 3.2)
+      (b) shard_map, vma off            1.009x (CPU 1.056)      0.997x (CPU 1.064)          target 1.05
+      (c) shard_map, vma on             1.060x (CPU 1.092)      1.073x (CPU 1.065)          1.25
+      (d) value_and_grad, vma off       1.052x (CPU 1.085)      1.029x (CPU 1.052)          1.03
+      (e) value_and_grad, vma on        1.028x (CPU 1.080)      1.003x (CPU 1.058)          1.03
+
+(the large launches ran at different moments of a shared host: (a) took 10.1 ms of CPU in before's, 7.4 in
+now's; now met both large targets in its launch, (d) 1.029 and (e) 1.003, before (e) only.)
+
 Wall targets in these launches: (d) <= 1.10 in 3 of 3 before and 1 of 3 now, (e) <= 1.25 in 3 of 3 and 2 of 3,
 (b) <= 1.05 in 1 of 3 both: a launch's wall ratio is set by how promptly the peer process is scheduled on this
 host (the lowest-load launch of now met all four targets, 1.00 / 0.98 / 1.00 / 1.05), and the CPU ratios move
