@@ -114,7 +114,7 @@ host (the lowest-load launch of now met all four targets, 1.00 / 0.98 / 1.00 / 1
 by less than one launch's spread. What the change saves, measured without the other process's noise: the same
 process runs each variant with the functions of 5d63569 patched in and with this round's, alternating step by
 step (tp of size 1; paired medians of 600 steps, two runs, load 15): (b) -46 / -47 us a step, (c) -15 / -20,
-(d) -34 / -38, (e) -32 / -27 ((a) ~1 ms CPU there). What changed: the argument tuple and a ``(loss, grads)``
+(d) -34 / -38, (e) -32 / -27, and at load 2.8 -28, -17, -33, -22 ((a) ~1 ms CPU there). What changed: the argument tuple and a ``(loss, grads)``
 output are flattened without optree (its C flatten costs ~2.5 us for a tuple of three tensors; ``flatten``
 gives optree's very leaves and structure, keyed by the tuple's flat shape), the call-signature key holds no
 Mesh (its hash is a Python call) and ``axes_of`` is keyed by the mesh object, ``fs.value_and_grad`` switches
