@@ -112,15 +112,15 @@ Wall targets in these launches: (d) <= 1.10 in 3 of 3 before and 1 of 3 now, (e)
 (b) <= 1.05 in 1 of 3 both: a launch's wall ratio is set by how promptly the peer process is scheduled on this
 host (the lowest-load launch of now met all four targets, 1.00 / 0.98 / 1.00 / 1.05), and the CPU ratios move
 by less than one launch's spread. What the change saves, measured without the other process's noise: the same
-process runs each variant with the functions of 5d63569 patched in and with this round's, alternating step by
-step (tp of size 1; paired medians of 600 steps, two runs, load 15): (b) -46 / -47 us a step, (c) -15 / -20,
-(d) -34 / -38, (e) -32 / -27, and at load 2.8 -28, -17, -33, -22 ((a) ~1 ms CPU there). What changed: the argument tuple and a ``(loss, grads)``
-output are flattened without optree (its C flatten costs ~2.5 us for a tuple of three tensors; ``flatten``
-gives optree's very leaves and structure, keyed by the tuple's flat shape), the call-signature key holds no
-Mesh (its hash is a Python call) and ``axes_of`` is keyed by the mesh object, ``fs.value_and_grad`` switches
-grad mode only when it is off (~2 us), ``FUNCSHARD_AUDIT`` is read from ``os.environ``'s own mapping (its
-``get`` of an unset variable raises and catches a KeyError: 1-2 us a call) and the vma mode pushes and pops
-torch's mode stack itself. What is left, measured by patching one piece out (same process): the psum's fresh
+process runs each variant with the functions of 5d63569 patched in and with this round's, alternating step by step
+(tp of size 1; paired medians of 600 steps, two runs, load 15): (b) -46 / -47 us a step, (c) -15 / -20, (d) -34 /
+-38, (e) -32 / -27, and at load 2.8 -28, -17, -33, -22 ((a) ~1 ms CPU there). What changed: the argument tuple and a
+``(loss, grads)`` output are flattened without optree (its C flatten costs ~2.5 us for a tuple of three tensors;
+``flatten`` gives optree's very leaves and structure, keyed by the tuple's flat shape), the call-signature key holds
+no Mesh (its hash is a Python call) and ``axes_of`` is keyed by the mesh object, ``fs.value_and_grad`` switches grad
+mode only when it is off (~2 us), ``FUNCSHARD_AUDIT`` is read from ``os.environ``'s own mapping (its ``get`` of an
+unset variable raises and catches a KeyError: 1-2 us a call) and the vma mode pushes and pops torch's mode stack
+itself. What is left, measured by patching one piece out (same process): the psum's fresh
 result buffer (dist backend: a clone of the operand, then gloo on new memory; summing in place saves 31 us a
 step small and ~155 us large, in a patch that is not safe as it stands: asked of the backend's owner), the
 copy-on-write clone of each input block (~15 us), the graph walk (~10 us, and needed: without the last node
