@@ -194,6 +194,28 @@ load); hiding it needs compute that does not depend on them, e.g. the batch in t
 layers (one half's all-reduce travels while the other half computes, Domino-style): a model-level change
 (``models/transformer.py``, ``llama.run_layers``), not bitwise (each weight's gradient summed from two halves).
 
+Then (issue #11, helper D): ``fs.optim.adamw`` updates float32 CPU leaves with torch's fused AdamW kernel, one call
+for all leaves (98c16a9; ``torch.optim.AdamW(fused=True)``'s numbers bit for bit, ~1 ulp from the single-tensor
+path's in a fraction of the elements; losses equal DDP's at steps 0 and 1 as before). The optimiser per rank and
+step (main-thread CPU, 6 interleaved steps, load 9-12): 43.9 -> 17.5 ms at 13.2M, 10.1 -> 6.0 ms at 3.1M (load 2-3).
+Launches on the tree of the moment (9130ade + 98c16a9 + others' uncommitted work):
+
+    size    procs case  peer        wall ratio           CPU    calls  load         steps x repeats
+    13.2M   2     dp    DDP         1.089 (1.017-1.106)  1.050  10/3   4.13->2.62   5 x 3 (tests running niced beside)
+    13.2M   2     dp    DDP         0.996 (0.983-1.010)  0.999  10/3   3.41->2.61   5 x 3
+    13.2M   2     dp    DDP         0.992 (0.847-1.010)  0.979  10/3   2.13->2.56   5 x 3
+    13.2M   4     dp    DDP         1.003 (0.980-1.104)  0.994  10/3   3.07->3.77   4 x 3 (was 1.028, CPU 1.039)
+    3.1M    2     dp    DDP         1.129 (0.936-1.167)  1.067  6/2    3.69->3.21   5 x 3 (one launch: noise)
+
+Median of the three 2-process launches 0.996x (CPU 0.999): the <= 0.98 target is NOT met; 4 processes 1.003x (CPU
+0.994; <= 1.00 in CPU, not in wall). What is left, measured: funcshard steps that follow a DDP step fault in 2.4-11k
+fresh heap pages (main-thread minor faults; before 98c16a9 8-11k), funcshard after funcshard 2-8, DDP 0 in every
+order: the peer's step starts with ``zero_grad(set_to_none=True)``, so DDP's 52 MB of ``.grad`` stay allocated
+through the funcshard step in between, whose activations then need pages beyond the mapped heap (glibc trims them
+again at its end). At ~2 us a page here that is 5-20 ms of a 1.3-1.9 s step in 3 of each repeat's 5 timed steps; with
+the peer zeroing at the end of its step instead, funcshard's faults fall to ~0 and DDP's stay 0 (the train job
+never interleaves). A bench change, proposed to the lead, not made here.
+
 Usage:
     python bench/vs_peers.py --size small --procs 2 --steps 3 --repeats 1       # 1-2 min on a quiet host
     python bench/vs_peers.py --size large --procs 2 --cases dp,fsdp,tp
