@@ -13,15 +13,16 @@ Each case runs one funcshard step and its torch peer on the same processes, from
 the peers on the ``nn.Module`` twin of ``bench/_memory_peers.py``.
 
 The funcshard step is what the train job runs: ``shard_map`` of ``llama.value_and_grad`` and AdamW's update,
-donating params and moments (check_vma on). The peer step is ``zero_grad``, ``loss.backward()``,
-``torch.optim.AdamW.step()`` with the same hyper-parameters. Before timing, the bench checks that both losses
-agree at step 0 and after one AdamW step (funcshard's weights are loaded into the twin; rtol 1e-4), and prints
-them. Then per repeat: ``--warmup`` steps each, then ``--steps`` steps each, A/B interleaved (the order flips
-every step), each step timed from a barrier to a barrier on every rank (the max over ranks); the repeat's
-ratio is median(funcshard) / median(peer). Printed per case: every repeat's ratio, their median (THE number)
-and spread (min-max), the machine load (``os.getloadavg()``) before and after, and the collectives each side
-issues per step (gloo calls seen by ``torch.profiler``; funcshard's also by ``fs.comm_stats``); ``--ops N``:
-the N torch ops whose self CPU time differs most between the two sides' steps.
+donating params and moments (check_vma on). The peer step is ``loss.backward()``, ``torch.optim.AdamW.step()`` with
+the same hyper-parameters, then ``zero_grad(set_to_none=True)`` (at the end, so that the peer holds no gradients
+while the interleaved funcshard step runs: see the dp rows below). Before timing, the bench checks that both losses
+agree at step 0 and after one AdamW step (funcshard's weights are loaded into the twin; rtol 1e-4), and prints them.
+Then per repeat: ``--warmup`` steps each, then ``--steps`` steps each, A/B interleaved (the order flips every step),
+each step timed from a barrier to a barrier on every rank (the max over ranks); the repeat's ratio is
+median(funcshard) / median(peer). Printed per case: every repeat's ratio, their median (THE number) and spread
+(min-max), the machine load (``os.getloadavg()``) before and after, and the collectives each side issues per step
+(gloo calls seen by ``torch.profiler``; funcshard's also by ``fs.comm_stats``); ``--ops N``: the N torch ops whose
+self CPU time differs most between the two sides' steps.
 
 Measured on a 2-core box shared with 4-5 other engineers. Wall ratio = median over repeats (min-max); CPU =
 the CPU-time ratio (every thread of every rank: steadier under load); calls = gloo calls per step funcshard /
@@ -333,7 +334,6 @@ def _peer(case: str, cfg: llama.Config, tokens: torch.Tensor, targets: torch.Ten
     opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
 
     def step(read: bool) -> float | None:
-        opt.zero_grad(set_to_none=True)
         if case == "tp":
             with loss_parallel():
                 loss = twin.tp_loss(model, *local)
@@ -342,6 +342,9 @@ def _peer(case: str, cfg: llama.Config, tokens: torch.Tensor, targets: torch.Ten
             loss = peers.module_loss(model, *local)
             loss.backward()
         opt.step()
+        # zeroed at the end of the step (HF Trainer's order; the same arithmetic as zeroing first): the peer holds no
+        # gradients while funcshard's step runs in between, which would make that step fault in fresh heap pages
+        opt.zero_grad(set_to_none=True)
         if not read:
             return None
         value = loss.detach()
