@@ -160,6 +160,20 @@ logits (``reshard_after_forward.regather_at``), and the layers' reshard scopes w
 2 processes 0.983x (CPU 1.002, was 0.996 / 1.026 on a quiet host); 4 processes 1.030x at load 4.6 (CPU 1.057;
 was 1.041 / 1.065 quiet): the <= 1.00 target at 4 processes is NOT met on a quiet host.
 
+At HEAD 98c16a9 (the above and the fused AdamW of helper D), three launches of 4 procs and one of 2 (quiet host):
+
+    size    procs case  peer        wall ratio           CPU    calls  load         steps x repeats
+    13.2M   4     fsdp  FSDP2       0.967 (0.931-0.979)  0.990  29/26  3.68->4.18   4 x 3
+    13.2M   4     fsdp  FSDP2       1.044 (0.931-1.050)  1.068  29/26  3.66->4.07   4 x 3
+    13.2M   4     fsdp  FSDP2       1.011 (1.002-1.029)  1.032  29/26  3.44->4.56   4 x 3
+    13.2M   2     fsdp  FSDP2       0.955 (0.952-0.999)  0.984  29/26  2.20->2.13   5 x 3
+
+4 processes: median 1.011x (CPU 1.032), launches 0.967-1.044 at the same load: the target not shown. Left (rank 0,
+one step, ``--ops``, load 3.7): ``aten::cat`` 68 calls 111 ms vs FSDP2's 41 / 61 ms (each bucket's shards
+concatenated, and the gradients' cat before each reduce-scatter, strided: wq/wk/wv/w1/w3 and embed/head shard
+their inner dim), ``MmBackward0`` self 34 vs 3 ms (the Python of the saved-tensor unpack and the regather issued
+inside it), ``aten::slice`` 396 vs 193 calls.
+
 Then (issue #11, helper T: tp measured at 2 and 4 processes, no tp code changed; the tree of the moment, HEAD
 5d63569 -> 9130ade; torch's fused AdamW (98c16a9) was in the tree for rows 2, 3 and 5). Launches of 5 x 3 (the
 second at 4 processes: 4 x 3, one warm-up step, to stay under six minutes):
