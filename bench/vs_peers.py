@@ -231,6 +231,25 @@ again at its end). At ~2 us a page here that is 5-20 ms of a 1.3-1.9 s step in 3
 the peer zeroing at the end of its step instead, funcshard's faults fall to ~0 and DDP's stay 0 (the train job
 never interleaves). A bench change, proposed to the lead, not made here.
 
+The lead made it (6423cfc: the peer zeroes its gradients at the end of its step) and measured on a quiet host at the
+end of the round (HEAD 6423cfc-9d092d6: fused AdamW, the fsdp Llama's norm+head bucket, last-layer regather and no
+dispatch mode, the per-call cuts; nothing else running):
+
+    params  procs case  peer        ratio (spread)       CPU    calls  load         steps
+    13.2M   2     dp    DDP         1.013 (1.005-1.104)  1.023  10/3   1.28->1.86   5 x 3
+    13.2M   2     dp    DDP         1.011 (1.003-1.017)  0.984  10/3   1.89->2.13   5 x 3
+    13.2M   2     dp    DDP         0.985 (0.931-1.028)  0.999  10/3   2.02->1.92   5 x 3
+    13.2M   2     dp    DDP         0.941 (0.933-0.970)  0.965  10/3   2.27->1.98   5 x 3
+    13.2M   2     dp    DDP         1.094 (0.992-1.099)  1.048  10/3   1.94->2.33   5 x 3
+    13.2M   2     fsdp  FSDP2       0.926 (0.875-0.979)  0.942  29/26  2.92->2.58   5 x 3
+    13.2M   4     fsdp  FSDP2       0.995 (0.987-1.024)  1.014  29/26  3.42->4.19   4 x 3
+    13.2M   4     fsdp  FSDP2       0.986 (0.936-1.015)  1.012  29/26  4.14->4.41   4 x 3
+    13.2M   4     fsdp  FSDP2       1.040 (1.007-1.051)  1.066  29/26  3.17->4.16   4 x 3
+
+dp: median of five launches 1.011x DDP (0.941-1.094; CPU 0.965-1.048): at DDP within this host's launch-to-launch
+spread (+-5%), not clearly under it. fsdp: 2 processes 0.926x (CPU 0.942); 4 processes median 0.995x of three
+(CPU 1.01-1.07), with helper F's three at 98c16a9 (0.967 / 1.044 / 1.011) the median of six is 1.003x.
+
 Usage:
     python bench/vs_peers.py --size small --procs 2 --steps 3 --repeats 1       # 1-2 min on a quiet host
     python bench/vs_peers.py --size large --procs 2 --cases dp,fsdp,tp
