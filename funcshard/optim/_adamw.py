@@ -95,14 +95,12 @@ _VEC = 16
 
 
 def _fusable(g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, p: torch.Tensor) -> bool:
-    """Whether the fused kernel takes this leaf: float32 moments and parameter, the gradient of any dtype (the
-    update converts it to the moments' dtype first), all on the CPU, none differentiated (the kernel has no
-    derivative, no batching rule)."""
+    """Whether the fused kernel takes this leaf: float32 moments, parameter and gradient (converted to the
+    moments' dtype before), all on the CPU, none differentiated (the kernel has no derivative, no batching rule)."""
     return (
         _FUSED is not None
         and type(g) is torch.Tensor
-        and all(t.device.type == "cpu" and not t.requires_grad for t in (g, m, v, p))
-        and all(t.dtype == torch.float32 for t in (m, v, p))
+        and all(t.dtype == torch.float32 and t.device.type == "cpu" and not t.requires_grad for t in (g, m, v, p))
         and not torch._C._are_functorch_transforms_active()
     )
 
