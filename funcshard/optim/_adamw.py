@@ -95,19 +95,22 @@ _VEC = 16
 
 
 def _fusable(g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, p: torch.Tensor) -> bool:
-    """Whether the fused kernel takes this leaf: float32 moments, parameter and gradient (converted to the
-    moments' dtype before), all on the CPU, none differentiated (the kernel has no derivative, no batching rule)."""
+    """Whether the fused kernel takes this leaf: float32 moments and parameter, a gradient of any dtype (the
+    update converts it to the moments' dtype first: asked the same of the gradient before and after that, so the
+    donated and the non-donated update take the same path), all on the CPU, none differentiated (the kernel has
+    no derivative, no batching rule)."""
     return (
         _FUSED is not None
         and type(g) is torch.Tensor
-        and all(t.dtype == torch.float32 and t.device.type == "cpu" and not t.requires_grad for t in (g, m, v, p))
+        and all(t.device.type == "cpu" and not t.requires_grad for t in (g, m, v, p))
+        and m.dtype == v.dtype == p.dtype == torch.float32
         and not torch._C._are_functorch_transforms_active()
     )
 
 
-def _copy(tree: PyTree) -> PyTree:
-    """Contiguous copies of the tensors of ``tree``."""
-    return optree.tree_map(lambda t: t.clone(memory_format=torch.contiguous_format), tree)
+def _copy(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous copy of ``t``."""
+    return t.clone(memory_format=torch.contiguous_format)
 
 
 def _fused_update(
@@ -221,10 +224,15 @@ class _AdamW:
         step_size, bc2_sqrt = lr_t / (1 - b1**step), (1 - b2**step) ** 0.5
         return g_leaves, m_leaves, v_leaves, p_leaves, lr_t, step_size, bc2_sqrt
 
-    def moments(self, grads: PyTree, state: Any, params: PyTree, where: str) -> tuple[Any, ...]:
-        """The new moments, the denominators and the step size (shared by transform and apply)."""
+    def moments(
+        self, grads: PyTree, state: Any, params: PyTree, where: str, checked: tuple[Any, ...] | None = None
+    ) -> tuple[Any, ...]:
+        """The new moments, the denominators and the step size (shared by transform and apply); ``checked``:
+        ``_checked``'s result where the caller has it already."""
         b1, b2 = self.b1, self.b2
-        g_leaves, m_leaves, v_leaves, p_leaves, lr_t, step_size, bc2_sqrt = self._checked(grads, state, params, where)
+        if checked is None:
+            checked = self._checked(grads, state, params, where)
+        g_leaves, m_leaves, v_leaves, p_leaves, lr_t, step_size, bc2_sqrt = checked
         ms, vs, dens = [], [], []
         for g, m, v in zip(g_leaves, m_leaves, v_leaves, strict=True):
             g = g if g.dtype == m.dtype else g.to(m.dtype)  # a low-precision gradient meets float32 moments
@@ -252,13 +260,20 @@ class _AdamW:
             *optree.tree_leaves(params), *optree.tree_leaves(state.mu), *optree.tree_leaves(state.nu)
         ):
             return self._apply_in_place(grads, state, params)
+        checked = None
         if not tracing() and _FUSED is not None:
             # the donated step's arithmetic on copies (the fused kernel's numbers, donated or not)
-            g_leaves, m_leaves, v_leaves, p_leaves, *_ = self._checked(grads, state, params, "adamw.update")
+            checked = self._checked(grads, state, params, "adamw.update")
+            g_leaves, m_leaves, v_leaves, p_leaves = checked[:4]
             if any(_fusable(*leaf) for leaf in zip(g_leaves, m_leaves, v_leaves, p_leaves, strict=True)):
-                mu, nu, params = (_copy(t) for t in (state.mu, state.nu, params))
-                return self._apply_in_place(grads, AdamWState(state.count, mu, nu), params)
-        treedef, p_leaves, lr_t, step_size, ms, dens, new_state = self.moments(grads, state, params, "adamw.update")
+                mu, nu, new = ([_copy(t) for t in leaves] for leaves in (m_leaves, v_leaves, p_leaves))
+                self._update_in_place(g_leaves, mu, nu, new, *checked[4:], state.count)
+                treedef = optree.tree_structure(grads, is_leaf=is_array)  # (checked: that of mu, nu and params)
+                mu, nu, new = (optree.tree_unflatten(treedef, leaves) for leaves in (mu, nu, new))
+                return new, AdamWState(state.count + 1, mu, nu)
+        treedef, p_leaves, lr_t, step_size, ms, dens, new_state = self.moments(
+            grads, state, params, "adamw.update", checked
+        )
         new = []
         for p, m, d in zip(p_leaves, ms, dens, strict=True):
             if self.wd != 0:
@@ -271,10 +286,24 @@ class _AdamW:
         same ops, in place, one block of :data:`CHUNK` elements of a leaf at a time (the numbers do not depend on
         the cut; the block's operands stay in cache), so the step holds one copy of the state (and one block's
         denominator) instead of two."""
+        checked = self._checked(grads, state, params, "adamw.update")
+        self._update_in_place(*checked, state.count)
+        return params, AdamWState(state.count + 1, state.mu, state.nu)
+
+    def _update_in_place(
+        self,
+        g_leaves: list[torch.Tensor],
+        m_leaves: list[torch.Tensor],
+        v_leaves: list[torch.Tensor],
+        p_leaves: list[torch.Tensor],
+        lr_t: Any,
+        step_size: Any,
+        bc2_sqrt: Any,
+        count: torch.Tensor,
+    ) -> None:
+        """The update of :meth:`_apply_in_place` on checked leaves (``_checked``'s), written into the moments'
+        and parameters' leaves."""
         b1, b2 = self.b1, self.b2
-        g_leaves, m_leaves, v_leaves, p_leaves, lr_t, step_size, bc2_sqrt = self._checked(
-            grads, state, params, "adamw.update"
-        )
         chunk = 0 if tracing() else CHUNK
         fused = []
         for g, m, v, p in zip(g_leaves, m_leaves, v_leaves, p_leaves, strict=True):
@@ -290,9 +319,8 @@ class _AdamW:
                     p_.mul_(1 - lr_t * self.wd)  # decoupled weight decay
                 _addcdiv(p_, m_, den, -step_size, in_place=True)
         if fused:
-            step = int(state.count) + 1  # read: not tracing
+            step = int(count) + 1  # read: not tracing
             _fused_update(fused, lr_t, b1, b2, self.eps, self.wd, step)
-        return params, AdamWState(state.count + 1, state.mu, state.nu)
 
     def state_specs(self, param_specs: PyTree) -> AdamWState:
         return AdamWState(P(), param_specs, param_specs)
