@@ -42,6 +42,7 @@ __all__ = [
     "AllGatherInvariant",
     "AllReduce",
     "AllReduceOwned",
+    "AllReducePending",
     "AllToAll",
     "BucketPool",
     "Ppermute",
@@ -197,6 +198,23 @@ class AllReduceOwned(AllReduce):
             return AllReduce.forward(x, dev, axes, op, name)
         record(dev.rank, name, axes, _nbytes(x))
         return inplace(x, axes)  # [*s] -> [*s], in x's buffer
+
+
+class AllReducePending(AllReduce):
+    """:class:`AllReduce` sum whose result may come back pending (``all_reduce_pending``: under ``dist`` issued
+    now and waited for at its first use), for a sum whose value is read later than it can be issued (the
+    Llama loss's token count and its mean). The rules are :class:`AllReduce`'s.
+
+    - forward: ``y = sum over the group of x`` (a pending result where the backend has one).
+    """
+
+    @staticmethod
+    def forward(x: torch.Tensor, dev: Any, axes: tuple[str, ...], op: str, name: str) -> torch.Tensor:  # type: ignore[override]
+        pending = getattr(dev, "all_reduce_pending", None)
+        if pending is None or op != "sum":
+            return AllReduce.forward(x, dev, axes, op, name)
+        record(dev.rank, name, axes, _nbytes(x))
+        return pending(x, axes)  # [*s] -> [*s] (pending)
 
 
 class Pvary(Prim):

@@ -120,6 +120,22 @@ def psum_owned(x: torch.Tensor, axis: _Axis) -> torch.Tensor:
     return _reduce(x, axis, "sum", "psum", _prims.AllReduceOwned)
 
 
+def psum_pending(x: torch.Tensor, axis: _Axis) -> torch.Tensor:
+    """:func:`psum` whose result may be pending: under ``dist`` the all-reduce is issued now and waited for where
+    its value is first read, so the caller computes on meanwhile (the rules, the value and the gradient are
+    :func:`psum`'s; ``sim``, a torch.func transform and a compiled graph give a plain ``psum``). For a sum whose
+    value is needed later than it can be issued, as the Llama loss's token count (read after the forward) and
+    its mean (read after the backward: ``fs.value_and_grad`` seeds a pending value with 1 and waits for it at
+    its end). For models; not a JAX name, not exported.
+
+    Example:
+        >>> # n = psum_pending(local_count, "dp")  # [] -> [] (pending); ... forward ...; loss / n (waits)
+    """
+    if torch._C._are_functorch_transforms_active() or tracing():  # (transforms wrap it; a graph has its own)
+        return psum(x, axis)
+    return _reduce(x, axis, "sum", "psum", _prims.AllReducePending)
+
+
 def pmean(x: PyTree, axis: _Axis) -> PyTree:
     """All-reduce mean over ``axis`` (forward); identity / n per device (backward).
 

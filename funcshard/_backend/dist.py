@@ -463,6 +463,17 @@ class DistDevice(DeviceHandle):
             raise peer_error(what, axes, members, e) from e
         return out
 
+    def all_reduce_pending(self, x: torch.Tensor, axes: tuple[str, ...]) -> torch.Tensor:
+        """Sum ``x`` over ``axes``, issued now and waited for at the result's first use (torch's
+        ``AsyncCollectiveTensor``), in the forward too: for a sum whose value is needed later than it can be
+        issued (the loss's token count, summed while the forward computes; the loss itself, read after the
+        backward). Synchronous, as :meth:`all_reduce`, with ``FUNCSHARD_OVERLAP=0`` or in a compiled graph."""
+        if _funcol is None or tracing() or not overlap_enabled():
+            return self.all_reduce(x, axes, "sum")
+        g, members, _, _ = self._group(axes)
+        with _waiting("psum", axes, members):
+            return _issued(_funcol.all_reduce(x.detach().contiguous(), "sum", g))  # [*s] -> [*s] (pending)
+
     def all_reduce_inplace(self, x: torch.Tensor, axes: tuple[str, ...]) -> torch.Tensor:
         """Sum ``x`` over ``axes`` into ``x`` itself, no copy: ``x`` is a contiguous buffer its caller gives up
         (a gradient bucket, as DDP reduces its flat bucket in place). In a backward under overlap it is issued

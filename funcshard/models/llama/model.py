@@ -357,13 +357,20 @@ def loss(
         True
     """
     lay = layout(cfg, plan)
+    data = lay.plan.data_axes
+    count = (targets != -100).sum().to(torch.float32)  # [] (local tokens; the cross-entropy is float32)
+    if data:  # the global count depends on the targets only: summed while the forward computes (dist)
+        count = lax.psum_pending(count, data)  # [] -> [], over the data-parallel shards
     logits = _forward(params, tokens, cfg, lay)  # [b, s(/cp), V/tp]
     total = vocab_parallel_cross_entropy(logits, targets, axis=lay.plan.tp, reduction="sum")  # [] (local tokens)
-    count = (targets != -100).sum().to(total.dtype)
-    if lay.plan.data_axes:  # both sums in one all-reduce
-        both = lax.psum(torch.stack((total, count)), lay.plan.data_axes)  # [2] -> [2], over the data-parallel shards
-        total, count = both[0], both[1]
-    return total / count.clamp(min=1)
+    if data:
+        from ..._backend.base import settle  # (the pending count waited for here, with no dispatch through it)
+
+        count = settle(count)
+    mean = total / count.clamp(min=1)  # [] (this shard's part of the global mean)
+    if data:  # read only after the backward (fs.value_and_grad): no wait for the other shards in the forward
+        mean = lax.psum_pending(mean, data)  # [] -> [], over the data-parallel shards
+    return mean
 
 
 def init(key: torch.Tensor, cfg: Config, plan: ParallelPlan | None = None) -> PyTree:
