@@ -225,9 +225,11 @@ def test_llama_specs_follow_the_roles() -> None:
     plan = plan_from_mesh(named, {"fsdp": "shard", "tp": "model"})
     default = llama.param_specs(CFG, fs.make_mesh({"fsdp": 2, "tp": 2}, backend="sim"))
     rename = {"fsdp": "shard", "tp": "model"}
-    want = fs.pytree.tree_map(
-        lambda s: P(*(rename.get(e, e) for e in s.entries)), default, is_leaf=lambda x: isinstance(x, P)
-    )
+
+    def renamed(e: object) -> object:  # an entry: None, an axis, or a tuple of axes (P(("tp", "fsdp"), None))
+        return tuple(rename.get(a, a) for a in e) if isinstance(e, (tuple, list)) else rename.get(e, e)
+
+    want = fs.pytree.tree_map(lambda s: P(*map(renamed, s.entries)), default, is_leaf=lambda x: isinstance(x, P))
     assert llama.param_specs(CFG, named, plan) == want
     assert llama.batch_spec(named, plan) == P("shard", None)
 

@@ -2,10 +2,14 @@
 
 Rules (t5x / MaxText style, regex on the leaf path) are written with role names as axis names: vocab and
 the output features of q/k/v/gate/up are split over ``tp`` (column-parallel), the input features of o/down
-over ``tp`` (row-parallel); the other weight dim, and the norms, over ``fsdp``; the stacked layer dim over
-``pp`` (natural layer order, so stage ``r`` holds a contiguous block of layers and a checkpoint loads into a
-mesh with or without ``pp``; embedding, final norm and head are replicated over ``pp``). The batch dim goes over
-``dp`` and ``fsdp``, the sequence over ``cp``. A :class:`~funcshard.models.ParallelPlan` turns each role
+over ``tp`` (row-parallel); ``fsdp`` splits each weight's outer (row) dim, minor to ``tp`` where both split it
+(``P(("tp", "fsdp"), None)``: what a device gathers over ``fsdp`` is then a contiguous block of rows, as FSDP2's
+``Shard(0)``, so unpacking a gathered bucket and packing its gradient move whole rows; a tp-split dim that
+``tp x fsdp`` does not divide, e.g. an odd vocabulary, keeps ``fsdp`` on the inner dim instead), and the norms
+over ``fsdp``; the stacked layer dim over ``pp`` (natural layer order, so stage ``r`` holds a contiguous block of
+layers and a checkpoint loads into a mesh with or without ``pp``: checkpoints hold global tensors, whatever the
+layout; embedding, final norm and head are replicated over ``pp``). The batch dim goes over ``dp`` and ``fsdp``,
+the sequence over ``cp``. A :class:`~funcshard.models.ParallelPlan` turns each role
 into the mesh axis that plays it (``logical_to_mesh``), dropping the roles that are off, so one rule set
 serves every mesh, whatever its axes are called. Without a plan, each role is played by the mesh axis of
 its own name (``dp``, ``fsdp``, ``tp``, ``cp``).
@@ -24,6 +28,8 @@ Example:
 
 from __future__ import annotations
 
+import functools
+import math
 from typing import Any
 
 import torch
@@ -36,6 +42,7 @@ from ..plan import ParallelPlan, plan_from_mesh
 from .config import Config
 
 __all__ = [
+    "INNER",
     "RULES",
     "batch_spec",
     "check_mesh",
@@ -50,13 +57,20 @@ KNOWN_AXES = ("dp", "fsdp", "tp", "cp", "pp")  # the roles the Llama plays (and,
 BATCH = P(("dp", "fsdp"), "cp")  # a [batch, seq] token tensor, in role names
 
 RULES = [
-    (r"embed", P("tp", "fsdp")),
-    (r"head", P("tp", "fsdp")),
+    (r"embed", P(("tp", "fsdp"), None)),
+    (r"head", P(("tp", "fsdp"), None)),
     (r"norm", P("fsdp")),
     (r"layers/(attn|mlp)_norm", P("pp", "fsdp")),
-    (r"layers/(wq|wk|wv|w1|w3)", P("pp", "tp", "fsdp")),
+    (r"layers/(wq|wk|wv|w1|w3)", P("pp", ("tp", "fsdp"), None)),
     (r"layers/(wo|w2)", P("pp", "fsdp", "tp")),
 ]
+# where ``tp x fsdp`` does not divide a rule's split dim (e.g. an odd vocabulary over fsdp): ``fsdp`` on the other
+# dim (then each gathered piece is a column block: unpacking and the gradient's packing copy strided pieces)
+INNER = {
+    "embed": P("tp", "fsdp"),
+    "head": P("tp", "fsdp"),
+    "layers/(wq|wk|wv|w1|w3)": P("pp", "tp", "fsdp"),
+}
 
 
 def param_shapes(cfg: Config) -> dict[str, Any]:
@@ -247,8 +261,21 @@ def specs_for(cfg: Config, plan: ParallelPlan, mesh: Any = None) -> dict[str, An
         >>> specs_for(cfg, ParallelPlan(fsdp="shard"))["layers"]["wo"]
         P(None, 'shard', None)
     """
-    rules = [(pattern, plan.to_mesh(spec)) for pattern, spec in RULES]  # role names -> this mesh's axes
+    sizes = dict(plan.mesh_shape)
+    rules = []
+    for pattern, spec in RULES:
+        spec = plan.to_mesh(spec)  # role names -> this mesh's axes
+        inner = INNER.get(pattern)
+        if inner is not None and plan.to_mesh(inner) != spec:  # fsdp on: the outer dim where the shape allows
+            spec = functools.partial(_outer_or_inner, spec, plan.to_mesh(inner), sizes)
+        rules.append((pattern, spec))
     return _rules.spec_rules(param_shapes(cfg), rules, default=None, mesh=mesh)
+
+
+def _outer_or_inner(outer: P, inner: P, sizes: dict[str, int], path: str, shape: torch.Size) -> P:
+    """``outer`` where each dim of ``shape`` splits evenly over its axes (of unknown size: 1), else ``inner``."""
+    fits = all(n % math.prod(sizes.get(a, 1) for a in axes) == 0 for n, axes in zip(shape, outer.dim_axes(len(shape))))
+    return outer if fits else inner
 
 
 def param_specs(cfg: Config, mesh: Any, plan: ParallelPlan | None = None) -> dict[str, Any]:
@@ -272,8 +299,8 @@ def param_specs(cfg: Config, mesh: Any, plan: ParallelPlan | None = None) -> dic
         >>> from funcshard.models.llama import Config
         >>> cfg = Config(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, max_seq_len=32)
         >>> specs = param_specs(cfg, fs.make_mesh({"fsdp": 2, "tp": 2}, backend="sim"))
-        >>> specs["embed"], specs["layers"]["wo"]
-        (P('tp', 'fsdp'), P(None, 'fsdp', 'tp'))
+        >>> specs["embed"], specs["layers"]["wq"], specs["layers"]["wo"]  # fsdp: rows, minor to tp
+        (P(('tp', 'fsdp'), None), P(None, ('tp', 'fsdp'), None), P(None, 'fsdp', 'tp'))
     """
     return specs_for(cfg, model_plan(cfg, mesh, plan), mesh)  # the parameters are replicated over dp and cp
 
