@@ -26,6 +26,7 @@ weights are dropped, and gathered again in the backward (``torch.autograd.graph.
 
 from __future__ import annotations
 
+import functools
 import threading
 import weakref
 from collections.abc import Callable
@@ -47,17 +48,33 @@ from .._vma import known_vma
 __all__ = ["fsdp_gather", "fsdp_unsharded_specs", "reshard_after_forward"]
 
 
-def _fsdp_dim(spec: P, ndim: int, axis: str, path: str) -> int | None:
+@functools.lru_cache(maxsize=1024)
+def _fsdp_dim(spec: P, ndim: int, axis: str) -> int | None:
+    """The dim ``spec`` splits over ``axis`` (None: not split); -1 when ``axis`` is not the minor-most axis of
+    its dim (an error, raised by the caller with the leaf's path). Cached: the same few specs every call."""
     for d, axes in enumerate(spec.dim_axes(ndim)):
         if axis in axes:
-            if axes[-1] != axis:
-                raise ShardingError(
-                    f"fsdp_gather at '{path}': spec {spec!r} puts '{axis}' before {axes[axes.index(axis) + 1 :]} "
-                    f"in dim {d}; the FSDP axis must be the minor-most (last) axis of its dim, e.g. "
-                    f"P(('tp', '{axis}')), so that gathering it gives one contiguous block."
-                )
-            return d
+            return d if axes[-1] == axis else -1
     return None
+
+
+def _flat_specs(specs: Any, params: Any, treedef: Any) -> list[Any]:
+    """One spec per leaf of ``params``: the spec tree's leaves when it has the params' structure (the usual
+    case, no walk), else the prefix broadcast (which names where the trees part)."""
+    flat, spec_def = optree.tree_flatten(specs, is_leaf=is_spec)
+    if spec_def == treedef and all(map(is_spec, flat)):
+        return flat
+    return pytree.broadcast_prefix(specs, params, prefix_is_leaf=is_spec, where="fsdp_gather: ")
+
+
+def _misplaced(spec: P, ndim: int, axis: str, path: str) -> ShardingError:
+    axes = next(a for a in spec.dim_axes(ndim) if axis in a)
+    d = spec.dim_axes(ndim).index(axes)
+    return ShardingError(
+        f"fsdp_gather at '{path}': spec {spec!r} puts '{axis}' before {axes[axes.index(axis) + 1 :]} "
+        f"in dim {d}; the FSDP axis must be the minor-most (last) axis of its dim, e.g. "
+        f"P(('tp', '{axis}')), so that gathering it gives one contiguous block."
+    )
 
 
 def fsdp_gather(
@@ -117,7 +134,6 @@ def fsdp_gather(
         else:  # cast forward; backward: the gradients summed over the replicas in the reduce dtype, one bucket
             done = _vary_cast(params, replicate_axis, precision.compute_dtype, precision.reduce_dtype)
         return (lambda: done) if prefetch else done
-    flat_specs = pytree.broadcast_prefix(specs, params, prefix_is_leaf=is_spec, where="fsdp_gather: ")
     if replicate_axis is not None:
         # identity forward; backward: one bucketed psum over the replicas of all the shards' gradients (in the
         # reduce dtype under mixed precision: the gathered leaves are cast by their all-gather, so here only the
@@ -127,11 +143,13 @@ def fsdp_gather(
         else:
             params = lax.pvary(params, replicate_axis)
     leaves, treedef = optree.tree_flatten(params)
-    paths = [p for p, _ in pytree.leaves_with_path(params)]
+    flat_specs = _flat_specs(specs, params, treedef)
     dims: dict[int, int] = {}
-    for i, (path, leaf, spec) in enumerate(zip(paths, leaves, flat_specs, strict=True)):
+    for i, (leaf, spec) in enumerate(zip(leaves, flat_specs, strict=True)):
         if isinstance(leaf, torch.Tensor):
-            d = _fsdp_dim(spec, leaf.dim(), axis, path)
+            d = _fsdp_dim(spec, leaf.dim(), axis)
+            if d == -1:
+                raise _misplaced(spec, leaf.dim(), axis, pytree.leaves_with_path(params)[i][0])
             if d is not None:
                 dims[i] = d
     out = list(leaves)
