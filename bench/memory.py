@@ -82,6 +82,10 @@ the max over the 4 ranks for "4 procs"):
                                                                                         bucket: keep 185.7-186.1
                                                                                         vs 184.8, 1.01x once;
                                                                                         load 10-15)
+    fsdp4_dist_reshard_noremat 4 procs     144.3  fsdp2_reshard           146.3   0.99x  (fsdp on the weights'
+                                                                                        outer dim, 3719c83; keep
+                                                                                        185.0 vs 184.2, 1.00x;
+                                                                                        load 8.8-10.9)
     fsdp4_dist_bf16            4 procs      98.4  fsdp2_bf16_keep          98.3   1.00x
     cp4_dist                   4 procs     132.1  ddp4                    132.5   1.00x
 
