@@ -48,6 +48,25 @@ PyTree = Any
 
 
 def _check_argnums(argnums: Any) -> tuple[int, ...]:
+    # a step that makes its value_and_grad on every call passes the same object each time (a literal tuple is a
+    # constant of the code, a small int is cached): checked once per object. By identity, not equality: True == 1
+    # and (1.0,) == (1,), which the check refuses.
+    hit = _ARGNUMS.get(id(argnums))
+    if hit is not None and hit[0] is argnums:
+        return hit[1]
+    nums = _checked_argnums(argnums)
+    if type(argnums) is int or type(argnums) is tuple:  # immutable: its check holds for as long as it lives
+        if len(_ARGNUMS) >= 256:
+            _ARGNUMS.clear()
+        _ARGNUMS[id(argnums)] = (argnums, nums)  # (held, so that its id is not reused while it is here)
+    return nums
+
+
+#: id of an argnums object that passed the check -> (that object, its tuple of ints)
+_ARGNUMS: dict[int, tuple[Any, tuple[int, ...]]] = {}
+
+
+def _checked_argnums(argnums: Any) -> tuple[int, ...]:
     nums = (argnums,) if isinstance(argnums, int) and not isinstance(argnums, bool) else argnums
     if (
         not isinstance(nums, tuple)
@@ -165,43 +184,57 @@ class _GradCall:
         return out[0], tuple(x for x in leaves if isinstance(x, torch.Tensor))
 
     def __call__(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, PyTree]:
-        for i in self.nums:
-            if not -len(args) <= i < len(args):
-                raise ConfigError(
-                    f"{self.name}: argnums={self.argnums!r} names positional argument {i}, but the function was "
-                    f"called with {len(args)} positional arguments."
-                )
-        # each differentiated argument flattened once, for the check and for the plain path
-        flat = [_flatten(args[i]) for i in self.nums]
+        nums, n = self.nums, len(args)
+        if min(nums) < -n or max(nums) >= n:
+            for i in nums:
+                if not -n <= i < n:
+                    raise ConfigError(
+                        f"{self.name}: argnums={self.argnums!r} names positional argument {i}, but the function "
+                        f"was called with {n} positional arguments."
+                    )
+        xs = [args[i] for i in nums]
+        # each differentiated argument flattened once, for the check and for the plain path; None: every one is
+        # a tensor (the common step's arguments), its own leaf
+        flat = None if all(isinstance(x, torch.Tensor) for x in xs) else [_flatten(x) for x in xs]
         # this wrapper's own reads (requires_grad, dtypes, detach, zeros) skip the vma mode: it re-tags what it
         # returns itself, and each read through the mode costs a Python dispatch
         with torch._C.DisableTorchFunction():
-            plain = _plain_autograd_ok(args, kwargs, self.nums, flat)
+            plain = _plain_autograd_ok(args, kwargs, nums, (xs,) if flat is None else [lv for lv, _ in flat])
         if plain:
-            return self._plain(args, kwargs, flat)
+            return self._plain(args, kwargs, xs if flat is None else [x for lv, _ in flat for x in lv], flat)
         return self._func(args, kwargs)
 
     def _plain(
-        self, args: tuple[Any, ...], kwargs: dict[str, Any], flat: list[tuple[list[Any], Any]]
+        self, args: tuple[Any, ...], kwargs: dict[str, Any], xs: list[Any], flat: list[tuple[list[Any], Any]] | None
     ) -> tuple[Any, PyTree]:
-        """Gradients by ``torch.autograd.grad`` on detached leaf copies of the differentiated arguments."""
-        args = list(args)
+        """Gradients by ``torch.autograd.grad`` on detached leaf copies of the differentiated arguments (``xs``: their
+        leaves in order; ``flat``: each one's leaves and structure, or None where each is one tensor)."""
+        nums = self.nums
         leaves: list[torch.Tensor] = []
         tags: list[frozenset[str] | None] = []  # each copy's tag, for its gradient
         with torch._C.DisableTorchFunction():
-            for i, (xs, treedef) in zip(self.nums, flat, strict=True):
-                copies = []
-                for x in xs:
-                    c = x.detach().requires_grad_()
-                    v = getattr(x, TAG_ATTR, None)
-                    if v is None:
-                        v = find_vma(x)  # (a view of a tagged tensor)
-                    if v is not None:  # the tag the argument had (untagged stays untagged: check_vma=False)
-                        setattr(c, TAG_ATTR, v)  # set_vma (no torch.func transform is active on this path)
-                    copies.append(c)
-                    tags.append(v)
-                leaves.extend(copies)
-                args[i] = copies[0] if treedef is _LEAF else optree.tree_unflatten(treedef, copies)
+            for x in xs:
+                c = x.detach().requires_grad_()
+                v = getattr(x, TAG_ATTR, None)
+                if v is None:
+                    v = find_vma(x)  # (a view of a tagged tensor)
+                if v is not None:  # the tag the argument had (untagged stays untagged: check_vma=False)
+                    setattr(c, TAG_ATTR, v)  # set_vma (no torch.func transform is active on this path)
+                leaves.append(c)
+                tags.append(v)
+        if flat is None and len(args) == len(nums) and nums == tuple(range(len(nums))):
+            args = leaves  # (every argument differentiated, in order)
+        else:
+            args = list(args)
+            if flat is None:
+                for i, c in zip(nums, leaves, strict=True):
+                    args[i] = c
+            else:
+                start = 0
+                for i, (lv, treedef) in zip(nums, flat, strict=True):
+                    part = leaves[start : start + len(lv)]
+                    args[i] = part[0] if treedef is _LEAF else optree.tree_unflatten(treedef, part)
+                    start += len(lv)
         outer = torch.is_grad_enabled()
         with _GradOn():  # like torch.func.grad, an outer no_grad does not stop the differentiation
             out = self.inner(*args, **kwargs)
@@ -240,13 +273,16 @@ class _GradCall:
             aux = optree.tree_unflatten(
                 treedef, [next(it_aux) if isinstance(x, torch.Tensor) else x for x in aux_leaves]
             )
-        per_arg = []
-        start = 0
-        for xs, treedef in flat:
-            part = grads_flat[start : start + len(xs)]
-            per_arg.append(part[0] if treedef is _LEAF else optree.tree_unflatten(treedef, part))
-            start += len(xs)
-        grads = per_arg[0] if isinstance(self.argnums, int) else tuple(per_arg)
+        if flat is None:  # each gradient is one tensor
+            grads = grads_flat[0] if isinstance(self.argnums, int) else tuple(grads_flat)
+        else:
+            per_arg = []
+            start = 0
+            for lv, treedef in flat:
+                part = grads_flat[start : start + len(lv)]
+                per_arg.append(part[0] if treedef is _LEAF else optree.tree_unflatten(treedef, part))
+                start += len(lv)
+            grads = per_arg[0] if isinstance(self.argnums, int) else tuple(per_arg)
         return self._finish(args, value, aux, grads, grads_tagged=True)
 
     def _func(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, PyTree]:
@@ -345,17 +381,15 @@ class _GradOn:
                 torch._C._set_grad_enabled(self.prev)
 
 
-def _plain_autograd_ok(
-    args: tuple[Any, ...], kwargs: dict[str, Any], nums: tuple[int, ...], flat: list[tuple[list[Any], Any]]
-) -> bool:
+def _plain_autograd_ok(args: tuple[Any, ...], kwargs: dict[str, Any], nums: tuple[int, ...], groups: Any) -> bool:
     """Whether plain ``torch.autograd.grad`` gives what ``torch.func.grad_and_value`` would, at less memory:
     no torch.func transform around the call, no forward-mode AD tangent on an argument, floating-point
     tensors to differentiate, and no argument that requires grad under an enabled outer autograd (which may
-    want the gradients' graph). ``flat``: each differentiated argument's leaves (None a leaf) and structure."""
+    want the gradients' graph). ``groups``: lists of the differentiated arguments' leaves (None a leaf)."""
     if torch._C._are_functorch_transforms_active() or has_tangent((args, kwargs)):
         return False
     outer = torch.is_grad_enabled()
-    for xs, _ in flat:
+    for xs in groups:
         for x in xs:
             if not isinstance(x, torch.Tensor) or not (x.is_floating_point() or x.is_complex()):
                 return False  # torch.func raises its own error for these
@@ -416,27 +450,27 @@ def graph_walk(outs: list[torch.Tensor], own: list[torch.Tensor]) -> tuple[bool,
     ids = {id(x) for x in own}
     if any(o.grad_fn is None and o.requires_grad and id(o) not in ids for o in outs):  # an output is such a leaf
         return True, None
-    acc = _accumulate_grad()
-    # every node seen stays referenced (the dict's values), so no id in it is reused by a newer object
+    acc = _ACC[0] if _ACC else _accumulate_grad()
+    # every node seen stays referenced (the dict's values), so no id in it is reused by a newer object; a leaf's
+    # node is checked where it is met, never stacked (it has no inputs, and no sequence number of the forward's)
     seen: dict[int, Any] = {}
     stack = [o.grad_fn for o in outs if o.grad_fn is not None]
     last, first_nr = None, _NO_NR
     pop, push = stack.pop, stack.append
     while stack:
         node = pop()
-        if type(node) is acc:  # a leaf's node: only these have a .variable
-            if id(node.variable) not in ids:
-                return True, None
-            continue
         nr = node._sequence_nr()
         if nr < first_nr:
             last, first_nr = node, nr
         for n, _ in node.next_functions:
-            if n is not None:
-                k = id(n)
-                if k not in seen:
-                    seen[k] = n
-                    push(n)
+            if n is None or id(n) in seen:
+                continue
+            if type(n) is acc:  # a leaf's node: only these have a .variable
+                if id(n.variable) not in ids:
+                    return True, None
+            else:
+                push(n)
+            seen[id(n)] = n
     return False, last
 
 
