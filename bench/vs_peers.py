@@ -250,6 +250,34 @@ dp: median of five launches 1.011x DDP (0.941-1.094; CPU 0.965-1.048): at DDP wi
 spread (+-5%), not clearly under it. fsdp: 2 processes 0.926x (CPU 0.942); 4 processes median 0.995x of three
 (CPU 1.01-1.07), with helper F's three at 98c16a9 (0.967 / 1.044 / 1.011) the median of six is 1.003x.
 
+Then (issue #11, round 20, helper F): the Llama's fsdp splits each weight's outer (row) dim (3719c83: wq/wk/wv/w1/w3
+``P("pp", ("tp", "fsdp"), None)``, embed/head ``P(("tp", "fsdp"), None)``, as FSDP2's ``Shard(0)``): the gradients
+reach their bucket's concatenation as views, no transpose copy first (rank 0, one step, 4 procs, loaded: copy_ 237
+-> 117 ms, clone 22 -> 2 ms, cat 140 -> 77 ms; FSDP2 251 / 1 / 81 ms); ``fsdp_gather``'s per-call Python 175-256 ->
+35 us (a4f275a). Same-process paired A/B, new / old layout / FSDP2 interleaved (9-12 rounds): 2 procs new/old wall
+0.986 (CPU 0.994, load 6 -> 3.7), 4 procs 1.004 (min 0.982, CPU 0.979, load 5.6 -> 10.4). Launches at a4f275a (with
+eb47c62's pending loss sums: 30 gloo calls):
+
+    size    procs case  peer        wall ratio           CPU    calls  load         steps x repeats
+    13.2M   4     fsdp  FSDP2       1.027 (0.872-1.065)  1.062  30/26  6.33->5.23   4 x 3
+    13.2M   4     fsdp  FSDP2       0.957 (0.951-1.008)  1.003  30/26  3.83->4.26   4 x 3
+    13.2M   4     fsdp  FSDP2       0.965 (0.957-0.997)  1.026  30/26  9.10->7.20   4 x 3
+
+Then (issue #11, helper D, eb47c62): ``llama.loss`` sums its token count over the data axes before the forward and
+its mean after it, both pending (``lax.psum_pending``: the count waited for after the forward, the mean after the
+backward), so the forward has no synchronisation point (11 gloo calls a step, was 10; gradients bitwise as before,
+the loss value within 1 ulp). Same-process A/B (new / the old one-all-reduce loss / DDP interleaved, 6 x 3, 13.2M,
+2 procs): load 8-18 new/old 0.991 / 0.922 / 0.833 (CPU 1.003); load 3 -> 2.4 1.001 / 1.002 / 1.009 (CPU 1.002): no
+cost, a gain where the ranks' skew varies. Launches on the tree of the moment (eb47c62 + others' work), loaded host:
+
+    params  procs case  peer        ratio (spread)       CPU    calls  load         steps
+    13.2M   2     dp    DDP         0.955 (0.895-0.975)  0.980  11/3   3.54->3.04   5 x 3 (2503 / 2620 ms)
+    13.2M   2     dp    DDP         1.011 (0.887-1.154)  1.007  11/3   4.48->6.50   5 x 3 (steps 4x slower: load)
+    13.2M   2     dp    DDP         1.196 (0.969-1.339)  0.960  11/3   5.91->6.63   5 x 3 (steps 4x slower: load)
+
+Median 1.011x (CPU 0.960-1.007): under this load the wall spread (0.89-1.34 within a launch) is wider than the gap;
+the <= 0.98 target is not shown, 4 processes not measured this round.
+
 Usage:
     python bench/vs_peers.py --size small --procs 2 --steps 3 --repeats 1       # 1-2 min on a quiet host
     python bench/vs_peers.py --size large --procs 2 --cases dp,fsdp,tp
