@@ -262,6 +262,12 @@ eb47c62's pending loss sums: 30 gloo calls):
     13.2M   4     fsdp  FSDP2       1.027 (0.872-1.065)  1.062  30/26  6.33->5.23   4 x 3
     13.2M   4     fsdp  FSDP2       0.957 (0.951-1.008)  1.003  30/26  3.83->4.26   4 x 3
     13.2M   4     fsdp  FSDP2       0.965 (0.957-0.997)  1.026  30/26  9.10->7.20   4 x 3
+    13.2M   2     fsdp  FSDP2       0.959 (0.818-0.992)  1.005  30/26  4.00->4.87   5 x 3
+
+The start of the round (aa12740, the same session): 4 procs 0.964 (0.886-1.145, CPU 0.995, load 4.1 -> 5.7) / 0.896
+(0.714-0.900, CPU 1.002, load 8.8 -> 10.5) / 1.026 (0.959-1.076, CPU 1.049, load 7.0 -> 5.0). 4 processes: median
+0.965x (target <= 0.97 met by the median, not by every launch), CPU median 1.026 (<= 1.00 NOT met); launch to
+launch +-5% at this load swamps the layout's ~1-2%, so the start's median (0.964, CPU 1.002) is not told apart.
 
 Then (issue #11, helper D, eb47c62): ``llama.loss`` sums its token count over the data axes before the forward and
 its mean after it, both pending (``lax.psum_pending``: the count waited for after the forward, the mean after the
