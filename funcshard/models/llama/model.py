@@ -39,6 +39,7 @@ import torch
 
 from ... import lax
 from ... import random as fsr
+from ..._backend.base import settle
 from ..._context import maybe_current
 from ..._errors import ConfigError
 from ..._spec import P, is_spec, shard_shape
@@ -363,9 +364,7 @@ def loss(
         count = lax.psum_pending(count, data)  # [] -> [], over the data-parallel shards
     logits = _forward(params, tokens, cfg, lay)  # [b, s(/cp), V/tp]
     total = vocab_parallel_cross_entropy(logits, targets, axis=lay.plan.tp, reduction="sum")  # [] (local tokens)
-    if data:
-        from ..._backend.base import settle  # (the pending count waited for here, with no dispatch through it)
-
+    if data:  # the pending count waited for here, with no dispatch through it
         count = settle(count)
     mean = total / count.clamp(min=1)  # [] (this shard's part of the global mean)
     if data:  # read only after the backward (fs.value_and_grad): no wait for the other shards in the forward
