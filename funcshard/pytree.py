@@ -120,11 +120,25 @@ def broadcast_prefix(
     prefix_is_leaf: Callable[[Any], bool],
     what: str = "spec tree",
     where: str = "",
+    full_treedef: Any = None,
 ) -> list[Any]:
     """Broadcast a prefix tree (e.g. of specs) to the leaves of ``full``.
 
     Each leaf of ``prefix`` stands for a whole subtree of ``full``; the result lists one prefix leaf per
-    leaf of ``full``, in ``full``'s leaf order.
+    leaf of ``full``, in ``full``'s leaf order. A prefix with ``full``'s very structure (one spec per leaf,
+    the usual case) costs one flatten and a structure comparison; any other prefix takes a walk of both trees.
+
+    Args:
+        prefix: the prefix tree; its leaves are the subtrees ``prefix_is_leaf`` accepts.
+        full: the value tree.
+        prefix_is_leaf: the leaf test of ``prefix`` (e.g. ``is_spec``).
+        what: how error messages name ``prefix``.
+        where: text put in front of error messages (e.g. ``"device_put: "``).
+        full_treedef: ``full``'s structure (``flatten(full)[1]``) when the caller has it already; ``None``:
+            computed here.
+
+    Returns:
+        One leaf of ``prefix`` per leaf of ``full``, in ``full``'s leaf order.
 
     Raises:
         ShardingError: when ``prefix`` is not a prefix of ``full``; the message names the first path
@@ -134,6 +148,21 @@ def broadcast_prefix(
         >>> broadcast_prefix("s", {"a": 1, "b": [2, 3]}, prefix_is_leaf=lambda x: isinstance(x, str))
         ['s', 's', 's']
     """
+    flat, prefix_def = optree.tree_flatten(prefix, is_leaf=prefix_is_leaf)
+    if full_treedef is None:
+        full_treedef = optree.tree_structure(full)
+    if prefix_def == full_treedef and all(map(prefix_is_leaf, flat)):
+        # The usual case, one spec per leaf: the prefix has ``full``'s very structure, so each of its leaves
+        # stands for exactly one leaf of ``full`` (a leaf of a structure is one leaf) and the walk below would
+        # list them in this order. Anything else (a spec for a subtree, list vs tuple) takes the walk.
+        return flat
+    return _broadcast_walk(prefix, full, prefix_is_leaf, what, where)
+
+
+def _broadcast_walk(
+    prefix: PyTree, full: PyTree, prefix_is_leaf: Callable[[Any], bool], what: str, where: str
+) -> list[Any]:
+    """:func:`broadcast_prefix` by a walk of both trees (any prefix; names where they part)."""
     from ._errors import ShardingError
 
     out: list[Any] = []

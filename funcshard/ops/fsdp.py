@@ -58,15 +58,6 @@ def _fsdp_dim(spec: P, ndim: int, axis: str) -> int | None:
     return None
 
 
-def _flat_specs(specs: Any, params: Any, treedef: Any) -> list[Any]:
-    """One spec per leaf of ``params``: the spec tree's leaves when it has the params' structure (the usual
-    case, no walk), else the prefix broadcast (which names where the trees part)."""
-    flat, spec_def = optree.tree_flatten(specs, is_leaf=is_spec)
-    if spec_def == treedef and all(map(is_spec, flat)):
-        return flat
-    return pytree.broadcast_prefix(specs, params, prefix_is_leaf=is_spec, where="fsdp_gather: ")
-
-
 def _misplaced(spec: P, ndim: int, axis: str, path: str) -> ShardingError:
     axes = next(a for a in spec.dim_axes(ndim) if axis in a)
     d = spec.dim_axes(ndim).index(axes)
@@ -143,7 +134,9 @@ def fsdp_gather(
         else:
             params = lax.pvary(params, replicate_axis)
     leaves, treedef = optree.tree_flatten(params)
-    flat_specs = _flat_specs(specs, params, treedef)
+    flat_specs = pytree.broadcast_prefix(
+        specs, params, prefix_is_leaf=is_spec, where="fsdp_gather: ", full_treedef=treedef
+    )
     dims: dict[int, int] = {}
     for i, (leaf, spec) in enumerate(zip(leaves, flat_specs, strict=True)):
         if isinstance(leaf, torch.Tensor):
