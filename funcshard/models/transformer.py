@@ -26,8 +26,10 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import _disable_current_modes
 
 from .. import lax
+from .._backend.base import tracing as _tracing
 from .._errors import ConfigError
 from .._precision import Precision
 from .._remat import checkpoint_name, remat_policies
@@ -76,8 +78,55 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * w
 
 
+def _rope_table(
+    s: int, hd: int, theta: float, offset: int | torch.Tensor, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """RoPE's ``cos`` and ``sin`` at positions ``offset .. offset+s-1``: each ``[1, s, 1, hd/2]`` float32."""
+    inv = 1.0 / theta ** (torch.arange(0, hd, 2, dtype=torch.float32, device=device) / hd)  # [hd/2]
+    pos = torch.arange(s, dtype=torch.float32, device=device) + offset  # [s]: this device's positions
+    ang = pos[:, None] * inv  # [s, 1] * [hd/2] -> [s, hd/2]
+    return ang.cos()[None, :, None, :], ang.sin()[None, :, None, :]  # [1, s, 1, hd/2]
+
+
+#: (s, hd, theta, offset, device) -> RoPE's (cos, sin): computed once, not twice in each layer of each step (the
+#: 13.2M Llama's 16 rope calls a step issued ~220 ops through the vma mode for the same two tables)
+_ROPE_TABLES: dict[tuple[Any, ...], tuple[torch.Tensor, torch.Tensor]] = {}
+_ROPE_TABLES_MAX = 64  # distinct shapes kept (a sweep over many sequence lengths starts over past this)
+
+
+def _rope_cached(
+    x: torch.Tensor, s: int, hd: int, theta: float, offset: int | torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`_rope_table`, kept from call to call where it is a plain constant: a Python ``int`` offset (not
+    cp's traced position), a plain tensor ``x`` and no transform, graph capture or fake / proxy mode around
+    (they get the table computed in place, as before). The kept table is made with every mode off (a plain
+    untagged tensor: invariant), outside inference mode (it may be saved for a later backward). Same numbers."""
+    if (
+        type(offset) is not int
+        or type(x) is not torch.Tensor
+        or torch._C._are_functorch_transforms_active()
+        or torch.compiler.is_compiling()
+        or torch.is_inference_mode_enabled()
+        or _tracing()
+        or torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is not None
+        or torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.PROXY) is not None
+    ):
+        return _rope_table(s, hd, theta, offset, x.device)
+    key = (s, hd, float(theta), offset, x.device)
+    hit = _ROPE_TABLES.get(key)
+    if hit is None:
+        with torch._C.DisableTorchFunction(), _disable_current_modes(), torch.no_grad():
+            hit = _rope_table(s, hd, theta, offset, x.device)
+        if len(_ROPE_TABLES) >= _ROPE_TABLES_MAX:
+            _ROPE_TABLES.clear()
+        _ROPE_TABLES[key] = hit
+    return hit
+
+
 def rope(x: torch.Tensor, theta: float, offset: int | torch.Tensor = 0) -> torch.Tensor:
     """Rotary embedding of ``x [b, s, heads, hd]`` at positions ``offset .. offset+s-1`` (rotate-half form).
+    The angle tables are computed once per shape and kept (see :func:`_rope_cached`); the numbers are those of
+    computing them at each call.
 
     Example:
         >>> x = torch.randn(1, 4, 2, 8)
@@ -85,10 +134,7 @@ def rope(x: torch.Tensor, theta: float, offset: int | torch.Tensor = 0) -> torch
         True
     """
     s, hd = x.shape[1], x.shape[-1]
-    inv = 1.0 / theta ** (torch.arange(0, hd, 2, dtype=torch.float32, device=x.device) / hd)  # [hd/2]
-    pos = torch.arange(s, dtype=torch.float32, device=x.device) + offset  # [s]: this device's positions
-    ang = pos[:, None] * inv  # [s, 1] * [hd/2] -> [s, hd/2]
-    cos, sin = ang.cos()[None, :, None, :], ang.sin()[None, :, None, :]  # [1, s, 1, hd/2]
+    cos, sin = _rope_cached(x, s, hd, theta, offset)  # [1, s, 1, hd/2] each
     x1, x2 = x.float().chunk(2, dim=-1)
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
 
