@@ -30,13 +30,13 @@ from typing import Any, Protocol
 import optree
 import torch
 
-from ._arraytype import Coords
+from ._arraytype import Coords, local_shards
 from ._backend.base import settle
 from ._backend.sim import SimWorld
 from ._context import DeviceContext, enter
 from ._mesh import Mesh
 from ._reshard import apply_reshard
-from ._shard_map_io import Inputs, OutPlan, device_args, flatten
+from ._shard_map_io import _ARRAY, _VALUE, _WHOLE, Inputs, OutPlan, device_args, flatten
 from ._sim_grad import SimState, run_differentiable
 from ._vma import TAG_ATTR, VmaMode, vary_output
 
@@ -134,11 +134,12 @@ class DeviceBody:
         check_vma: bool,
         inputs: Inputs,
         plan: Callable[[Any, list[Any]], OutPlan],
+        audit: bool | None = None,
     ) -> None:
         self.f, self.mesh, self.check_vma, self.inputs, self.plan = f, mesh, check_vma, inputs, plan
         # check_vma=False under sim: the vma mode audits the program (see _vma.Audited); dist with
-        # FUNCSHARD_AUDIT=1 too
-        self.audit = not check_vma and (mesh.backend == "sim" or _audit_env())
+        # FUNCSHARD_AUDIT=1 too (``audit``: found by the caller)
+        self.audit = (not check_vma and (mesh.backend == "sim" or _audit_env())) if audit is None else audit
         self.tagged: list[torch.Tensor] = []  # every tensor tagged during the call (cleared after it)
         self.compiled: Any = None  # under dist with shard_map(compile=...): its _compile.CompiledBody
 
@@ -169,12 +170,17 @@ class DeviceBody:
             args = [optree.tree_unflatten(td, lv) for td, lv in zip(inputs.treedefs, leaves, strict=True)]
         else:  # an argument that is one leaf is its block (no tree to rebuild)
             args = [lv[0] if b else optree.tree_unflatten(td, lv) for td, lv, b in zip(inputs.treedefs, leaves, bare)]
-        mode = VmaMode(dev, audit=not self.check_vma) if self.check_vma or self.audit else nullcontext()
         if donated is not None:
             mine = frozenset(id(t) for arg, ds in zip(leaves, donated) for t, d in zip(arg, ds) if d)
             ctx = DeviceContext(self.mesh, dev, self.check_vma, mine)
         else:
             ctx = _context_of(self.mesh, dev, self.check_vma)
+        return self.call(dev, ctx, args)
+
+    def call(self, dev: Any, ctx: DeviceContext, args: list[Any]) -> Result:
+        """Call ``f`` on ``args`` (owned and tagged) under the device's context ``ctx``; its outputs' leaves
+        (pending collectives waited for, each made varying over its out_spec's axes) and tree structure."""
+        mode = VmaMode(dev, audit=not self.check_vma) if self.check_vma or self.audit else _NULL
         with enter(ctx), mode:
             out = self.f(*args)
             out_leaves, out_def, _ = flatten(out)  # (an Array is a leaf: no pytree node of optree's)
@@ -195,6 +201,47 @@ class DeviceBody:
                 t = vary_output(t, frozenset(spec.axes), dev, self.check_vma, path)
             out.append(t)
         return out
+
+
+_NULL = nullcontext()  # (stateless: entered by any number of calls)
+
+
+def run_local(body: DeviceBody, executor: DistExecutor, sig: Any, leaves: list[Any], cache: Any) -> Result:
+    """:meth:`DistExecutor.run` of a call whose arguments need no resharding and none is donated (the common
+    step), straight from the arguments' flat ``leaves`` and their signature ``sig`` (``_shard_map_io._InSig``):
+    this process's block of each leaf, owned (:meth:`DeviceBody.own`) and tagged with its in_spec's axes
+    (:func:`_tag_args`) in one pass, no per-argument lists of blocks in between; ``f`` is then called as
+    :meth:`DeviceBody.run` calls it."""
+    mesh = body.mesh
+    coords, device = cache.local_device(mesh)
+    blocks = []
+    for leaf, kind, spec in zip(leaves, sig.kinds, sig.flat_specs, strict=True):
+        if kind == _ARRAY:
+            blocks.append(leaf.shards[coords])
+        elif kind == _VALUE or (kind == _WHOLE and (device is None or leaf.device == device)):
+            blocks.append(leaf)  # (a replicated full tensor on this process's device is its own block)
+        else:
+            blocks.append(local_shards(leaf, mesh, spec)[coords])
+    T = torch.Tensor
+    if _lazy_clone is None or torch._C._are_functorch_transforms_active():
+        owned = [_own(t) for t in blocks]
+    else:
+        with _clone_lock:
+            owned = [_cow(t) if isinstance(t, T) else t for t in blocks]
+    push = body.tagged.append
+    for t, v in zip(owned, sig.flat_tags, strict=True):
+        if isinstance(t, T):
+            setattr(t, TAG_ATTR, v)  # set_vma
+            push(t)
+    if sig.all_bare:  # (every argument one leaf: the blocks are the arguments)
+        args = owned
+    else:
+        args, k = [], 0
+        for td, bare in zip(sig.treedefs, sig.bare, strict=True):
+            n = td.num_leaves
+            args.append(owned[k] if bare else optree.tree_unflatten(td, owned[k : k + n]))
+            k += n
+    return body.call(executor.device, _context_of(mesh, executor.device, body.check_vma), args)
 
 
 def _context_of(mesh: Mesh, dev: Any, check_vma: bool) -> DeviceContext:

@@ -67,13 +67,34 @@ def call(fn: type[torch.autograd.Function], *args: Any) -> Any:
     and, when a ``torch.autograd.forward_ad`` level is active and an input is a dual tensor, calls the ``jvp``
     rule.
     """
-    if torch._C._are_functorch_transforms_active():
+    if _transforms_active():
         return _custom_function_call(fn, *args)
     for a in args:  # a dead torch.func wrapper (escaped from a finished transform) is unwrapped, as apply does
         if isinstance(a, torch.Tensor) and _is_wrapped(a):
             args = _unwrap_dead(args)
             break
-    return super(torch.autograd.Function, fn).apply(*args)  # type: ignore[misc]
+    apply = _APPLY.get(fn)
+    if apply is None:
+        apply = _APPLY[fn] = super(torch.autograd.Function, fn).apply  # type: ignore[misc]
+    return apply(*args)
+
+
+_transforms_active = torch._C._are_functorch_transforms_active
+#: per Function class, the C++ ``apply`` bound to it (``super(Function, cls).apply``: a super object and a bound
+#: method made on every call otherwise); classes are few and live as long as the module that defines them
+_APPLY: dict[type, Any] = {}
+
+
+def _no_graph() -> bool:
+    """Whether a Function applied now records nothing: grad mode off, no torch.func transform and no forward-mode
+    AD level (whose dual tensors the C++ ``apply`` would hand to the ``jvp`` rule). A backward that is not
+    differentiated (``create_graph=False``, the train step's) runs so; a collective there may call its forward
+    directly: the same result, without the ``apply`` (its context object, ``setup_context``)."""
+    return not _grad_enabled() and _fwd_ad._current_level < 0 and not _transforms_active()
+
+
+_grad_enabled = torch.is_grad_enabled
+_fwd_ad = torch.autograd.forward_ad
 
 
 def _nbytes(x: torch.Tensor) -> int:
@@ -244,6 +265,8 @@ class Pvary(Prim):
 
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+        if _no_graph():  # this backward is not differentiated: the sum itself, no Function to record
+            return AllReduce.forward(g, ctx.dev, ctx.axes, "sum", "psum"), None, None  # [*s] -> [*s]
         return call(AllReduce, g, ctx.dev, ctx.axes, "sum", "psum"), None, None  # [*s] -> [*s]
 
     @staticmethod

@@ -24,7 +24,7 @@ from ._arraytype import Array, is_array
 from ._compile import CompiledBody, compile_options, warn_sim
 from ._context import maybe_current
 from ._errors import ShardingError
-from ._executor import DeviceBody, executor_for
+from ._executor import DeviceBody, _audit_env, executor_for, run_local
 from ._mesh import Mesh
 from ._shard_map_io import InputCache, Inputs, assemble_outputs, check_structures, donated_blocks
 from ._vma import clear_vma
@@ -127,6 +127,11 @@ def _call(
             f"{name}: called inside another shard_map; nesting is not supported. Call the inner function "
             f"directly on the local shards, using collectives for communication."
         )
+    if not donate and compiled is None and mesh.backend == "dist":  # the common step: one device, no donation
+        sig, leaves = cache.signature(name, mesh, in_specs, args)
+        if not sig.resharded and not _audit_env():
+            return _run_local(name, f, mesh, out_specs, check_vma, sig, leaves, cache)
+        return _run(name, f, mesh, out_specs, check_vma, cache.inputs(mesh, sig, leaves), cache, compiled)
     inputs = cache.prepare(name, mesh, in_specs, args)
     if donate:
         inputs.donated = donated_blocks(name, args, donate)
@@ -138,6 +143,37 @@ def _call(
                     if isinstance(leaf, Array):
                         leaf.delete(f"donated to {name} (donate={donate})")
     return _run(name, f, mesh, out_specs, check_vma, inputs, cache, compiled)
+
+
+def _run_local(
+    name: str,
+    f: Callable[..., Any],
+    mesh: Mesh,
+    out_specs: Any,
+    check_vma: bool,
+    sig: Any,
+    leaves: list[Any],
+    cache: InputCache,
+) -> Any:
+    """:func:`_run` of a ``"dist"`` call that reshards nothing and donates nothing, from the arguments' leaves
+    and signature (``run_local``): the same steps, without the per-argument lists of blocks in between."""
+    executor = cache.executor
+    if executor is None or executor.stale():
+        executor = cache.executor = executor_for(mesh)
+
+    def device_plan(out_def: Any, out_leaves: list[Any]) -> Any:  # the outputs' specs
+        return cache.out_plan(name, mesh, out_specs, out_def, out_leaves)
+
+    body = DeviceBody(f, mesh, check_vma, None, device_plan, audit=False)  # type: ignore[arg-type]
+    try:
+        out_leaves, out_def = result = run_local(body, executor, sig, leaves, cache)
+        try:
+            plan = cache.out_plan(name, mesh, out_specs, out_def, out_leaves)
+            return assemble_outputs(name, mesh, plan, check_vma, executor.coords, [result])
+        finally:
+            clear_vma(out_leaves)
+    finally:  # tags are only meaningful during this call: none may leak into a later one
+        clear_vma(body.tagged)
 
 
 def _donate_argnums(donate: int | tuple[int, ...]) -> tuple[int, ...]:

@@ -78,6 +78,10 @@ class _InSig:
     kinds: list[int]  # per leaf (all arguments in order): _ARRAY, _WHOLE, _CUT or _VALUE
     tags: list[list[frozenset[str]]]
     bare: list[bool]  # per argument: one leaf, its own tree
+    flat_specs: list[P]  # per leaf (all arguments in order): its in_spec
+    flat_tags: list[frozenset[str]]  # per leaf: the axes its in_spec names
+    all_bare: bool  # every argument is one leaf: the leaves are the arguments
+    pins: tuple[Any, ...]  # the Arrays' spec objects, whose ids the signature's key holds (kept alive with it)
 
 
 _ARRAY, _WHOLE, _CUT, _VALUE = 0, 1, 2, 3
@@ -161,10 +165,29 @@ def _leaf_sig(leaf: Any) -> tuple[Any, ...]:
 
 def _arg_sig(leaf: Any, mesh: Mesh) -> tuple[Any, ...]:
     """:func:`_leaf_sig` of an argument of a ``shard_map`` over ``mesh``: an Array on that very mesh object
-    says so by a flag rather than by the mesh (whose hash costs a Python call per read)."""
+    says so by a flag rather than by the mesh (whose hash costs a Python call per read), and its spec by the
+    spec object's id (a ``P``'s hash is a Python call too; the signature keeps the object alive, so the id
+    stays its own while the key is in the cache: an equal spec that is another object is planned once more)."""
     if type(leaf) is Array:
-        return ("A", leaf.shape, leaf.spec, True if leaf.mesh is mesh else leaf.mesh)
+        return ("A", leaf.shape, id(leaf.spec), True if leaf.mesh is mesh else leaf.mesh)
     return _leaf_sig(leaf)
+
+
+def _args_key(shape: Any, leaves: list[Any], mesh: Mesh) -> tuple[Any, ...]:
+    """The cache key of a call's arguments: their flat shape and :func:`_arg_sig` of each leaf (written out
+    here for the common leaves: one Python call for the whole key)."""
+    key: list[Any] = [shape]
+    push = key.append
+    for leaf in leaves:
+        kind = type(leaf)
+        if kind is Array:
+            m = leaf.mesh
+            push(("A", leaf.shape, id(leaf.spec), True if m is mesh else m))
+        elif kind is torch.Tensor or kind is torch.nn.Parameter:
+            push(("T", leaf.shape))
+        else:
+            push(_arg_sig(leaf, mesh))
+    return tuple(key)
 
 
 def _check_inputs(name: str, mesh: Mesh, in_specs: Any, args: tuple[Any, ...]) -> list[list[P]]:
@@ -222,14 +245,23 @@ class InputCache:
 
         A repeat call flattens the arguments once, looks its signature up and gathers the blocks: the specs,
         layouts, resharding steps and tree structures are the signature's, found at its first call."""
+        sig, leaves = self.signature(name, mesh, in_specs, args)
+        return self.inputs(mesh, sig, leaves)
+
+    def signature(self, name: str, mesh: Mesh, in_specs: Any, args: tuple[Any, ...]) -> tuple[_InSig, list[Any]]:
+        """The call signature of ``args`` (validated against ``in_specs`` at its first call) and their leaves."""
         leaves, treedef, shape = flatten(args)  # (an Array is a leaf: no pytree node of optree's)
-        key = (shape, *[_arg_sig(leaf, mesh) for leaf in leaves])
+        key = _args_key(shape, leaves, mesh)
         sig = self.specs.get(key)
         if sig is None:
             sig = self._signature(name, mesh, in_specs, args, treedef, leaves)
             if len(self.specs) > 64:
                 self.specs.clear()
             self.specs[key] = sig
+        return sig, leaves
+
+    def inputs(self, mesh: Mesh, sig: _InSig, leaves: list[Any]) -> Inputs:
+        """The arguments' leaves of signature ``sig`` cut for the devices."""
         blocks: list[list[Any]] = []
         k = 0
         kinds = sig.kinds
@@ -278,18 +310,27 @@ class InputCache:
         resharded = any(x for arg in steps for x in arg)
         tags = [[frozenset(sp.axes) for sp in specs] for specs in specs_all]
         bare = [td.num_nodes == 1 and td.num_leaves == 1 for td in treedefs]
-        return _InSig(treedefs, specs_all, layouts, steps, resharded, kinds, tags, bare)
+        flat_specs = [sp for specs in specs_all for sp in specs]
+        flat_tags = [t for arg in tags for t in arg]
+        pins = tuple(leaf.spec for leaf in leaves if type(leaf) is Array)
+        return _InSig(
+            treedefs, specs_all, layouts, steps, resharded, kinds, tags, bare, flat_specs, flat_tags, all(bare), pins
+        )
+
+    def local_device(self, mesh: Mesh) -> tuple[Coords, torch.device | None]:
+        """Under ``"dist"``: this process's coords in ``mesh`` and the device its tensors live on (found once)."""
+        if self.dist_local is None:
+            from ._backend import dist as dist_backend
+
+            self.dist_local = (local_coords(mesh)[0], dist_backend.tensor_device())
+        return self.dist_local
 
     def whole_blocks(self, mesh: Mesh, x: torch.Tensor) -> dict[Coords, torch.Tensor] | None:
         """The blocks of a replicated full tensor ``x`` under ``"dist"``: ``x`` itself, where it already lives on
         this process's device (what ``local_shards`` would cut, without its per-call slicing); else None."""
         if mesh.backend != "dist":
             return None
-        if self.dist_local is None:
-            from ._backend import dist as dist_backend
-
-            self.dist_local = (local_coords(mesh)[0], dist_backend.tensor_device())
-        coords, dev = self.dist_local
+        coords, dev = self.local_device(mesh)
         if dev is not None and x.device != dev:
             return None
         return {coords: x}

@@ -80,19 +80,25 @@ def _n(ctx: DeviceContext, axes: tuple[str, ...]) -> int:
 def _reduce(x: PyTree, axis: _Axis, op: str, name: str, prim: Any = _prims.AllReduce) -> PyTree:
     ctx = current(name)
     axes = axes_of(axis, ctx.mesh, name)
-    n = _n(ctx, axes)
+    if isinstance(x, torch.Tensor):  # one tensor (the common operand): no closure, no tree walk
+        return _reduce_tensor(x, ctx, axes, op, name, prim)
 
     def one(t: Any) -> Any:
         if not isinstance(t, torch.Tensor):  # a number is the same on every device: n copies of it
-            return t * n if name == "psum" else t
-        with torch._C.DisableTorchFunction():
-            t, have = bind_operand(_prims.AllReduce, t, axes, ctx.device, ctx.check_vma, name)
-            y = _prims.call(prim, t, ctx.device, axes, op, name)  # [*s] -> [*s], invariant over axes
-            if name == "pmean":
-                y = y / n
-        return bind_result(_prims.AllReduce, y, have, axes)
+            return t * _n(ctx, axes) if name == "psum" else t
+        return _reduce_tensor(t, ctx, axes, op, name, prim)
 
     return _tmap(one, x, name, numbers=True)
+
+
+def _reduce_tensor(t: torch.Tensor, ctx: DeviceContext, axes: tuple[str, ...], op: str, name: str, prim: Any) -> Any:
+    """One tensor of :func:`_reduce`: made varying over ``axes`` where the vma rule asks, reduced, tagged."""
+    with torch._C.DisableTorchFunction():
+        t, have = bind_operand(_prims.AllReduce, t, axes, ctx.device, ctx.check_vma, name)
+        y = _prims.call(prim, t, ctx.device, axes, op, name)  # [*s] -> [*s], invariant over axes
+        if name == "pmean":
+            y = y / _n(ctx, axes)
+    return bind_result(_prims.AllReduce, y, have, axes)
 
 
 def psum(x: PyTree, axis: _Axis) -> PyTree:

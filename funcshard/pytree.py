@@ -148,14 +148,15 @@ def broadcast_prefix(
         >>> broadcast_prefix("s", {"a": 1, "b": [2, 3]}, prefix_is_leaf=lambda x: isinstance(x, str))
         ['s', 's', 's']
     """
-    flat, prefix_def = optree.tree_flatten(prefix, is_leaf=prefix_is_leaf)
     if full_treedef is None:
         full_treedef = optree.tree_structure(full)
-    if prefix_def == full_treedef and all(map(prefix_is_leaf, flat)):
+    if optree.tree_structure(prefix, is_leaf=prefix_is_leaf) == full_treedef:
         # The usual case, one spec per leaf: the prefix has ``full``'s very structure, so each of its leaves
         # stands for exactly one leaf of ``full`` (a leaf of a structure is one leaf) and the walk below would
         # list them in this order. Anything else (a spec for a subtree, list vs tuple) takes the walk.
-        return flat
+        flat = optree.tree_leaves(prefix, is_leaf=prefix_is_leaf)
+        if all(map(prefix_is_leaf, flat)):
+            return flat
     return _broadcast_walk(prefix, full, prefix_is_leaf, what, where)
 
 
