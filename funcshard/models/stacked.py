@@ -24,6 +24,7 @@ import threading
 from typing import Any
 
 import torch
+from torch.autograd.function import _SingleLevelFunction
 
 from .._backend.base import settle
 from .._context import maybe_current
@@ -106,6 +107,12 @@ def _strided_rows(gs: tuple[torch.Tensor | None, ...], shape: torch.Size, dtype:
     return first.as_strided(shape, (step, *first.stride()), base)  # n x [*s] -> [n, *s], a view
 
 
+#: ``Unstack.apply`` without ``torch.autograd.Function.apply``'s Python around it (the C ``apply`` it ends in):
+#: that binds the arguments to ``forward``'s signature (``inspect.signature``, ~30 Python calls) at every call, for
+#: the torch.func transforms, which :func:`unstack` never runs it under
+_unstack_apply: Any = super(_SingleLevelFunction, Unstack).apply
+
+
 def unstack(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """The rows of a stacked ``[n, *s]`` leaf: ``torch.unbind(x, 0)``, whose gradient (under the ``dist``
     backend, where a process runs one device) is stacked into a buffer kept from step to step instead of fresh
@@ -130,4 +137,6 @@ def unstack(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         or torch._C._are_functorch_transforms_active()
     ):
         return torch.unbind(x, 0)  # [n, *s] -> n x [*s]
+    if type(x) is torch.Tensor and not torch._C._functorch.is_functorch_wrapped_tensor(x):
+        return _unstack_apply(x)  # [n, *s] -> n x [*s]
     return Unstack.apply(x)  # [n, *s] -> n x [*s]
