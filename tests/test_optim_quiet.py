@@ -106,3 +106,19 @@ def test_quiet_only_with_one_tag() -> None:
 
     out = fs.shard_map(body, mesh=mesh, in_specs=(P(),), out_specs=P(), check_vma=True)(torch.ones(3))
     assert fs.device_get(out).tolist() == [True, False, True, False]
+
+
+def test_leaf_errors_still_name_the_leaf() -> None:
+    # the leaves' paths are made only for an error now (optim._base.tensor_leaves): the errors still name them
+    import pytest
+
+    opt = optim.adamw(1e-2)
+    p = {"w": torch.ones(2, 2), "b": torch.ones(3)}
+    state = opt.init(p)
+    with pytest.raises(fs.ShardingError, match=r"grads leaf 'b' must be a torch.Tensor, found float"):
+        opt.update({"w": torch.ones(2, 2), "b": 1.0}, state, p)
+    mesh = fs.make_mesh({"dp": 2}, backend="sim")
+    with pytest.raises(fs.ShardingError, match=r"grads leaf 'w' is an fs.Array"):
+        opt.update({"w": fs.device_put(torch.ones(2, 2), mesh, P()), "b": torch.ones(3)}, state, p)
+    with pytest.raises(fs.ShardingError, match=r"params leaf 'b' has shape \(4,\) but grads has \(3,\)"):
+        opt.update(p, state, {"w": torch.ones(2, 2), "b": torch.ones(4)})

@@ -22,8 +22,8 @@ from ._base import (
     check_nonneg,
     check_state,
     is_array,
-    named_leaves,
     scalar_like,
+    tensor_leaves,
     zeros_like,
 )
 from .schedules import LrSchedule, check_lr, lr_at
@@ -240,7 +240,7 @@ class _AdamW:
         check_state(where, state, AdamWState)
         count = check_count(where, state.count, read=not tracing())  # compiled: it stays a tensor
         step = count + 1 if isinstance(count, int) else (count + 1).to(torch.float64)
-        _, g_leaves, _ = named_leaves(where, "grads", grads)
+        g_leaves, _ = tensor_leaves(where, "grads", grads)
         m_leaves = check_like(where, "state.mu", state.mu, grads, "grads")
         v_leaves = check_like(where, "state.nu", state.nu, grads, "grads")
         p_leaves = check_like(where, "params", params, grads, "grads") if params is not None else None

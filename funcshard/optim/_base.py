@@ -158,10 +158,26 @@ def array_error(fn: str, what: str) -> None:
     )
 
 
+def tensor_leaves(fn: str, what: str, tree: PyTree) -> tuple[list[torch.Tensor], Any]:
+    """:func:`named_leaves` without the paths (the leaves and treespec of ``tree``): they are only made for an
+    error (a leaf that is an Array or no tensor), not at every step."""
+    leaves, treedef = optree.tree_flatten(tree, is_leaf=is_array)
+    for x in leaves:
+        if type(x) is not torch.Tensor and (isinstance(x, Array) or not isinstance(x, torch.Tensor)):
+            named_leaves(fn, what, tree)  # raises, naming the leaf
+    return leaves, treedef
+
+
 def check_like(fn: str, what: str, tree: PyTree, like: PyTree, like_what: str) -> list[torch.Tensor]:
-    """The leaves of ``tree``, checked to have the structure and shapes of ``like``."""
-    names, leaves, treedef = named_leaves(fn, what, tree)
-    l_names, l_leaves, l_def = named_leaves(fn, like_what, like)
+    """The leaves of ``tree``, checked to have the structure and shapes of ``like`` (the leaves' paths made only
+    for the error)."""
+    leaves, treedef = tensor_leaves(fn, what, tree)
+    l_leaves, l_def = tensor_leaves(fn, like_what, like)
+    with torch._C.DisableTorchFunction():  # shape reads only (no tensor made): no mode to go through
+        same = treedef == l_def and all(a.shape == b.shape for a, b in zip(leaves, l_leaves, strict=True))
+    if same:
+        return leaves
+    names, l_names = named_leaves(fn, what, tree)[0], named_leaves(fn, like_what, like)[0]
     if treedef != l_def:
         missing = [n for n in l_names if n not in names]
         extra = [n for n in names if n not in l_names]

@@ -18,8 +18,8 @@ from ._base import (
     check_nonneg,
     check_state,
     is_array,
-    named_leaves,
     scalar_like,
+    tensor_leaves,
     zeros_like,
 )
 from .schedules import LrSchedule, check_lr, lr_at
@@ -63,7 +63,7 @@ def sgd(lr: float | LrSchedule, momentum: float = 0.0, nesterov: bool = False, w
     def common(grads: PyTree, state: Any, params: PyTree, where: str) -> tuple[Any, ...]:
         check_state(where, state, SgdState)
         check_count(where, state.count)
-        _, g_leaves, _ = named_leaves(where, "grads", grads)
+        g_leaves, _ = tensor_leaves(where, "grads", grads)
         p_leaves = check_like(where, "params", params, grads, "grads") if params is not None else None
         if p_leaves is None and weight_decay != 0:
             raise ConfigError(f"{where}: weight_decay={weight_decay} needs the params; pass them as third argument.")
