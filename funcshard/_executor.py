@@ -120,7 +120,11 @@ def _differentiable(leaves: list[Any]) -> bool:
     """Whether a cotangent can flow back into any of ``leaves`` (else an output's pvary would do nothing)."""
     if torch._C._are_functorch_transforms_active():
         return True
-    return any(isinstance(t, torch.Tensor) and t.requires_grad for t in leaves)
+    T = torch.Tensor
+    for t in leaves:  # (a loop: a generator's frame per leaf costs more than the reads)
+        if isinstance(t, T) and t.requires_grad:
+            return True
+    return False
 
 
 class DeviceBody:

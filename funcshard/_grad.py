@@ -195,7 +195,11 @@ class _GradCall:
         xs = [args[i] for i in nums]
         # each differentiated argument flattened once, for the check and for the plain path; None: every one is
         # a tensor (the common step's arguments), its own leaf
-        flat = None if all(isinstance(x, torch.Tensor) for x in xs) else [_flatten(x) for x in xs]
+        flat = None
+        for x in xs:
+            if not isinstance(x, torch.Tensor):
+                flat = [_flatten(x) for x in xs]
+                break
         # this wrapper's own reads (requires_grad, dtypes, detach, zeros) skip the vma mode: it re-tags what it
         # returns itself, and each read through the mode costs a Python dispatch
         with torch._C.DisableTorchFunction():
@@ -448,29 +452,36 @@ def graph_walk(outs: list[torch.Tensor], own: list[torch.Tensor]) -> tuple[bool,
         True
     """
     ids = {id(x) for x in own}
-    if any(o.grad_fn is None and o.requires_grad and id(o) not in ids for o in outs):  # an output is such a leaf
-        return True, None
+    for o in outs:
+        if o.grad_fn is None and o.requires_grad and id(o) not in ids:  # an output is such a leaf
+            return True, None
     acc = _ACC[0] if _ACC else _accumulate_grad()
-    # every node seen stays referenced (the dict's values), so no id in it is reused by a newer object; a leaf's
-    # node is checked where it is met, never stacked (it has no inputs, and no sequence number of the forward's)
+    # every node stacked stays referenced (the dict's values), so no id in it is reused by a newer object; a leaf's
+    # node is checked where it is met, never stacked (it has no inputs, and no sequence number of the forward's).
+    # Only a node none of whose inputs is another node's output (a sink) is asked its sequence number: every
+    # other one has an input made before it in the forward, with a lower number (a thread's numbers only grow)
     seen: dict[int, Any] = {}
     stack = [o.grad_fn for o in outs if o.grad_fn is not None]
     last, first_nr = None, _NO_NR
     pop, push = stack.pop, stack.append
     while stack:
         node = pop()
-        nr = node._sequence_nr()
-        if nr < first_nr:
-            last, first_nr = node, nr
+        sink = True
         for n, _ in node.next_functions:
-            if n is None or id(n) in seen:
+            if n is None:
                 continue
             if type(n) is acc:  # a leaf's node: only these have a .variable
                 if id(n.variable) not in ids:
                     return True, None
-            else:
+                continue
+            sink = False
+            if id(n) not in seen:
+                seen[id(n)] = n
                 push(n)
-            seen[id(n)] = n
+        if sink:
+            nr = node._sequence_nr()
+            if nr < first_nr:
+                last, first_nr = node, nr
     return False, last
 
 

@@ -337,7 +337,11 @@ class InputCache:
 
     def out_plan(self, name: str, mesh: Mesh, out_specs: Any, out_def: Any, leaves: list[Any]) -> OutPlan:
         """Path, spec and global shape of each output leaf (validated once per output signature)."""
-        key = (_SHAPE_OF.get(id(out_def), out_def), *map(_leaf_sig, leaves))
+        key: Any = [_SHAPE_OF.get(id(out_def), out_def)]
+        push = key.append
+        for leaf in leaves:  # _leaf_sig of each, written out for a plain tensor (the common output)
+            push(("T", leaf.shape) if type(leaf) is torch.Tensor else _leaf_sig(leaf))
+        key = tuple(key)
         plan = self.outputs.get(key)
         if plan is None:
             plan = _out_plan(name, mesh, out_specs, out_def, leaves)
