@@ -38,7 +38,7 @@ import optree
 import torch
 from torch.autograd.graph import _engine_run_backward
 
-from ._backend.base import overlap_scope, settle
+from ._backend.base import _Overlap, settle
 from ._errors import ConfigError
 from ._vma import EMPTY, TAG_ATTR, active_mode, find_vma, get_vma, tag_leaves, tag_like, tag_through, tags_of
 
@@ -251,7 +251,7 @@ class _GradCall:
                 keep, last = graph_walk([value], leaves) if outer and differentiable else (False, None)
             if differentiable:
                 # dist: the gradient reductions travel while the backward goes on (the last node's: synchronous)
-                with overlap_scope(None if keep else last):
+                with _Overlap(None if keep else last):  # overlap_scope's context, made directly
                     found = _autograd_grad(value, leaves, keep)
             else:  # f does not depend on its inputs: zero gradients, as torch.func gives
                 found = (None,) * len(leaves)
@@ -357,6 +357,7 @@ def _autograd_grad(value: torch.Tensor, leaves: list[torch.Tensor], keep: bool) 
             torch._C._push_on_torch_function_stack(mode)
 
 
+_fwd_ad = torch.autograd.forward_ad  # (its ``_current_level``: -1 while no forward-mode AD level is open)
 _LEAF = optree.tree_flatten(0, none_is_leaf=True)[1]  # the structure of a bare leaf (one tensor argument)
 
 
@@ -390,7 +391,7 @@ def _plain_autograd_ok(args: tuple[Any, ...], kwargs: dict[str, Any], nums: tupl
     no torch.func transform around the call, no forward-mode AD tangent on an argument, floating-point
     tensors to differentiate, and no argument that requires grad under an enabled outer autograd (which may
     want the gradients' graph). ``groups``: lists of the differentiated arguments' leaves (None a leaf)."""
-    if torch._C._are_functorch_transforms_active() or has_tangent((args, kwargs)):
+    if torch._C._are_functorch_transforms_active() or (_fwd_ad._current_level >= 0 and has_tangent((args, kwargs))):
         return False
     outer = torch.is_grad_enabled()
     for xs in groups:
