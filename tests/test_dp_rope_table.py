@@ -122,3 +122,29 @@ def _body(mesh: fs.Mesh) -> dict[str, Any]:
 def test_llama_dp_grads_bitwise_with_kept_tables(run: Any, backend: str) -> None:
     for r in run(_body, {"dp": 2}):
         assert r["same"] == [True, True] and r["kept"], r
+
+
+def test_kept_tables_take_the_tag_of_x() -> None:
+    # inside shard_map, the kept tables are handed out as views tagged as x (varying over dp here): rope's four
+    # products then mix no invariant constant with a varying operand (the vma mode's slower mixed path)
+    from funcshard._vma import find_vma
+
+    tr._ROPE_TABLES.clear()
+    mesh = fs.make_mesh({"dp": 2}, backend="sim")
+    seen: list[Any] = []
+
+    def body(x: torch.Tensor) -> torch.Tensor:
+        cos, sin = tr._rope_cached(x, x.shape[1], x.shape[-1], 10000.0, 0)
+        with torch._C.DisableTorchFunction():  # (a view's _base read under the vma mode would tag its base)
+            seen.append((find_vma(x), find_vma(cos), find_vma(sin), cos._base is not None))
+        return tr.rope(x, 10000.0)
+
+    x = torch.randn(4, 8, 2, 8)
+    out = fs.shard_map(body, mesh=mesh, in_specs=(P("dp"),), out_specs=P("dp"), check_vma=True)(x)
+    assert torch.equal(fs.device_get(out), _rope_as_it_was(x, 10000.0))
+    assert len(seen) == 2 and all(v == c == s == frozenset({"dp"}) and view for v, c, s, view in seen), seen
+    kept = next(iter(tr._ROPE_TABLES.values()))
+    assert find_vma(kept[0]) is None and find_vma(kept[1]) is None  # the kept tables themselves stay untagged
+    # outside shard_map (x untagged): views tagged invariant, never read through to the kept tables
+    cos, _ = tr._rope_cached(x, 8, 8, 10000.0, 0)
+    assert find_vma(cos) == frozenset() and cos._base is not None

@@ -34,6 +34,7 @@ from .._errors import ConfigError
 from .._precision import Precision
 from .._remat import checkpoint_name, remat_policies
 from .._remat import remat as rematerialize
+from .._vma import EMPTY, find_vma, set_vma
 from ..ops import column_parallel_linear, fsdp_gather, ring_attention, row_parallel_linear
 from .plan import ParallelPlan
 
@@ -120,7 +121,14 @@ def _rope_cached(
         if len(_ROPE_TABLES) >= _ROPE_TABLES_MAX:
             _ROPE_TABLES.clear()
         _ROPE_TABLES[key] = hit
-    return hit
+    # handed out as views with their own tag, x's (none: invariant): where x varies (inside shard_map), each of
+    # rope's four products has operands of one tag (an invariant constant beside a varying operand takes the vma
+    # mode's mixed path, ~17 Python calls an op); the tables need no gradient, so no pvary is owed. An own tag
+    # also keeps the mode from looking through a view to the kept table. The same numbers
+    axes = find_vma(x)
+    with torch._C.DisableTorchFunction():
+        cos, sin = (t.view_as(t) for t in hit)  # [1, s, 1, hd/2] each, views
+    return set_vma(cos, axes or EMPTY), set_vma(sin, axes or EMPTY)
 
 
 def rope(x: torch.Tensor, theta: float, offset: int | torch.Tensor = 0) -> torch.Tensor:
