@@ -237,7 +237,11 @@ def settle(t: Any) -> Any:
     """
     if type(t).__name__ != "AsyncCollectiveTensor":
         return t
-    out = t.wait()
+    if t.requires_grad and torch.is_grad_enabled():
+        out = t.wait()
+    else:  # no gradient through the wait: the op itself, below its Python autograd kernel (~12 Python calls)
+        with torch._C._AutoDispatchBelowAutograd():
+            out = torch.ops._c10d_functional.wait_tensor.default(t.elem)
     out.__dict__.update(t.__dict__)  # its tags (the varying axes) go with it
     return out
 
