@@ -307,7 +307,8 @@ class DistExecutor:
 
     def stale(self) -> bool:
         """Whether the process's device for this mesh is no longer the one held (torch.distributed restarted)."""
-        return self._devices.get(self.mesh) is not self.device
+        # (the device is registered under its mesh only: looked for among the values, no Mesh hash, a Python call)
+        return self.device not in self._devices.values()
 
     def run(self, body: DeviceBody, plan: PlanFn) -> list[Result]:
         leaves = device_args(self.coords[0], body.inputs.blocks)

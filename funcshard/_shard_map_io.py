@@ -504,7 +504,8 @@ def _assemble_one(
                 _vma_error(name, path, spec, sorted(vma - allowed))
         owned = v._base is None and not _is_cow(v)  # _owned((v,))
         if owned and v.numel():  # no storage shared with another output (returned twice)
-            ptr = v.untyped_storage().data_ptr()
+            # its storage's address, as untyped_storage().data_ptr() gives it (without making a storage object)
+            ptr = v.data_ptr() - v.storage_offset() * v.itemsize
             owned = ptr not in seen
             seen.add(ptr)
         out.append(Array(mesh, spec, gshape, v.dtype, {coords: v}, owned))
