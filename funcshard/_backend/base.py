@@ -237,8 +237,8 @@ def settle(t: Any) -> Any:
     """
     if type(t).__name__ != "AsyncCollectiveTensor":
         return t
-    if t.requires_grad and torch.is_grad_enabled():
-        out = t.wait()
+    if (t.requires_grad and torch.is_grad_enabled()) or torch._C._are_functorch_transforms_active():
+        out = t.wait()  # a gradient may flow through the wait (autograd's, or a torch.func transform's level)
     else:  # no gradient through the wait: the op itself, below its Python autograd kernel (~12 Python calls)
         with torch._C._AutoDispatchBelowAutograd():
             out = torch.ops._c10d_functional.wait_tensor.default(t.elem)
