@@ -270,7 +270,8 @@ def _block(
     h = rms_norm(x, attn_norm, norm_eps)  # [b, s(/tp), d]
     qkv = column_parallel_linear(h, [p["wq"], p["wk"], p["wv"]], axis=plan.tp, gather_dim=sp)  # -> [b, s, h*hd(/tp)]
     b, s = qkv[0].shape[:2]
-    q, k, v = (t.unflatten(-1, (-1, head_dim)) for t in qkv)  # -> [b, s, heads(/tp), hd]
+    # -> [b, s, heads(/tp), hd]: the view unflatten makes (without Tensor.unflatten's Python wrapper)
+    q, k, v = (t.view(b, s, -1, head_dim) for t in qkv)
     if rope_theta is not None:
         offset = 0 if plan.cp is None else lax.axis_index(plan.cp) * s  # this device's first position
         q, k = rope(q, rope_theta, offset), rope(k, rope_theta, offset)
