@@ -165,6 +165,53 @@ launch (the lock shared with other jobs' runs); median of the launches' ratios t
 (b) and (c) run the same code in both columns: their 0.00-0.04 moves are the launches' noise, as large as (d)'s and
 (e)'s. Wall targets: (d) <= 1.10 in 0 of 3 before, 1 of 3 now (1.025); (e) <= 1.25 in 3 of 3 both.
 
+Issue #11, round 5 (helper C: 7946d45, c7644c5, c7783db, 8fe383a). The count is round 4's, made with
+``valgrind --tool=callgrind --collect-atstart=no --toggle-collect=functools_reduce`` around ``functools.reduce`` over
+50 steps after 10 of warmup (one process, a dist mesh ``{"tp": 1}``, the variants built as here), each on a clean
+worktree: instructions of the calling thread a step, 1740484 (the start of the round) -> 8fe383a:
+
+    instructions a step                 1740484                 8fe383a                 over (a)
+      (a) hand-written                  2,146,668               2,145,727
+      (d) value_and_grad, vma off       2,614,126 (1.218x)      2,498,211 (1.164x)      +467k -> +352k (-25%)
+      (e) value_and_grad, vma on        2,731,106 (1.272x)      2,618,665 (1.220x)      +584k -> +473k (-19%)
+
+    (d) by commit (the shared working tree, others' uncommitted changes in: within 0.1% of the clean counts):
+    7946d45 2,520,857 (-92k), c7644c5 2,500,889 (-20k), c7783db 2,498,861, 8fe383a 2,496,948.
+    Targets counted in instructions: (e) <= 1.25 met; (d) <= 1.10 NOT met (<= 2,360,300: another ~138k).
+
+What changed (7946d45, the bulk): a ``pvary``'s backward that is not differentiated (grad mode off, no torch.func
+transform, no forward-AD level) sums by calling ``AllReduce.forward`` itself, with no Function applied (no context
+object, no ``setup_context``, no C++ ``apply``); ``_prims.call`` keeps each class's bound C++ ``apply`` (no ``super``
+object a call); ``lax.psum`` of one tensor makes no closure; under ``"dist"`` a call that reshards and donates nothing
+runs from the arguments' flat leaves (``_executor.run_local``: each leaf's block, its copy-on-write clone and its tag
+in one pass, without the ``Inputs`` lists and the ``DeviceBody.own`` / ``run`` layers); an Array argument's spec is
+keyed by its object (a ``P``'s hash is a Python call), kept alive by the signature. Then (c7644c5) ``graph_walk``
+asks only the sink nodes their sequence number and never stacks a leaf's node (a micro count: 60k -> 50k
+instructions a walk of this graph, the same answer), and smaller trims. Python bytecodes a (d) step: 5398 -> 4615.
+
+Where (d)'s remaining ~+350k go (callgrind by C function, against (a)): the eval loop and object churn of ~4,400 more
+bytecodes (``graph_walk`` ~580 of them, ~50k instructions with the node wrappers ``next_functions`` makes and frees
+for every node; ``value_and_grad``'s leaf copies and checks ~650; shard_map's key, blocks and 4 output Arrays ~900);
+the vma tags (each tagged tensor gets its own ``__dict__``: ``free_keys_object`` + ``dict_dealloc`` ~+60k a step, asked
+of ``_vma.py``'s owner); the psum's copy of its operand (``THPVariable_clone`` ~10k a call; (a) sums in place, and
+the dist backend's in-place path goes through ``dist.all_reduce``'s Python wrapper: asked of its owner); thread-local
+reads (``local_getattro`` +15k). No sound shortcut for the graph walk was found: a closed-over leaf that requires grad
+is seen only in the graph, and torch exposes no C++ walk of it (``torch._C._autograd._get_sequence_nr`` gives the
+thread's counter, not the graph's nodes).
+
+Launches, 1740484 ("before", a clean worktree) and the shared working tree at 8fe383a ("now": other helpers'
+uncommitted changes to ``_vma.py`` included) alternating, 3 each, small, --steps 300, this bench file for both, load
+6.9-11.2 at launch (2 cores shared with 3 other jobs); median of the launches' ratios to (a), range in brackets:
+
+    small, CPU / (a)                    before                  now                     wall / (a), before -> now
+      (b) shard_map, vma off            1.272 (1.232-1.331)     1.207 (1.206-1.216)     1.07-1.21 -> 0.97-1.11
+      (c) shard_map, vma on             1.416 (1.401-1.465)     1.367 (1.363-1.374)     1.24-1.27 -> 1.08-1.29
+      (d) value_and_grad, vma off       1.293 (1.286-1.361)     1.247 (1.238-1.279)     1.12-1.20 -> 1.16-1.22
+      (e) value_and_grad, vma on        1.416 (1.351-1.440)     1.346 (1.322-1.351)     1.23-1.32 -> 1.12-1.29
+
+Wall targets at this load: (d) <= 1.10 in 0 of 3 before and now; (e) <= 1.25 in 1 of 3 before, 2 of 3 now. The large
+size was not launched this round (the shared timing lock was held by other jobs' runs for most of it).
+
 Usage:
     python bench/shard_map_overhead.py            # spawns 2 gloo processes itself
     torchrun --nproc-per-node 2 bench/shard_map_overhead.py
