@@ -34,7 +34,7 @@ from .._errors import ConfigError
 from .._precision import Precision
 from .._remat import checkpoint_name, remat_policies
 from .._remat import remat as rematerialize
-from .._vma import EMPTY, find_vma, set_vma
+from .._vma import EMPTY, find_vma, one_op, set_vma
 from ..ops import column_parallel_linear, fsdp_gather, ring_attention, row_parallel_linear
 from .plan import ParallelPlan
 
@@ -43,6 +43,7 @@ __all__ = ["MLPS", "REMAT", "causal_attention", "rms_norm", "rope", "transformer
 PyTree = Any
 
 
+@one_op  # one dispatch through the vma mode, not one per op inside (plain local math)
 def _swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
@@ -67,6 +68,7 @@ REMAT = {
 }
 
 
+@one_op  # one dispatch through the vma mode, not one per op inside (plain local math)
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm over the last dim, computed in float32 and returned in ``x``'s dtype, times ``w``.
 
@@ -131,6 +133,7 @@ def _rope_cached(
     return set_vma(cos, axes or EMPTY), set_vma(sin, axes or EMPTY)
 
 
+@one_op  # one dispatch through the vma mode, not one per op inside (plain local math)
 def rope(x: torch.Tensor, theta: float, offset: int | torch.Tensor = 0) -> torch.Tensor:
     """Rotary embedding of ``x [b, s, heads, hd]`` at positions ``offset .. offset+s-1`` (rotate-half form).
     The angle tables are computed once per shape and kept (see :func:`_rope_cached`); the numbers are those of
