@@ -284,6 +284,27 @@ cost, a gain where the ranks' skew varies. Launches on the tree of the moment (e
 Median 1.011x (CPU 0.960-1.007): under this load the wall spread (0.89-1.34 within a launch) is wider than the gap;
 the <= 0.98 target is not shown, 4 processes not measured this round.
 
+Then (issue #11, round 21, helper D): the Python of the dp step cut where the numbers cannot move (each bitwise,
+tested sim and dist): RoPE's cos/sin tables kept per shape (8e684b7) and handed out tagged as x (4f344eb: no mixed
+constant-vs-varying product in the vma mode), AdamW's in-place update with torch functions off when its leaves carry
+one tag (2136b01), the optimiser's leaf paths only for an error (144ba2d), ``Unstack`` by the C ``apply`` (f5f774d),
+pending gradient views waited for below the wait op's Python autograd kernel (1d75a60), q/k/v as plain views
+(348cc72), and ``rms_norm`` / ``rope`` / ``_swiglu`` as one vma op each (helper V's ``one_op``). Load-independent,
+rank 0, one dp=2 step of the 13.2M Llama (``sys.setprofile``; torch.profiler): Python calls 10,825 -> 4,814 (DDP
+1,246), calls through the vma mode 1,705 -> 477, C calls 24,376 -> 12,577, aten ops 7,035 -> 6,371 (DDP 7,568); part
+of it is helper V's vma-mode work (c75e197) in the same tree. Launches on a host loaded by the other helpers' tests
+and benches (steps 3-4x slower than quiet):
+
+    params  procs case  peer        ratio (spread)       CPU    calls  load         steps
+    13.2M   2     dp    DDP         1.027 (0.900-1.175)  0.984  11/3   7.48->5.60   15 x 3 (144ba2d: 5349 / 5760 ms)
+    13.2M   2     dp    DDP         0.986 (0.940-1.036)  0.993  11/3   6.29->11.46  15 x 3 (1d75a60: 4797 / 4864 ms)
+    13.2M   4     fsdp  FSDP2       0.780 (0.684-0.957)  0.990  30/26  12.5->15.2   4 x 3 (cc064a2: 3148 / 4025 ms)
+
+A same-process A/B of the first two changes (rope tables + quiet AdamW toggled, 12 rotating rounds with DDP, load
+11.7 -> 8.2): new/old wall 0.962 (min 1.013), CPU 1.022: at this load the timing cannot see a ~1% change; the counts
+are the evidence. The <= 1.00 targets are not shown by these loaded launches (dp CPU 0.984 / 0.993, fsdp 4 procs
+CPU 0.990); a quiet-host launch is owed.
+
 Usage:
     python bench/vs_peers.py --size small --procs 2 --steps 3 --repeats 1       # 1-2 min on a quiet host
     python bench/vs_peers.py --size large --procs 2 --cases dp,fsdp,tp
