@@ -50,6 +50,14 @@ with this round's 8e4a4a7, 9130ade, 6bb6ba5 on it 0.955 wall, CPU 1.037 (load 2.
 target 1.03 is met in one launch and missed in the other; with 10 steps a launch the ratio moves by ~3% from
 launch to launch, more than any change of this round could (a few us a call against ~500 ms a step).
 
+Issue #11 round 4 (helper V: the vma handler's untagged-operand and constant paths inline, ``_vma.one_op`` making
+``rms_norm`` / ``rope`` / ``_swiglu`` one dispatch each). Load-independent, the Python bytecodes the tracking adds per
+step (``sys.settrace``; one process, gloo world 1, this bench's 13.2M step with the axis of size 1; vma on minus off):
+tp 124,370 -> 114,866 (handler) -> 58,445 (with one_op), dp 110,451 -> 105,009 -> 45,125; torch functions through the
+mode per step 1,187 -> 763 (per forward 850 -> 498). Timed, one launch each on a host at load 8-11 (2 cores): tp=2
+CPU 1.032 (wall 0.958), dp=2 CPU 1.016 (wall 1.041): at that load the launch-to-launch spread (+-3%) is larger than
+what remains (~60k bytecodes, ~1-2 ms a step of ~450 ms CPU), so the CPU target is neither shown met nor missed here.
+
 Usage:
     python bench/overhead.py                      # both rows at the ~13M-parameter Llama (a few minutes)
     python bench/overhead.py --rows sim --batch 2 --seq 64
