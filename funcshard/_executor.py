@@ -36,7 +36,7 @@ from ._backend.sim import SimWorld
 from ._context import DeviceContext, enter
 from ._mesh import Mesh
 from ._reshard import apply_reshard
-from ._shard_map_io import _ARRAY, _VALUE, _WHOLE, Inputs, OutPlan, device_args, flatten
+from ._shard_map_io import ARRAY, VALUE, WHOLE, Inputs, OutPlan, device_args, flatten
 from ._sim_grad import SimState, run_differentiable
 from ._vma import TAG_ATTR, VmaMode, vary_output
 
@@ -107,7 +107,7 @@ _ENV = getattr(os.environ, "_data", None)  # os.environ's own mapping (encoded k
 _AUDIT_KEY = os.environ.encodekey("FUNCSHARD_AUDIT") if _ENV is not None and hasattr(os.environ, "encodekey") else None
 
 
-def _audit_env() -> bool:
+def audit_env() -> bool:
     """Whether ``FUNCSHARD_AUDIT=1``, read on every call as ``os.environ.get`` would (which costs ~1 us where the
     variable is unset, the usual case: a KeyError raised and caught inside it): its mapping read directly."""
     if _AUDIT_KEY is None:
@@ -143,7 +143,7 @@ class DeviceBody:
         self.f, self.mesh, self.check_vma, self.inputs, self.plan = f, mesh, check_vma, inputs, plan
         # check_vma=False under sim: the vma mode audits the program (see _vma.Audited); dist with
         # FUNCSHARD_AUDIT=1 too (``audit``: found by the caller)
-        self.audit = (not check_vma and (mesh.backend == "sim" or _audit_env())) if audit is None else audit
+        self.audit = (not check_vma and (mesh.backend == "sim" or audit_env())) if audit is None else audit
         self.tagged: list[torch.Tensor] = []  # every tensor tagged during the call (cleared after it)
         self.compiled: Any = None  # under dist with shard_map(compile=...): its _compile.CompiledBody
 
@@ -220,9 +220,9 @@ def run_local(body: DeviceBody, executor: DistExecutor, sig: Any, leaves: list[A
     coords, device = cache.local_device(mesh)
     blocks = []
     for leaf, kind, spec in zip(leaves, sig.kinds, sig.flat_specs, strict=True):
-        if kind == _ARRAY:
+        if kind == ARRAY:
             blocks.append(leaf.shards[coords])
-        elif kind == _VALUE or (kind == _WHOLE and (device is None or leaf.device == device)):
+        elif kind == VALUE or (kind == WHOLE and (device is None or leaf.device == device)):
             blocks.append(leaf)  # (a replicated full tensor on this process's device is its own block)
         else:
             blocks.append(local_shards(leaf, mesh, spec)[coords])

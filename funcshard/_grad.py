@@ -38,7 +38,7 @@ import optree
 import torch
 from torch.autograd.graph import _engine_run_backward
 
-from ._backend.base import _Overlap, settle
+from ._backend.base import Overlap, settle
 from ._errors import ConfigError
 from ._vma import EMPTY, TAG_ATTR, active_mode, find_vma, get_vma, tag_leaves, tag_like, tag_through, tags_of
 
@@ -251,7 +251,7 @@ class _GradCall:
                 keep, last = graph_walk([value], leaves) if outer and differentiable else (False, None)
             if differentiable:
                 # dist: the gradient reductions travel while the backward goes on (the last node's: synchronous)
-                with _Overlap(None if keep else last):  # overlap_scope's context, made directly
+                with Overlap(None if keep else last):  # overlap_scope's context, made directly
                     found = _autograd_grad(value, leaves, keep)
             else:  # f does not depend on its inputs: zero gradients, as torch.func gives
                 found = (None,) * len(leaves)

@@ -24,7 +24,7 @@ from ._arraytype import Array, is_array
 from ._compile import CompiledBody, compile_options, warn_sim
 from ._context import maybe_current
 from ._errors import ShardingError
-from ._executor import DeviceBody, _audit_env, executor_for, run_local
+from ._executor import DeviceBody, audit_env, executor_for, run_local
 from ._mesh import Mesh
 from ._shard_map_io import InputCache, Inputs, assemble_outputs, check_structures, donated_blocks
 from ._vma import clear_vma
@@ -129,7 +129,7 @@ def _call(
         )
     if not donate and compiled is None and mesh.backend == "dist":  # the common step: one device, no donation
         sig, leaves = cache.signature(name, mesh, in_specs, args)
-        if not sig.resharded and not _audit_env():
+        if not sig.resharded and not audit_env():
             return _run_local(name, f, mesh, out_specs, check_vma, sig, leaves, cache)
         return _run(name, f, mesh, out_specs, check_vma, cache.inputs(mesh, sig, leaves), cache, compiled)
     inputs = cache.prepare(name, mesh, in_specs, args)

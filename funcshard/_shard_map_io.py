@@ -75,7 +75,7 @@ class _InSig:
     layouts: list[list[P]]
     steps: list[list[list[Step]]]
     resharded: bool
-    kinds: list[int]  # per leaf (all arguments in order): _ARRAY, _WHOLE, _CUT or _VALUE
+    kinds: list[int]  # per leaf (all arguments in order): ARRAY, WHOLE, CUT or VALUE
     tags: list[list[frozenset[str]]]
     bare: list[bool]  # per argument: one leaf, its own tree
     flat_specs: list[P]  # per leaf (all arguments in order): its in_spec
@@ -84,7 +84,7 @@ class _InSig:
     pins: tuple[Any, ...]  # the Arrays' spec objects, whose ids the signature's key holds (kept alive with it)
 
 
-_ARRAY, _WHOLE, _CUT, _VALUE = 0, 1, 2, 3
+ARRAY, WHOLE, CUT, VALUE = 0, 1, 2, 3
 
 
 #: types optree takes as leaves (no pytree node of its own; an Array neither), by exact type
@@ -270,12 +270,12 @@ class InputCache:
             for s in specs:
                 leaf, kind = leaves[k], kinds[k]
                 k += 1
-                if kind == _ARRAY:
+                if kind == ARRAY:
                     blk.append(leaf.shards)
-                elif kind == _VALUE:
+                elif kind == VALUE:
                     blk.append(leaf)
                 else:
-                    whole = self.whole_blocks(mesh, leaf) if kind == _WHOLE else None
+                    whole = self.whole_blocks(mesh, leaf) if kind == WHOLE else None
                     blk.append(local_shards(leaf, mesh, s) if whole is None else whole)
             blocks.append(blk)
         return Inputs(sig.treedefs, sig.specs, sig.layouts, sig.steps, blocks, None, sig.resharded, sig.tags, sig.bare)
@@ -299,12 +299,12 @@ class InputCache:
                 if isinstance(leaf, Array):
                     lay.append(leaf.spec)
                     st.append([] if leaf.spec == s else reshard_plan(leaf.spec, s, leaf.ndim))
-                    kinds.append(_ARRAY)
+                    kinds.append(ARRAY)
                 else:
                     lay.append(s)
                     st.append([])
                     tensor = isinstance(leaf, torch.Tensor)
-                    kinds.append((_CUT if s.axes else _WHOLE) if tensor else _VALUE)
+                    kinds.append((CUT if s.axes else WHOLE) if tensor else VALUE)
             layouts.append(lay)
             steps.append(st)
         resharded = any(x for arg in steps for x in arg)

@@ -266,7 +266,7 @@ class _Flag(contextlib.AbstractContextManager):
         setattr(_scope, self.name, self.prev)
 
 
-class _Overlap(contextlib.AbstractContextManager):
+class Overlap(contextlib.AbstractContextManager):
     """:func:`overlap_scope`: this thread's overlap flag on, and the backward node that runs last, for the block."""
 
     __slots__ = ("last", "prev")
@@ -297,7 +297,7 @@ def overlap_scope(last: Any = None) -> contextlib.AbstractContextManager[None]:
         ...     overlap_allowed()
         True
     """
-    return _Overlap(last)
+    return Overlap(last)
 
 
 def overlap_allowed() -> bool:
