@@ -13,6 +13,7 @@ from typing import Any
 
 import optree
 import torch
+from _llama_dp import llama_step
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import funcshard as fs
@@ -93,15 +94,8 @@ def test_rope_table_made_in_inference_mode_is_not_kept() -> None:
 
 
 def _body(mesh: fs.Mesh) -> dict[str, Any]:
-    params = llama.init(fs.random.key(0), CFG)
-    gen = torch.Generator().manual_seed(0)
-    tok = torch.randint(0, CFG.vocab_size, (4, 16), generator=gen)
-    tgt = tok.roll(-1, 1)
-    specs, bs = llama.param_specs(CFG, mesh), llama.batch_spec(mesh)
-    step = fs.shard_map(
-        lambda p, t, y: llama.value_and_grad(p, t, y, CFG), mesh=mesh, in_specs=(specs, bs, bs), out_specs=(P(), specs)
-    )
-    sharded = fs.device_put(params, mesh, specs)
+    step, params, tok, tgt = llama_step(mesh, CFG)
+    sharded = fs.device_put(params, mesh, llama.param_specs(CFG, mesh))
     out = []
     kept = tr._rope_cached
     for fresh in (True, False, False):  # tables made at each call, then kept (made, then read)

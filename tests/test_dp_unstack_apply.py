@@ -13,24 +13,17 @@ from typing import Any
 
 import optree
 import torch
+from _llama_dp import llama_step
 
 import funcshard as fs
-from funcshard import P
 from funcshard.models import llama, stacked
 
 CFG = llama.Config(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=16)
 
 
 def _body(mesh: fs.Mesh) -> dict[str, Any]:
-    params = llama.init(fs.random.key(0), CFG)
-    gen = torch.Generator().manual_seed(0)
-    tok = torch.randint(0, CFG.vocab_size, (4, 16), generator=gen)
-    tgt = tok.roll(-1, 1)
-    specs, bs = llama.param_specs(CFG, mesh), llama.batch_spec(mesh)
-    step = fs.shard_map(
-        lambda p, t, y: llama.value_and_grad(p, t, y, CFG), mesh=mesh, in_specs=(specs, bs, bs), out_specs=(P(), specs)
-    )
-    sharded = fs.device_put(params, mesh, specs)
+    step, params, tok, tgt = llama_step(mesh, CFG)
+    sharded = fs.device_put(params, mesh, llama.param_specs(CFG, mesh))
     real_sig, real_apply = inspect.signature, stacked._unstack_apply
     bound: list[str] = []
     applied: list[int] = []
