@@ -328,42 +328,28 @@ class _AdamW:
         count: torch.Tensor,
     ) -> None:
         """The update of :meth:`_apply_in_place` on checked leaves (``_checked``'s), written into the moments'
-        and parameters' leaves. With every leaf tagged alike (:func:`_quiet`), torch functions are off meanwhile."""
+        and parameters' leaves: the fused kernel's leaves in one call, the others block by block. With every leaf tagged
+        alike (:func:`_quiet`), torch functions are off meanwhile."""
         chunk = 0 if tracing() else CHUNK
         quiet = _quiet(g_leaves, m_leaves, v_leaves, p_leaves, (lr_t, step_size, bc2_sqrt))
         with torch._C.DisableTorchFunction() if quiet else contextlib.nullcontext():
-            self._update_leaves(g_leaves, m_leaves, v_leaves, p_leaves, lr_t, step_size, bc2_sqrt, count, chunk)
-
-    def _update_leaves(
-        self,
-        g_leaves: list[torch.Tensor],
-        m_leaves: list[torch.Tensor],
-        v_leaves: list[torch.Tensor],
-        p_leaves: list[torch.Tensor],
-        lr_t: Any,
-        step_size: Any,
-        bc2_sqrt: Any,
-        count: torch.Tensor,
-        chunk: int,
-    ) -> None:
-        """:meth:`_update_in_place`'s loop: the fused kernel's leaves in one call, the others block by block."""
-        b1, b2 = self.b1, self.b2
-        fused = []
-        for g, m, v, p in zip(g_leaves, m_leaves, v_leaves, p_leaves, strict=True):
-            g = g if g.dtype == m.dtype else g.to(m.dtype)
-            if chunk and _fusable(g, m, v, p):
-                fused.append((g, m, v, p))
-                continue
-            for g_, m_, v_, p_ in _chunks(chunk, g, m, v, p):
-                m_.lerp_(g_, 1 - b1)  # first moment
-                v_.mul_(b2).addcmul_(g_, g_, value=1 - b2)  # second moment
-                den = v_.sqrt().div_(bc2_sqrt).add_(self.eps)
-                if self.wd != 0:
-                    p_.mul_(1 - lr_t * self.wd)  # decoupled weight decay
-                _addcdiv(p_, m_, den, -step_size, in_place=True)
-        if fused:
-            step = int(count) + 1  # read: not tracing
-            _fused_update(fused, lr_t, b1, b2, self.eps, self.wd, step)
+            b1, b2 = self.b1, self.b2
+            fused = []
+            for g, m, v, p in zip(g_leaves, m_leaves, v_leaves, p_leaves, strict=True):
+                g = g if g.dtype == m.dtype else g.to(m.dtype)
+                if chunk and _fusable(g, m, v, p):
+                    fused.append((g, m, v, p))
+                    continue
+                for g_, m_, v_, p_ in _chunks(chunk, g, m, v, p):
+                    m_.lerp_(g_, 1 - b1)  # first moment
+                    v_.mul_(b2).addcmul_(g_, g_, value=1 - b2)  # second moment
+                    den = v_.sqrt().div_(bc2_sqrt).add_(self.eps)
+                    if self.wd != 0:
+                        p_.mul_(1 - lr_t * self.wd)  # decoupled weight decay
+                    _addcdiv(p_, m_, den, -step_size, in_place=True)
+            if fused:
+                step = int(count) + 1  # read: not tracing
+                _fused_update(fused, lr_t, b1, b2, self.eps, self.wd, step)
 
     def state_specs(self, param_specs: PyTree) -> AdamWState:
         return AdamWState(P(), param_specs, param_specs)
