@@ -17,10 +17,12 @@ import torch
 import torch.nn.functional as F
 
 from .._errors import ShardingError
+from .._vma import one_op
 
 __all__ = ["attention"]
 
 
+@one_op  # inside shard_map(check_vma=True): one dispatch through the vma mode, not ~10 shape reads and ~3 ops
 def attention(
     q: torch.Tensor,
     k: torch.Tensor,

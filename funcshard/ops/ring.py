@@ -192,6 +192,14 @@ def _check(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, layout: str, fn: str, split: bool = True
 ) -> None:
     """ShardingError naming the shapes and the fix; ``split=False``: the sequence is not split (no parity rule)."""
+    with torch._C.DisableTorchFunction():  # shape reads only: none through the vma mode (~20 dispatches a call)
+        _check_shapes(q, k, v, causal, layout, fn, split)
+
+
+def _check_shapes(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, layout: str, fn: str, split: bool
+) -> None:
+    """:func:`_check`'s body (with torch functions off)."""
     if layout not in LAYOUTS:
         raise ShardingError(f"{fn}: unknown layout {layout!r}; use one of {LAYOUTS}.")
     if q.dim() != 4 or k.dim() != 4 or k.shape != v.shape or k.shape[0] != q.shape[0] or k.shape[3] != q.shape[3]:
