@@ -483,14 +483,20 @@ class DistDevice(DeviceHandle):
             return self.all_reduce(x, axes, "sum")
         g, members, _, _ = self._group(axes)
         buf = x.detach()
-        with _waiting("psum", axes, members):
-            if _functional(_in_backward()):
+        if _functional(_in_backward()):
+            with _waiting("psum", axes, members):
                 out = torch.ops._c10d_functional.all_reduce_(buf, "sum", g.group_name)  # [*s] -> [*s] in place
                 return _issued(_funcol._maybe_wrap_tensor(out))  # pending
+        # synchronous: a plain try (as all_reduce), not the generator context manager (~3-5k instructions a call)
+        try:
             if buf.is_complex():
                 dist.all_reduce(buf, group=g)  # [*s] -> [*s] in place
             else:  # the process group's own call (dist.all_reduce's Python around it: ~20 us a call)
                 g.allreduce([buf], _allreduce_options("sum")).wait()  # [*s] -> [*s] in place
+        except RuntimeError as e:
+            if not _peer_trouble(e):
+                raise
+            raise peer_error("psum", axes, members, e) from e
         return buf
 
     def pending_sums_share_storage(self) -> bool:
@@ -512,13 +518,21 @@ class DistDevice(DeviceHandle):
             return _cut(self.all_reduce(x, axes, "sum"), shapes)
         g, members, _, _ = self._group(axes)
         buf = x.detach()
-        with _waiting("psum", axes, members):
-            if _functional(_in_backward()):
+        if _functional(_in_backward()):
+            with _waiting("psum", axes, members):
                 torch.ops._c10d_functional.all_reduce_(buf, "sum", g.group_name)  # [n] -> [n] in place
                 if issued_hook is not None:
                     _issued(_funcol.AsyncCollectiveTensor(buf))
                 return [_funcol.AsyncCollectiveTensor(v) for v in _cut(buf, shapes)]  # pending views
-            dist.all_reduce(buf, group=g)  # [n] -> [n] in place
+        try:  # synchronous: a plain try, as all_reduce_inplace
+            if buf.is_complex():
+                dist.all_reduce(buf, group=g)  # [n] -> [n] in place
+            else:  # the process group's own call (dist.all_reduce's Python around it)
+                g.allreduce([buf], _allreduce_options("sum")).wait()  # [n] -> [n] in place
+        except RuntimeError as e:
+            if not _peer_trouble(e):
+                raise
+            raise peer_error("psum", axes, members, e) from e
         return _cut(buf, shapes)
 
     def all_gather(self, x: torch.Tensor, axes: tuple[str, ...]) -> torch.Tensor:
