@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 import optree
+import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 
@@ -73,7 +74,7 @@ def _train(mesh: fs.Mesh, quiet: bool) -> tuple[list[torch.Tensor], list[torch.T
     return losses, optree.tree_leaves(fs.device_get(params)), seen
 
 
-def _body(mesh: fs.Mesh) -> dict[str, Any]:
+def _body(mesh: fs.Mesh) -> dict[str, Any]:  # (under tp the sharded weights vary over tp, the norms do not)
     l_on, p_on, seen_on = _train(mesh, quiet=True)
     l_off, p_off, seen_off = _train(mesh, quiet=False)
     return {
@@ -84,8 +85,12 @@ def _body(mesh: fs.Mesh) -> dict[str, Any]:
     }
 
 
-def test_quiet_update_same_numbers_fewer_calls(run: Any, backend: str) -> None:
-    for r in run(_body, {"dp": 2}):
+@pytest.mark.parametrize("axis", ["dp", "tp"])
+def test_quiet_update_same_numbers_fewer_calls(run: Any, backend: str, axis: str) -> None:
+    # tp: each leaf's operands carry one tag, the leaves different ones (quiet per leaf since helper V's count:
+    # ~300 of the 763 torch functions of a tp step were the update's); the params' out_specs (check_vma) hold
+    # only where the update kept every leaf's tag
+    for r in run(_body, {axis: 2}):
         assert r["losses"] and r["params"], r
         # the donated steps (the last two of each device: the first one's inputs are fresh) call fewer than half
         # the torch functions while quiet (the arguments' checks and the step count stay outside the quiet part)
@@ -98,14 +103,18 @@ def test_quiet_only_with_one_tag() -> None:
 
     def body(x: torch.Tensor) -> torch.Tensor:
         a, b = x * 1, x * 2  # invariant over dp
-        same = _adamw._quiet([a], [b])
-        mixed = _adamw._quiet([a], [lax.pvary(b, "dp")])  # one leaf varies over dp: the mode stays on
-        scalar = _adamw._quiet([a], [b], (torch.tensor(1.0), 0.5))  # a tensor hyper-parameter: tagged alike here
-        grad = _adamw._quiet([a.requires_grad_()], [b])  # an operand that requires grad: the mode stays on
-        return torch.tensor([same, mixed, scalar, grad])
+        va, vb = lax.pvary(a, "dp"), lax.pvary(b, "dp")  # varying over dp
+        same = _adamw._quiet(([a], [b]))
+        mixed = _adamw._quiet(([a], [vb]))  # one leaf's operands differ: the mode stays on
+        rows = _adamw._quiet(([a, va], [b, vb]))  # each leaf alike, the leaves not: quiet
+        scalar = _adamw._quiet(([a], [b]), (torch.tensor(1.0), 0.5))  # a tensor hyper-parameter: tagged alike
+        inv = _adamw._quiet(([va], [vb]), (torch.tensor(1.0),))  # an invariant hyper-parameter, a varying leaf
+        wide = _adamw._quiet(([a], [b]), (lax.pvary(torch.tensor(1.0), "dp"),))  # varying over more than the leaf
+        grad = _adamw._quiet(([a.requires_grad_()], [b]))  # an operand that requires grad: the mode stays on
+        return torch.tensor([same, mixed, rows, scalar, inv, wide, grad])
 
     out = fs.shard_map(body, mesh=mesh, in_specs=(P(),), out_specs=P(), check_vma=True)(torch.ones(3))
-    assert fs.device_get(out).tolist() == [True, False, True, False]
+    assert fs.device_get(out).tolist() == [True, False, True, True, True, False, False]
 
 
 def test_leaf_errors_still_name_the_leaf() -> None:

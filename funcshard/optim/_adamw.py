@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Sequence
 from typing import Any
 
 import optree
@@ -110,18 +111,33 @@ def _fusable(g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, p: torch.Tensor)
     )
 
 
-def _quiet(*groups: Any) -> bool:
+def _quiet(rows: Sequence[Sequence[Any]], hyper: Sequence[Any] = ()) -> bool:
     """Whether the in-place update may run with torch functions off (no vma mode over its ops): not recorded into
-    a graph nor under a torch.func transform, no hyper-parameter a tensor, and every leaf of ``groups`` (the
-    gradients, moments and parameters) tagged with the same axes. Then the mode would change nothing: no op
-    mixes tags (nothing to widen, no error to raise), the update writes only into those leaves (their tags stay)
-    and its temporaries (views, blocks, padding, the step count) never leave it; it would only tag them, ~500
-    Python calls a step of the 13.2M Llama's 75 leaf rows. The numbers are the same."""
+    a graph nor under a torch.func transform, and each leaf's operands (``rows``: the gradients, moments and
+    parameters, lists in leaf order; leaf ``i`` is their ``i``-th entries) tagged with one set of axes, leaves
+    possibly with different ones (under tp the sharded weights vary, the norms do not), every tensor among the
+    ``hyper``-parameters (lr, step size, bias correction) with one tag within each leaf's, none requiring grad.
+    Then the mode would change nothing: each leaf's update mixes only its own operands and the hyper-parameters
+    (nothing to widen that is not in the leaf's tag, no error to raise; the fused kernel is elementwise per leaf),
+    writes only into those leaves (their tags stay) and its temporaries (views, blocks, padding, the step count)
+    never leave it; it would only tag them, ~500 Python calls a step of the 13.2M Llama's 75 leaf rows (dp), ~300
+    torch functions under tp. The numbers are the same."""
     if tracing() or torch._C._are_functorch_transforms_active():
         return False
-    first = None
-    for group in groups:
-        for t in group:
+    h = None  # the hyper-parameters' tag
+    for t in hyper:
+        if not isinstance(t, torch.Tensor):
+            continue
+        if type(t) is not torch.Tensor or t.requires_grad:
+            return False
+        v = get_vma(t)
+        if h is None:
+            h = v
+        elif v != h:
+            return False
+    for leaf in zip(*rows, strict=True):
+        first = None
+        for t in leaf:
             if not isinstance(t, torch.Tensor):
                 continue
             if type(t) is not torch.Tensor or t.requires_grad:
@@ -131,6 +147,8 @@ def _quiet(*groups: Any) -> bool:
                 first = v
             elif v != first:
                 return False
+        if h and (first is None or not h <= first):  # a varying hyper-parameter meets a leaf outside its axes
+            return False
     return True
 
 
@@ -331,7 +349,7 @@ class _AdamW:
         and parameters' leaves: the fused kernel's leaves in one call, the others block by block. With every leaf tagged
         alike (:func:`_quiet`), torch functions are off meanwhile."""
         chunk = 0 if tracing() else CHUNK
-        quiet = _quiet(g_leaves, m_leaves, v_leaves, p_leaves, (lr_t, step_size, bc2_sqrt))
+        quiet = _quiet((g_leaves, m_leaves, v_leaves, p_leaves), (lr_t, step_size, bc2_sqrt))
         with torch._C.DisableTorchFunction() if quiet else contextlib.nullcontext():
             b1, b2 = self.b1, self.b2
             fused = []
