@@ -231,7 +231,10 @@ def run_local(body: DeviceBody, executor: DistExecutor, sig: Any, leaves: list[A
         owned = [_own(t) for t in blocks]
     else:
         with _clone_lock:
-            owned = [_cow(t) if isinstance(t, T) else t for t in blocks]
+            try:  # (_cow of each, its call written out: one frame less a leaf)
+                owned = [_lazy_clone(t) if isinstance(t, T) else t for t in blocks]
+            except RuntimeError:  # a storage torch cannot make copy-on-write: each leaf on its own
+                owned = [_cow(t) if isinstance(t, T) else t for t in blocks]
     push = body.tagged.append
     for t, v in zip(owned, sig.flat_tags, strict=True):
         if isinstance(t, T):

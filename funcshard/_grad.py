@@ -123,74 +123,22 @@ def value_and_grad(
 class _ValueAndGrad:
     # The function value_and_grad returns: a callable object carrying ``f``'s name and docstring (and
     # ``__wrapped__``) as ``functools.wraps`` would, at a tenth of its cost; the README's step makes one on
-    # every call (``fs.value_and_grad(loss_fn)(params, batch)`` inside the shard_map'd function).
+    # every call (``fs.value_and_grad(loss_fn)(params, batch)`` inside the shard_map'd function). A call on the
+    # plain autograd path (the step's) keeps its state in locals, no object made per call (threads may share the
+    # object: sim devices); one through torch.func makes a ``_GradCall``, whose ``inner`` records the tags.
 
     def __init__(self, f: Callable[..., Any], argnums: Any, nums: tuple[int, ...], has_aux: bool) -> None:
         self.__wrapped__ = f
         self._argnums, self._nums, self._has_aux = argnums, nums, has_aux
 
     def __call__(self, *args: Any, **kwargs: Any) -> tuple[Any, PyTree]:
-        return _GradCall(self.__wrapped__, self._argnums, self._nums, self._has_aux)(args, kwargs)
-
-    def __get__(self, obj: Any, objtype: Any = None) -> Any:  # a method, as a function would be
-        return self if obj is None else types.MethodType(self, obj)
-
-    @property
-    def __name__(self) -> str:  # type: ignore[override]
-        return getattr(self.__wrapped__, "__name__", type(self.__wrapped__).__name__)
-
-    def __getattr__(self, attr: str) -> Any:  # __qualname__ (which a class cannot hold as a property)
-        if attr == "__qualname__":
-            return getattr(self.__wrapped__, "__qualname__", self.__name__)
-        raise AttributeError(attr)
-
-    @property
-    def __doc__(self) -> str | None:  # type: ignore[override]
-        return getattr(self.__wrapped__, "__doc__", None)
-
-    def __repr__(self) -> str:
-        return f"<value_and_grad of {self.__wrapped__!r}>"
-
-
-class _GradCall:
-    """One call of a :func:`value_and_grad` function: ``torch.func.grad_and_value`` of ``f``, with the vma
-    tags the value, ``aux`` and gradients had inside put back on the fresh tensors torch.func returns."""
-
-    def __init__(self, f: Callable[..., Any], argnums: Any, nums: tuple[int, ...], has_aux: bool) -> None:
-        self.f, self.argnums, self.nums, self.has_aux = f, argnums, nums, has_aux
-        self.tags: dict[str, list[frozenset[str] | None]] = {}
-        self.aux: tuple[Any, list[Any]] | None = None
-
-    @property
-    def name(self) -> str:
-        """``value_and_grad(<f's name>)``, for messages."""
-        return f"value_and_grad({getattr(self.f, '__name__', 'f')})"
-
-    def inner(self, *a: Any, **kw: Any) -> Any:
-        out = self.f(*a, **kw)
-        # torch.func returns fresh tensors without our tags: remember the vma they had in here
-        if not self.has_aux:
-            with torch._C.DisableTorchFunction():  # reads (a view's base) that need no vma mode
-                self.tags["value"] = [get_vma(out)] if isinstance(out, torch.Tensor) else tags_of(out)
-            return out
-        if not isinstance(out, tuple) or len(out) != 2:
-            raise ConfigError(
-                f"{self.name}: has_aux=True needs f to return a (value, aux) pair, found {type(out).__name__}."
-            )
-        self.tags["value"], self.tags["aux"] = tags_of(out[0]), tags_of(out[1])
-        # torch.func only passes tensors through aux (JAX passes anything): carry the rest aside
-        leaves, treedef = optree.tree_flatten(out[1])
-        self.aux = (treedef, leaves)
-        return out[0], tuple(x for x in leaves if isinstance(x, torch.Tensor))
-
-    def __call__(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, PyTree]:
-        nums, n = self.nums, len(args)
+        nums, n = self._nums, len(args)
         if min(nums) < -n or max(nums) >= n:
             for i in nums:
                 if not -n <= i < n:
                     raise ConfigError(
-                        f"{self.name}: argnums={self.argnums!r} names positional argument {i}, but the function "
-                        f"was called with {n} positional arguments."
+                        f"{_name(self.__wrapped__)}: argnums={self._argnums!r} names positional argument {i}, but "
+                        f"the function was called with {n} positional arguments."
                     )
         xs = [args[i] for i in nums]
         # each differentiated argument flattened once, for the check and for the plain path; None: every one is
@@ -206,14 +154,15 @@ class _GradCall:
             plain = _plain_autograd_ok(args, kwargs, nums, (xs,) if flat is None else [lv for lv, _ in flat])
         if plain:
             return self._plain(args, kwargs, xs if flat is None else [x for lv, _ in flat for x in lv], flat)
-        return self._func(args, kwargs)
+        return _GradCall(self.__wrapped__, self._argnums, nums, self._has_aux)._func(args, kwargs)
 
     def _plain(
         self, args: tuple[Any, ...], kwargs: dict[str, Any], xs: list[Any], flat: list[tuple[list[Any], Any]] | None
     ) -> tuple[Any, PyTree]:
         """Gradients by ``torch.autograd.grad`` on detached leaf copies of the differentiated arguments (``xs``: their
-        leaves in order; ``flat``: each one's leaves and structure, or None where each is one tensor)."""
-        nums = self.nums
+        leaves in order; ``flat``: each one's leaves and structure, or None where each is one tensor); the value
+        and ``aux`` tagged as they were inside ``f``, each gradient like its input."""
+        nums, has_aux = self._nums, self._has_aux
         leaves: list[torch.Tensor] = []
         tags: list[frozenset[str] | None] = []  # each copy's tag, for its gradient
         with torch._C.DisableTorchFunction():
@@ -240,12 +189,25 @@ class _GradCall:
                     args[i] = part[0] if treedef is _LEAF else optree.tree_unflatten(treedef, part)
                     start += len(lv)
         outer = torch.is_grad_enabled()
-        with _GradOn():  # like torch.func.grad, an outer no_grad does not stop the differentiation
-            out = self.inner(*args, **kwargs)
-            value, aux = (out[0], out[1]) if self.has_aux else (out, None)
+        aux_tags = None
+        if not outer:  # like torch.func.grad, an outer no_grad does not stop the differentiation
+            _set_grad(True)
+        try:  # (written out, no context object: already on is the common case, nothing to switch)
+            out = self.__wrapped__(*args, **kwargs)
+            if has_aux:
+                if not isinstance(out, tuple) or len(out) != 2:
+                    raise ConfigError(
+                        f"{_name(self.__wrapped__)}: has_aux=True needs f to return a (value, aux) pair, found "
+                        f"{type(out).__name__}."
+                    )
+                value, aux = out
+                aux_tags = tags_of(aux)  # (the fresh detached tensors returned get them back)
+            else:
+                value, aux = out, None
             with torch._C.DisableTorchFunction():
                 if not isinstance(value, torch.Tensor) or value.dim() != 0:
-                    _check_scalar(self.name, value)
+                    _check_scalar(_name(self.__wrapped__), value)
+                value_tag = get_vma(value)  # (read here: a view's base, which needs no vma mode)
                 differentiable = value.requires_grad
                 # a value f closed over that requires grad: keep the graph to it (an outer backward may follow)
                 keep, last = graph_walk([value], leaves) if outer and differentiable else (False, None)
@@ -255,30 +217,27 @@ class _GradCall:
                     found = _autograd_grad(value, leaves, keep)
             else:  # f does not depend on its inputs: zero gradients, as torch.func gives
                 found = (None,) * len(leaves)
+        finally:
+            if not outer or not torch.is_grad_enabled():  # (f may have switched it off and not back)
+                _set_grad(outer)
         # a gradient summed over the data axes may still be travelling (dist overlaps them with the backward);
         # each gradient varies over what its input varies over (untagged input: invariant)
         grads_flat = []
-        with torch._C.DisableTorchFunction():  # tagged here and in _finish
+        with torch._C.DisableTorchFunction():  # tagged here, no torch.func wrapper on this path
             for g, x, v in zip(found, leaves, tags, strict=True):
                 if g is None:
                     g = torch.zeros_like(x)
                 elif type(g) is not torch.Tensor:
                     g = settle(g)
-                setattr(g, TAG_ATTR, EMPTY if v is None else v)  # tag_through: no torch.func wrapper on this path
+                setattr(g, TAG_ATTR, EMPTY if v is None else v)  # tag_through
                 grads_flat.append(g)
             if not keep:  # (a pending loss sum, whose backward was seeded without it, is waited for here)
-                value = settle(value).detach()
+                value = (value if type(value) is torch.Tensor else settle(value)).detach()
                 if aux is not None:
                     aux = optree.tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, aux)
-        if self.has_aux:  # inner passed only aux's tensors: put them back among the other leaves
-            assert self.aux is not None  # set by inner
-            treedef, aux_leaves = self.aux
-            it_aux = iter(aux)
-            aux = optree.tree_unflatten(
-                treedef, [next(it_aux) if isinstance(x, torch.Tensor) else x for x in aux_leaves]
-            )
+            setattr(value, TAG_ATTR, value_tag)  # tag_through: the value varies over what it did inside f
         if flat is None:  # each gradient is one tensor
-            grads = grads_flat[0] if isinstance(self.argnums, int) else tuple(grads_flat)
+            grads = grads_flat[0] if isinstance(self._argnums, int) else tuple(grads_flat)
         else:
             per_arg = []
             start = 0
@@ -286,8 +245,68 @@ class _GradCall:
                 part = grads_flat[start : start + len(lv)]
                 per_arg.append(part[0] if treedef is _LEAF else optree.tree_unflatten(treedef, part))
                 start += len(lv)
-            grads = per_arg[0] if isinstance(self.argnums, int) else tuple(per_arg)
-        return self._finish(args, value, aux, grads, grads_tagged=True)
+            grads = per_arg[0] if isinstance(self._argnums, int) else tuple(per_arg)
+        if not has_aux:
+            return value, grads
+        assert aux_tags is not None  # (set with aux above)
+        tag_leaves(aux, aux_tags)
+        return (value, aux), grads
+
+    def __get__(self, obj: Any, objtype: Any = None) -> Any:  # a method, as a function would be
+        return self if obj is None else types.MethodType(self, obj)
+
+    @property
+    def __name__(self) -> str:  # type: ignore[override]
+        return getattr(self.__wrapped__, "__name__", type(self.__wrapped__).__name__)
+
+    def __getattr__(self, attr: str) -> Any:  # __qualname__ (which a class cannot hold as a property)
+        if attr == "__qualname__":
+            return getattr(self.__wrapped__, "__qualname__", self.__name__)
+        raise AttributeError(attr)
+
+    @property
+    def __doc__(self) -> str | None:  # type: ignore[override]
+        return getattr(self.__wrapped__, "__doc__", None)
+
+    def __repr__(self) -> str:
+        return f"<value_and_grad of {self.__wrapped__!r}>"
+
+
+def _name(f: Callable[..., Any]) -> str:
+    """``value_and_grad(<f's name>)``, for messages."""
+    return f"value_and_grad({getattr(f, '__name__', 'f')})"
+
+
+class _GradCall:
+    """One call of a :func:`value_and_grad` function through ``torch.func.grad_and_value`` of ``f``, with the vma
+    tags the value, ``aux`` and gradients had inside put back on the fresh tensors torch.func returns."""
+
+    def __init__(self, f: Callable[..., Any], argnums: Any, nums: tuple[int, ...], has_aux: bool) -> None:
+        self.f, self.argnums, self.nums, self.has_aux = f, argnums, nums, has_aux
+        self.tags: dict[str, list[frozenset[str] | None]] = {}
+        self.aux: tuple[Any, list[Any]] | None = None
+
+    @property
+    def name(self) -> str:
+        """``value_and_grad(<f's name>)``, for messages."""
+        return _name(self.f)
+
+    def inner(self, *a: Any, **kw: Any) -> Any:
+        out = self.f(*a, **kw)
+        # torch.func returns fresh tensors without our tags: remember the vma they had in here
+        if not self.has_aux:
+            with torch._C.DisableTorchFunction():  # reads (a view's base) that need no vma mode
+                self.tags["value"] = [get_vma(out)] if isinstance(out, torch.Tensor) else tags_of(out)
+            return out
+        if not isinstance(out, tuple) or len(out) != 2:
+            raise ConfigError(
+                f"{self.name}: has_aux=True needs f to return a (value, aux) pair, found {type(out).__name__}."
+            )
+        self.tags["value"], self.tags["aux"] = tags_of(out[0]), tags_of(out[1])
+        # torch.func only passes tensors through aux (JAX passes anything): carry the rest aside
+        leaves, treedef = optree.tree_flatten(out[1])
+        self.aux = (treedef, leaves)
+        return out[0], tuple(x for x in leaves if isinstance(x, torch.Tensor))
 
     def _func(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, PyTree]:
         """Gradients by ``torch.func.grad_and_value`` (composes with an enclosing transform)."""
@@ -305,18 +324,15 @@ class _GradCall:
             aux = optree.tree_unflatten(treedef, [next(it) if isinstance(x, torch.Tensor) else x for x in leaves])
         return self._finish(args, value, aux, grads)
 
-    def _finish(self, args: Any, value: Any, aux: Any, grads: PyTree, grads_tagged: bool = False) -> tuple[Any, PyTree]:
-        """The tags put back (value and aux as inside ``f``, gradients like their inputs, unless
-        ``grads_tagged``: done already); JAX's order."""
+    def _finish(self, args: Any, value: Any, aux: Any, grads: PyTree) -> tuple[Any, PyTree]:
+        """The tags put back (value and aux as inside ``f``, gradients like their inputs); JAX's order."""
         tags = self.tags.get("value", [])
         if isinstance(value, torch.Tensor) and len(tags) == 1:  # the common value: one tensor
             if tags[0] is not None:
                 tag_through(value, tags[0])
         else:
             tag_leaves(value, tags)
-        if grads_tagged:
-            pass
-        elif isinstance(self.argnums, int):
+        if isinstance(self.argnums, int):
             tag_like(grads, args[self.nums[0]])
         else:
             for g, i in zip(grads, self.nums, strict=True):
@@ -368,22 +384,11 @@ def _flatten(x: Any) -> tuple[list[Any], Any]:
     return optree.tree_flatten(x, none_is_leaf=True)
 
 
-class _GradOn:
-    """``torch.enable_grad()`` without passing through a torch function mode (the vma mode would dispatch both
-    switches in Python, on every call)."""
-
-    __slots__ = ("prev",)
-
-    def __enter__(self) -> None:
-        self.prev = torch.is_grad_enabled()
-        if not self.prev:  # (already on, the common case: nothing to switch, ~2 us saved)
-            with torch._C.DisableTorchFunction():
-                torch._C._set_grad_enabled(True)
-
-    def __exit__(self, *exc: object) -> None:
-        if not self.prev or not torch.is_grad_enabled():  # (f may have switched it off and not back)
-            with torch._C.DisableTorchFunction():
-                torch._C._set_grad_enabled(self.prev)
+def _set_grad(on: bool) -> None:
+    """``torch.set_grad_enabled(on)`` without passing through a torch function mode (the vma mode would dispatch
+    the switch in Python)."""
+    with torch._C.DisableTorchFunction():
+        torch._C._set_grad_enabled(on)
 
 
 def _plain_autograd_ok(args: tuple[Any, ...], kwargs: dict[str, Any], nums: tuple[int, ...], groups: Any) -> bool:
@@ -452,19 +457,24 @@ def graph_walk(outs: list[torch.Tensor], own: list[torch.Tensor]) -> tuple[bool,
         >>> graph_walk([y.sum()], [x]) == (False, y.grad_fn)
         True
     """
-    ids = {id(x) for x in own}
+    ids = set(map(id, own))
     for o in outs:
         if o.grad_fn is None and o.requires_grad and id(o) not in ids:  # an output is such a leaf
             return True, None
     acc = _ACC[0] if _ACC else _accumulate_grad()
-    # every node stacked stays referenced (the dict's values), so no id in it is reused by a newer object; a leaf's
-    # node is checked where it is met, never stacked (it has no inputs, and no sequence number of the forward's).
+    # every node stacked stays referenced (in ``seen``, which compares node objects by identity: torch hands out
+    # one Python object per node while it lives), so none is met as a new one; a leaf's node is checked where it
+    # is met, never stacked (it has no inputs, and no sequence number of the forward's).
     # Only a node none of whose inputs is another node's output (a sink) is asked its sequence number: every
     # other one has an input made before it in the forward, with a lower number (a thread's numbers only grow)
-    seen: dict[int, Any] = {}
-    stack = [o.grad_fn for o in outs if o.grad_fn is not None]
+    seen: set[Any] = set()
+    stack = []
+    for o in outs:
+        fn = o.grad_fn
+        if fn is not None:
+            stack.append(fn)
     last, first_nr = None, _NO_NR
-    pop, push = stack.pop, stack.append
+    pop, push, add = stack.pop, stack.append, seen.add
     while stack:
         node = pop()
         sink = True
@@ -476,8 +486,8 @@ def graph_walk(outs: list[torch.Tensor], own: list[torch.Tensor]) -> tuple[bool,
                     return True, None
                 continue
             sink = False
-            if id(n) not in seen:
-                seen[id(n)] = n
+            if n not in seen:
+                add(n)
                 push(n)
         if sink:
             nr = node._sequence_nr()

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -110,7 +111,43 @@ def psum(x: PyTree, axis: _Axis) -> PyTree:
     Example:
         >>> # inside shard_map over {"tp": 4}: y = fs.psum(x, "tp")  # [b, d] -> [b, d]
     """
+    if type(x) is torch.Tensor and _getrefcount(x) == _TEMP_REFS and _sole_holder(x):
+        # a temporary no one else can see (``psum(a @ b, "tp")``): summed in its own buffer, as psum_owned does
+        # (_sole_holder has asked for the transforms; the backend falls back to a copy in a compiled graph)
+        return _reduce(x, axis, "sum", "psum", _prims.AllReduceOwned)
     return _reduce(x, axis, "sum", "psum")
+
+
+def _temp_refs(x: Any) -> int:
+    """The references ``x`` has inside a function it was passed to (as :func:`psum`'s ``x``)."""
+    return _getrefcount(x)
+
+
+_getrefcount = sys.getrefcount
+# the count a temporary has in ``psum``'s frame (``psum(a @ b)``: the frame's own reference, and getrefcount's), found
+# by asking; 0 (never met) where a value another frame holds would show the same count (an interpreter whose calls
+# borrow their arguments' references: 3.14's), so only a count that tells the two apart enables the in-place sum
+_HELD = torch.empty(0)
+_TEMP_REFS = _temp_refs(torch.empty(0)) if sys.version_info < (3, 14) else 0
+if _temp_refs(_HELD) == _TEMP_REFS:
+    _TEMP_REFS = 0
+del _HELD
+_storage_uses = torch._C._storage_Use_Count
+
+
+def _sole_holder(x: torch.Tensor) -> bool:
+    """Whether ``x``'s memory is seen through ``x`` alone, for a tensor whose Python object only the caller's frame
+    holds: its C++ tensor is held by nothing else (no backward saved it as an input, no view's base, no DLPack
+    capsule), and its storage by nothing else (no view or ``detach`` of it, no backward saved it as an output, no
+    copy-on-write clone shares it; the storage object made here to ask is the second holder)."""
+    if _transforms_active() or _is_wrapped(x):  # (a torch.func wrapper, live or dead: no storage of its own to ask)
+        return False
+    with torch._C.DisableTorchFunction():  # metadata reads the vma mode need not see
+        return x._use_count() == 1 and x._base is None and _storage_uses(x.untyped_storage()._cdata) == 2
+
+
+_transforms_active = torch._C._are_functorch_transforms_active
+_is_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
 
 
 def psum_owned(x: torch.Tensor, axis: _Axis) -> torch.Tensor:
