@@ -66,6 +66,9 @@ class Unstack(torch.autograd.Function):
     def backward(ctx: Any, *gs: torch.Tensor | None) -> torch.Tensor:  # type: ignore[override]
         row = ctx.shape[1:]
         if not torch.is_grad_enabled():
+            pending = _pending_rows(gs, ctx.shape, ctx.dtype)
+            if pending is not None:  # still travelling, at one stride in one buffer: one pending view, no wait
+                return pending
             gs = tuple(settle(g) if g is not None else None for g in gs)  # pending sums waited for
             strided = _strided_rows(gs, ctx.shape, ctx.dtype)
             if strided is not None:  # already laid out at one stride (a layer-major bucket buffer): no copy
@@ -79,6 +82,31 @@ class Unstack(torch.autograd.Function):
     @staticmethod
     def jvp(ctx: Any, t: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return t.unbind(0)  # [n, *s] -> n x [*s]
+
+
+def _pending_rows(gs: tuple[torch.Tensor | None, ...], shape: torch.Size, dtype: torch.dtype) -> torch.Tensor | None:
+    """The rows ``gs``, pending sums (torch's ``AsyncCollectiveTensor``: the dist backend's gradient buckets under
+    overlap) whose buffers lie at one stride in one storage (the layers' layer-major bucket buffer), as ONE pending
+    ``[n, *s]`` view of it, not waited for: its first use (``fs.value_and_grad`` settles the gradients once the
+    backward is done) waits for every sum issued on that storage (torch's registry keeps each: the dist backend's
+    ``pending_sums_share_storage``, without which the rows are not laid out so). The backward goes on meanwhile
+    (the embedding's gradient, the last bucket's sum) instead of blocking here on the first layer's bucket, issued
+    just before; the same numbers. None where any row is not such a pending view."""
+    first = gs[0]
+    kind = type(first)
+    if first is None or kind.__name__ != "AsyncCollectiveTensor":
+        return None
+    elems = []
+    for g in gs:
+        if type(g) is not kind:
+            return None
+        elems.append(g.elem)  # type: ignore[union-attr]
+    strided = _strided_rows(tuple(elems), shape, dtype)
+    if strided is None:
+        return None
+    out = kind(strided)  # [n, *s], pending: waited for at its first use
+    out.__dict__.update(first.__dict__)  # its tags (the varying axes) go with it, as settle's
+    return out
 
 
 def _strided_rows(gs: tuple[torch.Tensor | None, ...], shape: torch.Size, dtype: torch.dtype) -> torch.Tensor | None:
