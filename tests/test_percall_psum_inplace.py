@@ -3,13 +3,16 @@
 ``psum(h @ z, "tp")`` hands over a matmul's output that nothing else holds: under ``"dist"`` it is summed in place
 (as ``lax.psum_owned`` does for the ops' own temporaries). Anything else is copied first, as before: a value the
 caller keeps a name for, one a backward saved (as an output, ``exp``'s result, or as an input of a later op), a view.
-Each case below reads the operand (or a gradient computed from it) after the sum: it would be the summed value if
-the sum went in place, so these tests fail without the checks, under ``"dist"``; ``"sim"`` copies every time (its
+Temporaries under ``lax.INPLACE_MIN_BYTES`` are copied (cheaper there): these tests lower it to 0. Each case below
+reads the operand (or a gradient computed from it) after the sum: it would be the summed value if the sum went in
+place, so these tests fail without the checks, under ``"dist"``; ``"sim"`` copies every time (its
 backend has no in-place sum), and runs the same bodies for the same numbers.
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -24,6 +27,23 @@ def _data(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
 
 
 def _aliases_body(mesh: fs.Mesh) -> dict[str, Any]:
+    with _any_size():
+        return _aliases(mesh)
+
+
+@contextlib.contextmanager
+def _any_size() -> Iterator[None]:
+    """Every temporary summed in place, however small (these tests' tensors are below ``INPLACE_MIN_BYTES``)."""
+    from funcshard import lax
+
+    size, lax.INPLACE_MIN_BYTES = lax.INPLACE_MIN_BYTES, 0
+    try:
+        yield
+    finally:
+        lax.INPLACE_MIN_BYTES = size
+
+
+def _aliases(mesh: fs.Mesh) -> dict[str, Any]:
     x, w, z = _data()
     seen: dict[str, Any] = {}
 
@@ -63,6 +83,11 @@ def test_psum_sums_a_temporary_in_place_and_never_a_named_value(run, backend) ->
 
 
 def _saved_body(mesh: fs.Mesh, check_vma: bool) -> dict[str, Any]:
+    with _any_size():
+        return _saved(mesh, check_vma)
+
+
+def _saved(mesh: fs.Mesh, check_vma: bool) -> dict[str, Any]:
     x, w, z = _data(1)
     v = torch.randn(2, 5, generator=torch.Generator().manual_seed(2))
 
