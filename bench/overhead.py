@@ -58,6 +58,15 @@ mode per step 1,187 -> 763 (per forward 850 -> 498). Timed, one launch each on a
 CPU 1.032 (wall 0.958), dp=2 CPU 1.016 (wall 1.041): at that load the launch-to-launch spread (+-3%) is larger than
 what remains (~60k bytecodes, ~1-2 ms a step of ~450 ms CPU), so the CPU target is neither shown met nor missed here.
 
+Issue #11 round 5 (helper V: ``ops.attention`` a ``one_op``, ring_attention's shape check unseen by the mode; helper
+D's AdamW update quiet per leaf, so under tp too). Load-independent, per step of this bench's tp step (one process,
+the axis of size 1): torch functions through the vma mode 763 -> 595 (attention) -> 382 (with D's bc3a0f9); Python
+bytecodes the tracking adds 58,445 -> 53,837 -> 40,487; callgrind instructions it adds (vma on minus off, the same
+8-layer step at dims 64 / ffn 128 / batch 2 x 16: the same ops, small tensors) 8,688,638 -> 6,683,846 (-23%, at
+ea74d7a). A tag write (``out.__dict__[...]``, the dict made and freed with the tensor) is ~750 instructions, ~0.2 M a
+step: kept. Timed, one launch each at load 5.6-6.4 (2 cores): before (f3ea3a8) wall 1.005, CPU 1.068; now (df14fb5)
+wall 1.017, CPU 1.021: the launch spread still exceeds what the tracking costs (~0.3% of the step's CPU).
+
 Usage:
     python bench/overhead.py                      # both rows at the ~13M-parameter Llama (a few minutes)
     python bench/overhead.py --rows sim --batch 2 --seq 64
