@@ -212,6 +212,37 @@ uncommitted changes to ``_vma.py`` included) alternating, 3 each, small, --steps
 Wall targets at this load: (d) <= 1.10 in 0 of 3 before and now; (e) <= 1.25 in 1 of 3 before, 2 of 3 now. The large
 size was not launched this round (the shared timing lock was held by other jobs' runs for most of it).
 
+Issue #11, round 6 (helper C: d8d922c, a0c1845). The lead's launch on a quiet host (20:56, before this round): small
+wall (d)/(a) 0.964 and 1.065, (e) 1.018 and 1.084 (targets met), but CPU (d)/(a) 1.19-1.24, (e) 1.27-1.30: the wall
+ratios pass because (a) waits for its peer. Round 5's callgrind count (``--toggle-collect=functools_reduce``, 50
+steps after 10 of warmup, one process, a dist mesh ``{"tp": 1}``), each root a clean worktree of f3ea3a8 (with and
+without this round's diff), all variants of a root in one process:
+
+    instructions a step                 f3ea3a8                 this round              over (a)
+      (a) hand-written                  2,148,002               2,147,640
+      (d) value_and_grad, vma off       2,493,069 (1.161x)      2,476,645 (1.153x)      +345k -> +329k (-4.7%)
+      (e) value_and_grad, vma on        2,603,745 (1.212x)      2,586,379 (1.204x)      +456k -> +439k (-3.7%)
+
+Aims were (d) <= 1.08x, (e) <= 1.12x: NOT met; the targets of the issue, counted in instructions, stay unmet for
+(d) small (<= 1.10x). What changed: ``fs.value_and_grad``'s plain autograd path keeps its per-call state in locals
+(no ``_GradCall`` object, no ``_GradOn`` context object), ``graph_walk`` keeps its nodes in a set (no ``id`` a node,
+no comprehension frames), ``run_local`` makes its lazy clones without a frame a leaf, and ``fs.psum`` of a temporary
+of at least ``lax.INPLACE_MIN_BYTES`` (16 KiB) sums it in its own buffer under dist, as (a) does: a tensor whose
+only Python reference is ``psum``'s own (``sys.getrefcount``, calibrated at import; off on 3.14+), whose C++ tensor
+nothing else holds (``_use_count``: not saved as a backward's input) and whose storage nothing else holds (no view,
+no saved output, no copy-on-write clone). ``tests/test_percall_psum_inplace.py`` fails under dist without each
+check. Measured per psum of a temporary (callgrind, dist shard_map): 4 KiB +2.5k instructions in place (so the
+small step, whose psum is 4 KiB, keeps the copy), 128 KiB -11.9k (the large step's), besides the copy's page
+faults. In the whole small step, in place cost +10.5k over the copy (2,483,031 vs 2,472,547, same process): the
+dist backend's in-place path enters a generator context manager (``_waiting``) that its copying path does not
+(asked of its owner). Same-process timing of the large step, in place vs copy alternating (tp of size 1, load
+5-8): paired medians -7 / +67 / +98 us, inside the noise of a 20 ms CPU step on this host.
+
+What is left of (d)'s +329k over (a) (callgrind by C function): Python glue spread over ~100 more Python calls
+a step than (a) (shard_map's key, blocks, context, 4 output Arrays; value_and_grad's checks and leaf copies; the
+collectives' layers through ``lax``, ``_prims`` and the backend; the Overlap scope; each ~0.5-3k instructions)
+and the graph walk's node objects (``THPCppFunction`` made and freed per node: ~40k with ``Node`` refcounting).
+
 Usage:
     python bench/shard_map_overhead.py            # spawns 2 gloo processes itself
     torchrun --nproc-per-node 2 bench/shard_map_overhead.py
