@@ -305,6 +305,38 @@ A same-process A/B of the first two changes (rope tables + quiet AdamW toggled, 
 are the evidence. The <= 1.00 targets are not shown by these loaded launches (dp CPU 0.984 / 0.993, fsdp 4 procs
 CPU 0.990); a quiet-host launch is owed.
 
+Then (issue #11, round 22, helper D): where the dp rank's time goes against DDP's (13.2M, 2 procs, rank 0, A/B
+interleaved in one process pair). Callgrind of one whole step was not reached: under valgrind one uninstrumented
+warm-up step took > 4 CPU-minutes at load 8-16 (kept for a quiet host). torch.profiler, 6 interleaved steps each,
+median self CPU per op, load 8 (steps ~3x the quiet 1.65 s), funcshard / DDP ms:
+
+    matmul (aten::mm)    3266 / 3337     optimiser            36 / 83  (fused AdamW vs the single-tensor path)
+    attention (flash)     605 / 597     other aten ops       316 / 403  (mul, add, div, sum: AdamW's and DDP's)
+    copies (cat, copy_)    52 / 46      autograd + Python     49 / 81   (Accumulate, reducer hooks)
+    allocation              5 / 12      comm: waits         114 / 10   (wait_tensor 60, the synchronous last sum 52)
+
+Main-thread CPU per step (no profiler, 10 interleaved steps, load 7-10): 1550 / 1550 ms; minor faults funcshard
+0-4,227 a step (5 of 10 steps over 400), DDP 0. So funcshard's rank computes no more than DDP's (less in the
+optimiser, the same matmuls and attention); what it has more is BLOCKING: the backward waited at the stacked
+layers' gradient (``Unstack``) for the first layer's bucket, issued just before, then again in the last bucket's
+synchronous sum, where DDP's reducer waits once after the whole backward; under load each block costs a wake-up.
+Changed (df14fb5): ``Unstack`` hands the layers' pending sums back as one pending strided view per stacked leaf
+(the wait is ``fs.value_and_grad``'s, after the backward: the embedding's gradient and the last bucket go on
+meanwhile); same numbers (tests/test_step_unstack_pending.py). Also: the dist backend's synchronous in-place sum
+without the generator context manager (d9d04ef, helper C's callgrind), AdamW's quiet path per leaf (bc3a0f9: tp's
+update off the vma mode, helper V's count). Bucket sizes: the per-layer buckets (6.3 MB, one per layer, 9 + the
+loss's 2 sums = 11 calls) are under DDP's 25 MiB cap, so the cap does not bind here; DDP's 3 buckets (1 MiB
+first, then 25 MiB) overlap less. Same-process A/B, new / old Unstack / DDP rotating (12 rounds each): wall new/old
+0.888 (min 2396 / 3038 ms, load 9.1 -> 4.9) and 1.077 (min 2995 / 3939 ms, load 5.6): the load's noise is wider
+than the change. One launch, on a host loaded by the other helpers (the other two launches of 15 and 6 steps did
+not finish inside 7 minutes at this load):
+
+    params  procs case  peer        ratio (spread)       CPU    calls  load         steps
+    13.2M   2     dp    DDP         0.884 (0.860-1.049)  1.008  11/3   11.57->5.95  4 x 3 (df14fb5: 4379 / 4701 ms)
+
+Not shown: dp <= 1.00 in EVERY launch (a quiet host is needed to tell ~1%); fsdp was not changed this round (the
+lead's quiet launches: 2 procs 0.929, 4 procs 0.940).
+
 Usage:
     python bench/vs_peers.py --size small --procs 2 --steps 3 --repeats 1       # 1-2 min on a quiet host
     python bench/vs_peers.py --size large --procs 2 --cases dp,fsdp,tp
