@@ -36,7 +36,7 @@ from .. import _prims, lax
 from .._backend.base import tracing
 from .._context import axes_of, current
 from .._errors import ShardingError
-from .._vma import Audited, known_vma, set_vma
+from .._vma import Audited, known_vma, one_op, set_vma
 
 __all__ = [
     "column_parallel_linear",
@@ -141,11 +141,11 @@ def _column_overlapped(x: torch.Tensor, ws: list[torch.Tensor], axis: str) -> tu
     already varying over ``axis`` (no all-reduce in its backward), or operands whose varying axes differ."""
     if not torch.is_grad_enabled() or torch._C._are_functorch_transforms_active() or tracing():
         return None
-    if not (x.requires_grad or any(w.requires_grad for w in ws)):
-        return None
-    ctx = current("column_parallel_linear")
-    axes = axes_of(axis, ctx.mesh, "column_parallel_linear")
-    with torch._C.DisableTorchFunction():
+    with torch._C.DisableTorchFunction():  # (attribute reads and the call: their tags are set below)
+        if not (x.requires_grad or any(w.requires_grad for w in ws)):
+            return None
+        ctx = current("column_parallel_linear")
+        axes = axes_of(axis, ctx.mesh, "column_parallel_linear")
         have = known_vma(x, ctx.check_vma)
         if have is not None and not isinstance(have, Audited) and any(a in have for a in axes):
             return None
@@ -207,16 +207,18 @@ def row_parallel_linear(
 def _check_ids(ids: torch.Tensor, vocab: int, what: str, fn: str, ignore: int | None = None) -> None:
     if tracing():  # recorded into a compiled graph (shard_map(compile=...)): a value check cannot be held in it
         return
-    bad = (ids < 0) | (ids >= vocab)
-    if ignore is not None:
-        bad &= ids != ignore
-    if bool(bad.any()):
+    with torch._C.DisableTorchFunction():  # a check of values: no result is kept, so no tag is needed
+        bad = (ids < 0) | (ids >= vocab)
+        if ignore is not None:
+            bad &= ids != ignore
+        if not bool(bad.any()):
+            return
         v = ids[bad][0].item()
-        raise ShardingError(
-            f"{fn}: {what} contain {v}, outside [0, {vocab}) (the vocabulary: local rows x axis size)"
-            + (f" and not the ignore index {ignore}" if ignore is not None else "")
-            + "; check the tokenizer's vocabulary size against the table."
-        )
+    raise ShardingError(
+        f"{fn}: {what} contain {v}, outside [0, {vocab}) (the vocabulary: local rows x axis size)"
+        + (f" and not the ignore index {ignore}" if ignore is not None else "")
+        + "; check the tokenizer's vocabulary size against the table."
+    )
 
 
 def vocab_parallel_embedding(
@@ -248,15 +250,24 @@ def vocab_parallel_embedding(
     if axis is None:
         return _embedding(ids, table)  # [...] -> [..., dim]
     n = lax.axis_size(axis)
-    rows = table.shape[0]
+    with torch._C.DisableTorchFunction():
+        rows = table.shape[0]
     _check_ids(ids, rows * n, "ids", "vocab_parallel_embedding")
-    local = ids - lax.axis_index(axis) * rows
-    mine = (local >= 0) & (local < rows)
-    emb = _embedding(torch.where(mine, local, 0), table)  # [...] -> [..., dim]
-    emb = emb * mine.unsqueeze(-1).to(emb.dtype)
+    emb = _embedding_slice(ids, table, lax.axis_index(axis))  # [...] -> [..., dim]
     if scatter_dim is None:
         return lax.psum_owned(emb, axis)  # [..., dim] -> [..., dim] (summed in emb's own buffer)
     return lax.psum_scatter(emb, axis, dim=scatter_dim, tiled=True)  # [.., s, .., dim] -> [.., s/n, .., dim]
+
+
+@one_op  # one op for check_vma's tracking (its result depends on every operand), not its ~10
+def _embedding_slice(ids: torch.Tensor, table: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``[..., dim]``: the rows of ``ids`` that lie in the vocabulary slice ``index`` held as ``table``, zeros for
+    the other ids."""
+    rows = table.shape[0]
+    local = ids - index * rows
+    mine = (local >= 0) & (local < rows)
+    emb = _embedding(torch.where(mine, local, 0), table)  # [...] -> [..., dim]
+    return emb * mine.unsqueeze(-1).to(emb.dtype)
 
 
 def _embedding(ids: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
@@ -312,14 +323,42 @@ def vocab_parallel_cross_entropy(
     n = lax.axis_size(axis)
     v_local = logits.shape[-1]
     _check_ids(labels, v_local * n, "labels", "vocab_parallel_cross_entropy", ignore=ignore_index)
+    x, lmax = _float_and_max(logits)  # [..., V/n] -> [..., V/n] fp32, [...]
+    gmax = lax.pmax(lmax, axis)  # [...] -> [...], the global max (no gradient needed)
+    both = _exp_sum_and_target(x, gmax, labels, lax.axis_index(axis))  # [..., 2]
+    both = lax.psum(both, axis)  # [..., 2] -> [..., 2]: sum of exp, target logit
+    return _cross_entropy_from_sums(both, labels, ignore_index, reduction)
+
+
+# The local math of vocab_parallel_cross_entropy between its collectives, each one op for check_vma's tracking
+# (its ~25 ops are one dispatch each through the vma mode otherwise): every result of each depends on every
+# operand, so each result varies over the union of the operands' axes, what the ops one by one would give.
+
+
+@one_op
+def _float_and_max(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``logits`` in float32 and its max over the last dim (no gradient)."""
     x = logits.float()
-    gmax = lax.pmax(x.detach().amax(-1), axis)  # [...] -> [...], the global max (no gradient needed)
+    return x, x.detach().amax(-1)  # [..., V/n] -> [...]
+
+
+@one_op
+def _exp_sum_and_target(x: torch.Tensor, gmax: torch.Tensor, labels: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``[..., 2]``: this device's sum of ``exp(x - gmax)`` and its shifted target logit (0 where the label is
+    another device's), for the vocabulary slice ``index`` of ``x``'s width."""
+    v_local = x.shape[-1]
     shifted = x - gmax.unsqueeze(-1)  # [..., V/n]
-    local = labels - lax.axis_index(axis) * v_local
+    local = labels - index * v_local
     mine = (local >= 0) & (local < v_local)
     picked = shifted.gather(-1, torch.where(mine, local, 0).unsqueeze(-1)).squeeze(-1)  # [..., V/n] -> [...]
-    both = torch.stack([shifted.exp().sum(-1), picked * mine.to(x.dtype)], dim=-1)  # [..., 2]
-    both = lax.psum(both, axis)  # [..., 2] -> [..., 2]: sum of exp, target logit
+    return torch.stack([shifted.exp().sum(-1), picked * mine.to(x.dtype)], dim=-1)  # [..., 2]
+
+
+@one_op
+def _cross_entropy_from_sums(
+    both: torch.Tensor, labels: torch.Tensor, ignore_index: int, reduction: str
+) -> torch.Tensor:
+    """The loss from the summed ``[..., 2]`` (sum of exp, target logit), reduced as ``reduction`` says."""
     loss = both[..., 0].log() - both[..., 1]  # [...]
     valid = labels != ignore_index
     loss = torch.where(valid, loss, torch.zeros_like(loss))
