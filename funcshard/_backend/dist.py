@@ -726,16 +726,18 @@ _EVERY_WORK: list[bool] = []
 
 def _registry_keeps_every_work() -> bool:
     """See :meth:`DistDevice.pending_sums_share_storage`: two finished stand-in works registered on two views of
-    one storage, counted, and waited for (which unregisters them)."""
+    one storage, counted, and ONE wait on a third view: it must unregister (wait for) both."""
     if not _EVERY_WORK:
         try:
             c10d = torch._C._distributed_c10d
-            t = torch.empty(2)
+            t = torch.empty(3)
             n0 = c10d._get_work_registry_size()
             c10d._register_work(t[:1], c10d.FakeWork())
-            c10d._register_work(t[1:], c10d.FakeWork())
+            c10d._register_work(t[1:2], c10d.FakeWork())
             both = c10d._get_work_registry_size() - n0 == 2
-            for _ in range(2):  # waits (at once: fake works) and unregisters them
+            torch.ops._c10d_functional.wait_tensor(t[2:])  # (at once: fake works)
+            both = both and c10d._get_work_registry_size() == n0
+            for _ in range(2):  # whatever a torch that keeps one work a storage left registered
                 torch.ops._c10d_functional.wait_tensor(t)
             _EVERY_WORK.append(both)
         except (AttributeError, RuntimeError):  # a torch without these: never share
