@@ -234,9 +234,10 @@ no saved output, no copy-on-write clone). ``tests/test_percall_psum_inplace.py``
 check. Measured per psum of a temporary (callgrind, dist shard_map): 4 KiB +2.5k instructions in place (so the
 small step, whose psum is 4 KiB, keeps the copy), 128 KiB -11.9k (the large step's), besides the copy's page
 faults. In the whole small step, in place cost +10.5k over the copy (2,483,031 vs 2,472,547, same process): the
-dist backend's in-place path enters a generator context manager (``_waiting``) that its copying path does not
-(asked of its owner). Same-process timing of the large step, in place vs copy alternating (tp of size 1, load
-5-8): paired medians -7 / +67 / +98 us, inside the noise of a 20 ms CPU step on this host.
+dist backend's in-place path entered a generator context manager (``_waiting``) that its copying path did not
+(d9d04ef removed it; measured again on top of it: 4 KiB +3.4k in place, 16 KiB +0.9k, so the 16 KiB floor
+stays). Same-process timing of the large step, in place vs copy alternating (tp of size 1, load 5-8): paired
+medians -7 / +67 / +98 us, inside the noise of a 20 ms CPU step on this host.
 
 What is left of (d)'s +329k over (a) (callgrind by C function): Python glue spread over ~100 more Python calls
 a step than (a) (shard_map's key, blocks, context, 4 output Arrays; value_and_grad's checks and leaf copies; the
