@@ -124,32 +124,33 @@ def _quiet(rows: Sequence[Sequence[Any]], hyper: Sequence[Any] = ()) -> bool:
     torch functions under tp. The numbers are the same."""
     if tracing() or torch._C._are_functorch_transforms_active():
         return False
-    h = None  # the hyper-parameters' tag
-    for t in hyper:
-        if not isinstance(t, torch.Tensor):
-            continue
-        if type(t) is not torch.Tensor or t.requires_grad:
-            return False
-        v = get_vma(t)
-        if h is None:
-            h = v
-        elif v != h:
-            return False
+    ok, h = _one_tag(hyper)  # the hyper-parameters' tag
+    if not ok:
+        return False
     for leaf in zip(*rows, strict=True):
-        first = None
-        for t in leaf:
-            if not isinstance(t, torch.Tensor):
-                continue
-            if type(t) is not torch.Tensor or t.requires_grad:
-                return False
-            v = get_vma(t)
-            if first is None:
-                first = v
-            elif v != first:
-                return False
+        ok, first = _one_tag(leaf)
+        if not ok:
+            return False
         if h and (first is None or not h <= first):  # a varying hyper-parameter meets a leaf outside its axes
             return False
     return True
+
+
+def _one_tag(values: Sequence[Any]) -> tuple[bool, frozenset[str] | None]:
+    """Whether the tensors among ``values`` are plain tensors that do not require grad, all varying over the same
+    axes (untagged: none), and those axes (None: no tensor among ``values``)."""
+    tag = None
+    for t in values:
+        if not isinstance(t, torch.Tensor):
+            continue
+        if type(t) is not torch.Tensor or t.requires_grad:
+            return False, None
+        v = get_vma(t)
+        if tag is None:
+            tag = v
+        elif v != tag:
+            return False, None
+    return True, tag
 
 
 def _copy(t: torch.Tensor) -> torch.Tensor:
