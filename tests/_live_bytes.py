@@ -28,6 +28,8 @@ import optree
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from funcshard._context import maybe_current
+
 __all__ = ["LiveBytes", "PerThread"]
 
 
@@ -71,7 +73,9 @@ class LiveBytes(TorchDispatchMode):
 
 
 class PerThread:
-    """One :class:`LiveBytes` per thread that runs a function wrapped by :meth:`wrap` (a device under ``sim``).
+    """One :class:`LiveBytes` per thread that runs a function wrapped by :meth:`wrap` (a device under ``sim``),
+    listed by the rank of the device the thread runs (inside ``shard_map``; else by thread-start order), so that two
+    runs' lists pair the same devices whichever thread got to the count first.
 
     Example:
         >>> counts = PerThread()
@@ -83,19 +87,26 @@ class PerThread:
 
     def __init__(self) -> None:
         self.modes: dict[int, LiveBytes] = {}
+        self.ranks: dict[int, int] = {}  # thread -> the rank of the device it runs
         self._lock = threading.Lock()
 
     def wrap(self, f: Callable[..., Any]) -> Callable[..., Any]:
         """``f`` run under this thread's count."""
 
         def counted(*args: Any, **kwargs: Any) -> Any:
+            me, ctx = threading.get_ident(), maybe_current()
             with self._lock:
-                mode = self.modes.setdefault(threading.get_ident(), LiveBytes())
+                mode = self.modes.setdefault(me, LiveBytes())
+                self.ranks[me] = len(self.ranks) if ctx is None else ctx.device.rank
             with mode:
                 return f(*args, **kwargs)
 
         return counted
 
+    def threads(self) -> list[int]:
+        """The threads counted, in the order of their devices' ranks."""
+        return sorted(self.modes, key=self.ranks.__getitem__)
+
     def peaks(self) -> list[int]:
-        """Each thread's peak, in thread-start order."""
-        return [m.peak for m in self.modes.values()]
+        """Each thread's peak, in the order of its device's rank."""
+        return [self.modes[k].peak for k in self.threads()]

@@ -206,8 +206,12 @@ def test_reshard_after_forward_frees_the_gathered_weights_of_all_but_one_layer(r
         assert len(keep) == len(reshard) == 4
         for k, r in zip(keep, reshard, strict=True):
             freed = k - r
-            # the keep run holds all L layers' gathered weights at its peak, the resharding run one layer's
-            assert expected - gathered / 16 <= freed <= expected + gathered / 3, (freed / gathered, k, r)
+            # the keep run holds all L layers' gathered weights at its peak, the resharding run one layer's. Below
+            # by up to a third of a layer: sim's device threads meet at each collective in whatever order the host
+            # schedules them, and on a busy host 1-3 more 16.5 KB blocks are still alive at the resharding run's
+            # peak (the same at the commit before this round: 4 of 8 runs under load). Freeing one layer less would
+            # be a whole layer below.
+            assert expected - gathered / 3 <= freed <= expected + gathered / 3, (freed / gathered, k, r)
 
 
 @pytest.mark.parametrize("overlap", ["0", "1"])

@@ -151,7 +151,7 @@ def _llama_body(mesh: fs.Mesh, reshard: bool, precision: str | None, overlap: st
             step = fs.shard_map(counts.wrap(body), mesh=mesh, in_specs=(specs, bs, bs), out_specs=(P(), specs))
             with fs.comm_stats() as stats:
                 loss, grads = step(params, tok, tgt)
-        lives = [after[k] for k in counts.modes]
+        lives = [after[k] for k in counts.threads()]
         return fs.device_get(loss), fs.device_get(grads), lives, counts.peaks(), stats.calls("all_gather", "fsdp")
     finally:
         if before is None:
