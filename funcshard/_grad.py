@@ -195,12 +195,7 @@ class _ValueAndGrad:
         try:  # (written out, no context object: already on is the common case, nothing to switch)
             out = self.__wrapped__(*args, **kwargs)
             if has_aux:
-                if not isinstance(out, tuple) or len(out) != 2:
-                    raise ConfigError(
-                        f"{_name(self.__wrapped__)}: has_aux=True needs f to return a (value, aux) pair, found "
-                        f"{type(out).__name__}."
-                    )
-                value, aux = out
+                value, aux = _aux_pair(out, self.__wrapped__)
                 aux_tags = tags_of(aux)  # (the fresh detached tensors returned get them back)
             else:
                 value, aux = out, None
@@ -277,6 +272,19 @@ def _name(f: Callable[..., Any]) -> str:
     return f"value_and_grad({getattr(f, '__name__', 'f')})"
 
 
+def _aux_pair(out: Any, f: Callable[..., Any]) -> tuple[Any, Any]:
+    """``out``, what ``f`` returned with ``has_aux=True``, as its (value, aux) pair.
+
+    Raises:
+        ConfigError: ``out`` is not a pair.
+    """
+    if not isinstance(out, tuple) or len(out) != 2:
+        raise ConfigError(
+            f"{_name(f)}: has_aux=True needs f to return a (value, aux) pair, found {type(out).__name__}."
+        )
+    return out
+
+
 class _GradCall:
     """One call of a :func:`value_and_grad` function through ``torch.func.grad_and_value`` of ``f``, with the vma
     tags the value, ``aux`` and gradients had inside put back on the fresh tensors torch.func returns."""
@@ -298,10 +306,7 @@ class _GradCall:
             with torch._C.DisableTorchFunction():  # reads (a view's base) that need no vma mode
                 self.tags["value"] = [get_vma(out)] if isinstance(out, torch.Tensor) else tags_of(out)
             return out
-        if not isinstance(out, tuple) or len(out) != 2:
-            raise ConfigError(
-                f"{self.name}: has_aux=True needs f to return a (value, aux) pair, found {type(out).__name__}."
-            )
+        _aux_pair(out, self.f)
         self.tags["value"], self.tags["aux"] = tags_of(out[0]), tags_of(out[1])
         # torch.func only passes tensors through aux (JAX passes anything): carry the rest aside
         leaves, treedef = optree.tree_flatten(out[1])

@@ -453,15 +453,7 @@ class DistDevice(DeviceHandle):
             with _waiting(what, axes, members):
                 return _issued(_funcol.all_reduce(x.detach().contiguous(), op, g))  # [*s] -> [*s] (pending)
         out = x.detach().clone(memory_format=torch.contiguous_format)
-        try:  # the process group's own call (dist.all_reduce's Python around it: ~20 us a call)
-            if out.is_complex():
-                dist.all_reduce(out, op=_REDUCE_OPS[op], group=g)  # [*s] -> [*s]
-            else:
-                g.allreduce([out], _allreduce_options(op)).wait()  # [*s] -> [*s]
-        except RuntimeError as e:
-            if not _peer_trouble(e):
-                raise
-            raise peer_error(what, axes, members, e) from e
+        _reduce_now(out, op, g, what, axes, members)  # [*s] -> [*s]
         return out
 
     def all_reduce_pending(self, x: torch.Tensor, axes: tuple[str, ...]) -> torch.Tensor:
@@ -487,16 +479,7 @@ class DistDevice(DeviceHandle):
             with _waiting("psum", axes, members):
                 out = torch.ops._c10d_functional.all_reduce_(buf, "sum", g.group_name)  # [*s] -> [*s] in place
                 return _issued(_funcol._maybe_wrap_tensor(out))  # pending
-        # synchronous: a plain try (as all_reduce), not the generator context manager (~3-5k instructions a call)
-        try:
-            if buf.is_complex():
-                dist.all_reduce(buf, group=g)  # [*s] -> [*s] in place
-            else:  # the process group's own call (dist.all_reduce's Python around it: ~20 us a call)
-                g.allreduce([buf], _allreduce_options("sum")).wait()  # [*s] -> [*s] in place
-        except RuntimeError as e:
-            if not _peer_trouble(e):
-                raise
-            raise peer_error("psum", axes, members, e) from e
+        _reduce_now(buf, "sum", g, "psum", axes, members)  # [*s] -> [*s] in place
         return buf
 
     def pending_sums_share_storage(self) -> bool:
@@ -524,15 +507,7 @@ class DistDevice(DeviceHandle):
                 if issued_hook is not None:
                     _issued(_funcol.AsyncCollectiveTensor(buf))
                 return [_funcol.AsyncCollectiveTensor(v) for v in _cut(buf, shapes)]  # pending views
-        try:  # synchronous: a plain try, as all_reduce_inplace
-            if buf.is_complex():
-                dist.all_reduce(buf, group=g)  # [n] -> [n] in place
-            else:  # the process group's own call (dist.all_reduce's Python around it)
-                g.allreduce([buf], _allreduce_options("sum")).wait()  # [n] -> [n] in place
-        except RuntimeError as e:
-            if not _peer_trouble(e):
-                raise
-            raise peer_error("psum", axes, members, e) from e
+        _reduce_now(buf, "sum", g, "psum", axes, members)  # [n] -> [n] in place
         return _cut(buf, shapes)
 
     def all_gather(self, x: torch.Tensor, axes: tuple[str, ...]) -> torch.Tensor:
@@ -722,6 +697,21 @@ def _traced_ppermute(
 
 
 _EVERY_WORK: list[bool] = []
+
+
+def _reduce_now(buf: torch.Tensor, op: str, g: Any, what: str, axes: tuple[str, ...], members: list[int]) -> None:
+    """``buf`` reduced by ``op`` over the group ``g`` in place, synchronously: the process group's own call
+    (``dist.all_reduce``'s Python around it costs ~20 us a call; a plain try, not the generator context manager
+    ``_waiting``, ~3-5k instructions); a peer's trouble raised as the ``PeerError`` of ``what`` over ``axes``."""
+    try:
+        if buf.is_complex():
+            dist.all_reduce(buf, op=_REDUCE_OPS[op], group=g)  # [*s] -> [*s]
+        else:
+            g.allreduce([buf], _allreduce_options(op)).wait()  # [*s] -> [*s]
+    except RuntimeError as e:
+        if not _peer_trouble(e):
+            raise
+        raise peer_error(what, axes, members, e) from e
 
 
 def _registry_keeps_every_work() -> bool:

@@ -347,8 +347,8 @@ class _AdamW:
         count: torch.Tensor,
     ) -> None:
         """The update of :meth:`_apply_in_place` on checked leaves (``_checked``'s), written into the moments'
-        and parameters' leaves: the fused kernel's leaves in one call, the others block by block. With every leaf tagged
-        alike (:func:`_quiet`), torch functions are off meanwhile."""
+        and parameters' leaves: the fused kernel's leaves in one call, the others block by block. With each leaf's
+        operands tagged alike (:func:`_quiet`), torch functions are off meanwhile."""
         chunk = 0 if tracing() else CHUNK
         quiet = _quiet((g_leaves, m_leaves, v_leaves, p_leaves), (lr_t, step_size, bc2_sqrt))
         with torch._C.DisableTorchFunction() if quiet else contextlib.nullcontext():
