@@ -40,7 +40,8 @@ def attention(
         k: ``[b, hkv, sk, d]``.
         v: ``[b, hkv, sk, d]``.
         causal: mask the keys after each query (needs as many keys as queries).
-        return_lse: also return the log-sum-exp of the scores, ``[b, hq, sq]`` (float32).
+        return_lse: also return the log-sum-exp of the scores, ``[b, hq, sq]`` (float32; float64 for float64
+            inputs, whose precision the softmax then keeps, as ``F.scaled_dot_product_attention``'s).
         scale: score scale, default ``1/sqrt(d)``.
 
     Returns:
@@ -70,10 +71,11 @@ def attention(
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     if not return_lse:
         return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
-    scores = (q.float() @ k.float().transpose(-1, -2)) * scale  # [b, h, sq, d] @ [b, h, d, sk] -> [b, h, sq, sk]
+    acc = torch.promote_types(q.dtype, torch.float32)  # float32 at least (float64 stays float64)
+    scores = (q.to(acc) @ k.to(acc).transpose(-1, -2)) * scale  # [b, h, sq, d] @ [b, h, d, sk] -> [b, h, sq, sk]
     if causal:
         mask = torch.ones(sq, sq, dtype=torch.bool, device=q.device).triu(1)
         scores = scores.masked_fill(mask, float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)  # [b, h, sq]
-    out = torch.exp(scores - lse.unsqueeze(-1)) @ v.float()  # [b, h, sq, sk] @ [b, h, sk, d] -> [b, h, sq, d]
+    out = torch.exp(scores - lse.unsqueeze(-1)) @ v.to(acc)  # [b, h, sq, sk] @ [b, h, sk, d] -> [b, h, sq, d]
     return out.to(q.dtype), lse

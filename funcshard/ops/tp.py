@@ -290,13 +290,14 @@ def vocab_parallel_cross_entropy(
     """``F.cross_entropy`` over logits whose vocabulary dim is sharded over ``axis``, never gathering it.
 
     Each device reduces its slice: the max (all-reduce max, no gradient), then the sum of exponentials and
-    the target logit together (one all-reduce of two numbers per token). Computed in float32.
+    the target logit together (one all-reduce of two numbers per token). Computed in float32 (float64 logits
+    in float64, as ``F.cross_entropy``).
 
     Args:
         logits: ``[..., vocab/n]`` local logits.
         labels: ``[...]`` target ids, replicated over ``axis``; ``ignore_index`` entries are skipped.
         axis: the mesh axis the vocabulary is split over; ``None``: not sharded, plain ``F.cross_entropy``
-            (in float32; ``"mean"`` of no valid label is 0, as with an axis).
+            (in float32, or float64; ``"mean"`` of no valid label is 0, as with an axis).
         ignore_index: label value that contributes no loss (as ``F.cross_entropy``).
         reduction: ``"mean"`` (over the non-ignored labels of this device), ``"sum"`` or ``"none"``.
 
@@ -337,8 +338,8 @@ def vocab_parallel_cross_entropy(
 
 @one_op
 def _float_and_max(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``logits`` in float32 and its max over the last dim (no gradient)."""
-    x = logits.float()
+    """``logits`` in float32 (float64 stays float64) and its max over the last dim (no gradient)."""
+    x = logits.to(torch.promote_types(logits.dtype, torch.float32))
     return x, x.detach().amax(-1)  # [..., V/n] -> [...]
 
 
@@ -370,8 +371,10 @@ def _cross_entropy_from_sums(
 
 
 def _local_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int, reduction: str) -> torch.Tensor:
-    """``F.cross_entropy`` over the last dim of ``logits``, in float32, with the sharded op's reductions."""
-    flat = logits.reshape(-1, logits.shape[-1]).float()  # [..., V] -> [N, V]
+    """``F.cross_entropy`` over the last dim of ``logits``, in float32 (float64 stays float64), with the sharded
+    op's reductions."""
+    flat = logits.reshape(-1, logits.shape[-1])  # [..., V] -> [N, V]
+    flat = flat.to(torch.promote_types(flat.dtype, torch.float32))
     if reduction == "none":
         loss = F.cross_entropy(flat, labels.reshape(-1), ignore_index=ignore_index, reduction="none")  # [N]
         return loss.view(labels.shape)
