@@ -133,13 +133,18 @@ class _ValueAndGrad:
 
     def __call__(self, *args: Any, **kwargs: Any) -> tuple[Any, PyTree]:
         nums, n = self._nums, len(args)
-        if min(nums) < -n or max(nums) >= n:
+        if min(nums) < 0 or max(nums) >= n:
             for i in nums:
                 if not -n <= i < n:
                     raise ConfigError(
                         f"{_name(self.__wrapped__)}: argnums={self._argnums!r} names positional argument {i}, but "
                         f"the function was called with {n} positional arguments."
                     )
+            if len({i % n for i in nums}) != len(nums):  # (0, -2) with two arguments: argument 0 twice
+                raise ConfigError(
+                    f"{_name(self.__wrapped__)}: argnums={self._argnums!r} names one positional argument twice "
+                    f"(called with {n} positional arguments, so {[i % n for i in nums]}); name each once."
+                )
         xs = [args[i] for i in nums]
         # each differentiated argument flattened once, for the check and for the plain path; None: every one is
         # a tensor (the common step's arguments), its own leaf
@@ -154,6 +159,7 @@ class _ValueAndGrad:
             plain = _plain_autograd_ok(args, kwargs, nums, (xs,) if flat is None else [lv for lv, _ in flat])
         if plain:
             return self._plain(args, kwargs, xs if flat is None else [x for lv, _ in flat for x in lv], flat)
+        _check_differentiable(self.__wrapped__, args, nums)
         return _GradCall(self.__wrapped__, self._argnums, nums, self._has_aux)._func(args, kwargs)
 
     def _plain(
@@ -383,10 +389,31 @@ _LEAF = optree.tree_flatten(0, none_is_leaf=True)[1]  # the structure of a bare 
 
 
 def _flatten(x: Any) -> tuple[list[Any], Any]:
-    """``optree.tree_flatten(x, none_is_leaf=True)``; a tensor (the common argument) without the pytree walk."""
+    """``optree.tree_flatten(x)`` (``None`` an empty subtree, whose gradient is ``None``, as in JAX); a tensor (the
+    common argument) without the pytree walk."""
     if isinstance(x, torch.Tensor):
         return [x], _LEAF
-    return optree.tree_flatten(x, none_is_leaf=True)
+    return optree.tree_flatten(x)
+
+
+def _check_differentiable(f: Callable[..., Any], args: tuple[Any, ...], nums: tuple[int, ...]) -> None:
+    """Raise where a leaf of a differentiated argument is no floating-point (or complex) tensor, naming it, as
+    JAX's ``grad`` refuses integer inputs (torch.func's own errors name neither the argument nor the leaf).
+
+    Raises:
+        ConfigError: such a leaf.
+    """
+    for i in nums:
+        for path, x in zip(*optree.tree_flatten_with_path(args[i])[:2], strict=True):
+            if isinstance(x, torch.Tensor) and (x.is_floating_point() or x.is_complex()):
+                continue
+            found = f"a {x.dtype} tensor" if isinstance(x, torch.Tensor) else f"a value of type {type(x).__name__}"
+            where = "/".join(map(str, path))
+            raise ConfigError(
+                f"{_name(f)}: positional argument {i}{f' leaf {where!r}' if where else ''} is {found}; only "
+                f"floating-point (or complex) tensors can be differentiated. Pass it in an argument not in argnums "
+                f"(argnums={nums!r}), or leave it out of the differentiated tree."
+            )
 
 
 def _set_grad(on: bool) -> None:
