@@ -101,9 +101,10 @@ def _derive(k: torch.Tensor, i: torch.Tensor) -> torch.Tensor:
 
 
 def key(seed: int) -> torch.Tensor:
-    """A key from an integer seed of up to 64 bits (negative seeds are taken as two's complement):
-    ``jax.random.key_data(jax.random.key(seed))`` (64-bit seeds as JAX with ``jax_enable_x64``; without it
-    JAX keeps only a seed's low 32 bits).
+    """A key from an integer seed of up to 64 bits (negative seeds are taken as 64-bit two's complement):
+    ``jax.random.key_data(jax.random.key(seed))`` with ``jax_enable_x64``. Without it JAX's seeds are 32-bit:
+    it keeps only a seed's low 32 bits, so it differs for seeds of 2**32 and above and for negative seeds
+    (``key(-1)``: ``[2**32 - 1, 2**32 - 1]`` here and with x64, ``[0, 2**32 - 1]`` in JAX's default).
 
     Example:
         >>> key(1)
@@ -226,7 +227,7 @@ def _unit(x0: torch.Tensor, x1: torch.Tensor, dtype: torch.dtype) -> torch.Tenso
     return (mant | one).to(int_dtype).view(dtype) - 1.0
 
 
-def bits(key: torch.Tensor, shape: _Shape, *, spec: P | None = None) -> torch.Tensor:
+def bits(key: torch.Tensor, shape: _Shape = (), *, spec: P | None = None) -> torch.Tensor:
     """Uniform random uint32 values, held in int64: ``jax.random.bits(key, shape)``.
 
     Example:
@@ -254,14 +255,17 @@ def _scale(u: torch.Tensor, low: float, high: float, dtype: torch.dtype) -> torc
 
 def uniform(
     key: torch.Tensor,
-    shape: _Shape,
+    shape: _Shape = (),
     dtype: torch.dtype = torch.float32,
+    minval: float | None = None,
+    maxval: float | None = None,
     *,
-    low: float = 0.0,
-    high: float = 1.0,
+    low: float | None = None,
+    high: float | None = None,
     spec: P | None = None,
 ) -> torch.Tensor:
-    """Uniform floats in ``[low, high)``: ``jax.random.uniform(key, shape, dtype, low, high)`` bit for bit.
+    """Uniform floats in ``[minval, maxval)``: ``jax.random.uniform(key, shape, dtype, minval, maxval)`` bit for
+    bit (JAX's signature; ``low`` / ``high`` are the same bounds by keyword, defaults 0 and 1).
 
     ``u`` has as many random bits as ``dtype``'s mantissa (23 for float32, 52 for float64, 7 for bfloat16).
 
@@ -271,6 +275,8 @@ def uniform(
         True
     """
     dtype = _float_dtype(dtype, "uniform")
+    low = _bound("uniform", "minval", minval, "low", low, 0.0)
+    high = _bound("uniform", "maxval", maxval, "high", high, 1.0)
     if not float(low) < float(high):
         raise ConfigError(f"uniform: need low < high, found low={low}, high={high}.")
     x0, x1, axes = _words(key, shape, spec, "uniform")
@@ -278,6 +284,13 @@ def uniform(
     if (low, high) != (0.0, 1.0):
         u = _scale(u, float(low), float(high), dtype)
     return _finish(u, axes)
+
+
+def _bound(fn: str, jax_name: str, jax_value: Any, name: str, value: Any, default: Any) -> Any:
+    """One bound given by its JAX name (``minval``) or by its keyword (``low``), not both; else ``default``."""
+    if jax_value is not None and value is not None:
+        raise ConfigError(f"{fn}: give the bound as {jax_name}= or {name}=, not both ({jax_value!r}, {value!r}).")
+    return default if jax_value is None and value is None else (jax_value if value is None else value)
 
 
 def _f32(v: float) -> float:
@@ -390,7 +403,7 @@ def _erfinv32(x: torch.Tensor) -> torch.Tensor:
 
 
 def normal(
-    key: torch.Tensor, shape: _Shape, dtype: torch.dtype = torch.float32, *, spec: P | None = None
+    key: torch.Tensor, shape: _Shape = (), dtype: torch.dtype = torch.float32, *, spec: P | None = None
 ) -> torch.Tensor:
     """Standard normal samples: ``sqrt(2) * erfinv(u)`` with ``u`` uniform in ``(-1, 1)``, as
     ``jax.random.normal``. float32, float16 and bfloat16 equal it bit for bit on CPU (jaxlib 0.10, x86 with
@@ -415,9 +428,9 @@ def normal(
     return _finish(torch.tensor(math.sqrt(2), dtype=dtype) * e, axes)
 
 
-def bernoulli(key: torch.Tensor, p: float, shape: _Shape, *, spec: P | None = None) -> torch.Tensor:
+def bernoulli(key: torch.Tensor, p: float = 0.5, shape: _Shape | None = None, *, spec: P | None = None) -> torch.Tensor:
     """Bool samples that are True with probability ``p``: ``jax.random.bernoulli(key, p, shape)``
-    (``uniform(key, shape) < p`` in float32).
+    (``uniform(key, shape) < p`` in float32). ``p`` is one number; ``shape=None`` draws one value (shape ``()``).
 
     Example:
         >>> b = bernoulli(key(0), 0.25, (100_000,))
@@ -427,21 +440,24 @@ def bernoulli(key: torch.Tensor, p: float, shape: _Shape, *, spec: P | None = No
     p = float(p)
     if not 0.0 <= p <= 1.0:
         raise ConfigError(f"bernoulli: p must lie in [0, 1], found {p}.")
-    x0, x1, axes = _words(key, shape, spec, "bernoulli")
+    x0, x1, axes = _words(key, () if shape is None else shape, spec, "bernoulli")
     return _finish(_unit(x0, x1, torch.float32) < torch.tensor(p, dtype=torch.float32), axes)
 
 
 def randint(
     key: torch.Tensor,
     shape: _Shape,
-    low: int,
-    high: int,
-    *,
+    minval: int | None = None,
+    maxval: int | None = None,
     dtype: torch.dtype = torch.int64,
+    *,
+    low: int | None = None,
+    high: int | None = None,
     spec: P | None = None,
 ) -> torch.Tensor:
-    """Integers in ``[low, high)``, ``high - low <= 2**31``: ``jax.random.randint`` bit for bit (JAX draws
-    32 bits for every integer dtype up to int32, its default; the values are the same in any torch dtype).
+    """Integers in ``[minval, maxval)``, ``maxval - minval <= 2**31``: ``jax.random.randint(key, shape, minval,
+    maxval)`` bit for bit (JAX draws 32 bits for every integer dtype up to int32, its default; the values are the
+    same in any torch dtype, int64 here by default). ``low`` / ``high``: the same bounds by keyword.
 
     JAX's method: two draws of 32 bits from ``split(key)``, combined as ``(hi % span) * (2**32 % span) +
     lo % span`` in unsigned 32-bit arithmetic, modulo ``span``; no rejection loop, so every element stays a
@@ -452,6 +468,10 @@ def randint(
         >>> sorted(set(r.tolist()))
         [3, 4, 5, 6]
     """
+    low = _bound("randint", "minval", minval, "low", low, None)
+    high = _bound("randint", "maxval", maxval, "high", high, None)
+    if low is None or high is None:
+        raise ConfigError("randint: give both bounds, e.g. randint(key, shape, 0, 10) (minval, maxval).")
     low, high = operator.index(low), operator.index(high)
     if not low < high:
         raise ConfigError(f"randint: need low < high, found low={low}, high={high}.")
