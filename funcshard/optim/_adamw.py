@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import optree
 import torch
 
+from .. import pytree
 from .._backend.base import tracing
 from .._context import is_donated
 from .._errors import ConfigError
@@ -36,6 +37,8 @@ def adamw(
     b2: float = 0.95,
     eps: float = 1e-8,
     weight_decay: float = 0.0,
+    *,
+    mask: PyTree | Callable[[PyTree], PyTree] = None,
 ) -> Optimizer:
     """AdamW with decoupled weight decay, the arithmetic of ``torch.optim.AdamW``.
 
@@ -55,6 +58,10 @@ def adamw(
         b2: second-moment decay, in [0, 1).
         eps: added to the denominator, >= 0.
         weight_decay: decoupled decay coefficient, >= 0.
+        mask: where the weight decay applies, as optax's ``adamw(mask=...)``: a tree of bools with the params'
+            structure (or a prefix of it: one bool for a subtree), or a function of the params returning one
+            (inside ``shard_map`` it gets the local shards); ``False`` leaves are not decayed (norms, biases).
+            ``None``: every leaf.
 
     Returns:
         An :class:`Optimizer` whose state is an :class:`AdamWState`.
@@ -76,7 +83,9 @@ def adamw(
         if not v < 1:
             raise ConfigError(f"{fn}: {k} must be in [0, 1), found {v!r}.")
 
-    h = _AdamW(lr, b1, b2, eps, weight_decay)
+    if mask is not None and not callable(mask):
+        _mask_leaves(mask, None)  # the bools checked now; their fit to the params at each step
+    h = _AdamW(lr, b1, b2, eps, weight_decay, mask)
     return Optimizer(h.init, h.transform, h.state_specs, name=fn, apply=h.apply)
 
 
@@ -151,6 +160,27 @@ def _one_tag(values: Sequence[Any]) -> tuple[bool, frozenset[str] | None]:
         elif v != tag:
             return False, None
     return True, tag
+
+
+def _mask_leaves(mask: PyTree, params: PyTree) -> list[bool]:
+    """``mask``'s bools, one per leaf of ``params`` (``mask`` a prefix of it), or its own leaves (``params`` None).
+
+    Raises:
+        ConfigError: a leaf of ``mask`` is not a bool.
+        ShardingError: ``mask`` is not a prefix of ``params``.
+    """
+    is_bool = lambda x: isinstance(x, bool)  # noqa: E731
+    if params is None:
+        leaves = optree.tree_leaves(mask, is_leaf=is_bool)
+    else:
+        leaves = pytree.broadcast_prefix(mask, params, prefix_is_leaf=is_bool, what="mask", where="adamw: ")
+    for x in leaves:
+        if not isinstance(x, bool):
+            raise ConfigError(
+                f"adamw: mask leaves must be bools (True: decay this leaf), found {type(x).__name__} {x!r}; e.g. "
+                f"mask=lambda p: {{k: v.dim() > 1 for k, v in p.items()}}."
+            )
+    return leaves
 
 
 def _copy(t: torch.Tensor) -> torch.Tensor:
@@ -245,8 +275,17 @@ def _addcdiv(
 class _AdamW:
     """The hyperparameters of one :func:`adamw` and its pure functions."""
 
-    def __init__(self, lr: float | LrSchedule, b1: float, b2: float, eps: float, weight_decay: float) -> None:
-        self.lr, self.b1, self.b2, self.eps, self.wd = lr, b1, b2, eps, weight_decay
+    def __init__(
+        self, lr: float | LrSchedule, b1: float, b2: float, eps: float, weight_decay: float, mask: Any = None
+    ) -> None:
+        self.lr, self.b1, self.b2, self.eps, self.wd, self.mask = lr, b1, b2, eps, weight_decay, mask
+
+    def _wds(self, params: PyTree, n: int) -> list[float]:
+        """The weight decay of each of the ``n`` leaves: ``wd``, or 0 where the mask says False."""
+        if self.mask is None or self.wd == 0:
+            return [self.wd] * n
+        mask = self.mask(params) if callable(self.mask) else self.mask
+        return [self.wd if m else 0.0 for m in _mask_leaves(mask, params)]
 
     def init(self, params: PyTree) -> AdamWState:
         mu = optree.tree_map(lambda x: zeros_like(x, "adamw"), params, is_leaf=is_array)
@@ -267,7 +306,8 @@ class _AdamW:
             raise ConfigError(f"{where}: weight_decay={self.wd} needs the params; pass them as third argument.")
         lr_t = lr_at(where, self.lr, state.count)
         step_size, bc2_sqrt = lr_t / (1 - b1**step), (1 - b2**step) ** 0.5
-        return g_leaves, m_leaves, v_leaves, p_leaves, lr_t, step_size, bc2_sqrt
+        wds = self._wds(params, len(g_leaves))
+        return g_leaves, m_leaves, v_leaves, p_leaves, lr_t, step_size, bc2_sqrt, wds
 
     def moments(
         self, grads: PyTree, state: Any, params: PyTree, where: str, checked: tuple[Any, ...] | None = None
@@ -277,7 +317,7 @@ class _AdamW:
         b1, b2 = self.b1, self.b2
         if checked is None:
             checked = self._checked(grads, state, params, where)
-        g_leaves, m_leaves, v_leaves, p_leaves, lr_t, step_size, bc2_sqrt = checked
+        g_leaves, m_leaves, v_leaves, p_leaves, lr_t, step_size, bc2_sqrt, wds = checked
         ms, vs, dens = [], [], []
         for g, m, v in zip(g_leaves, m_leaves, v_leaves, strict=True):
             g = g if g.dtype == m.dtype else g.to(m.dtype)  # a low-precision gradient meets float32 moments
@@ -288,14 +328,14 @@ class _AdamW:
             dens.append(v.sqrt() / bc2_sqrt + self.eps)
         treedef = optree.tree_structure(grads)
         new_state = AdamWState(state.count + 1, optree.tree_unflatten(treedef, ms), optree.tree_unflatten(treedef, vs))
-        return treedef, p_leaves, lr_t, step_size, ms, dens, new_state
+        return treedef, p_leaves, lr_t, step_size, ms, dens, new_state, wds
 
     def transform(self, grads: PyTree, state: Any, params: PyTree = None) -> tuple[PyTree, AdamWState]:
-        treedef, p_leaves, lr_t, step_size, ms, dens, new_state = self.moments(grads, state, params, "adamw")
+        treedef, p_leaves, lr_t, step_size, ms, dens, new_state, wds = self.moments(grads, state, params, "adamw")
         ups = []
         for k, (m, d) in enumerate(zip(ms, dens, strict=True)):
-            if self.wd != 0:
-                ups.append(_addcdiv(p_leaves[k] * -(lr_t * self.wd), m, d, -step_size))
+            if wds[k] != 0:
+                ups.append(_addcdiv(p_leaves[k] * -(lr_t * wds[k]), m, d, -step_size))
             else:
                 ups.append(torch.div(m, d).mul(-step_size))
         return optree.tree_unflatten(treedef, ups), new_state
@@ -316,13 +356,13 @@ class _AdamW:
                 treedef = optree.tree_structure(grads, is_leaf=is_array)  # (checked: that of mu, nu and params)
                 mu, nu, new = (optree.tree_unflatten(treedef, leaves) for leaves in (mu, nu, new))
                 return new, AdamWState(state.count + 1, mu, nu)
-        treedef, p_leaves, lr_t, step_size, ms, dens, new_state = self.moments(
+        treedef, p_leaves, lr_t, step_size, ms, dens, new_state, wds = self.moments(
             grads, state, params, "adamw.update", checked
         )
         new = []
-        for p, m, d in zip(p_leaves, ms, dens, strict=True):
-            if self.wd != 0:
-                p = p * (1 - lr_t * self.wd)  # decoupled weight decay
+        for p, m, d, wd in zip(p_leaves, ms, dens, wds, strict=True):
+            if wd != 0:
+                p = p * (1 - lr_t * wd)  # decoupled weight decay
             new.append(_addcdiv(p, m, d, -step_size))
         return optree.tree_unflatten(treedef, new), new_state
 
@@ -344,6 +384,7 @@ class _AdamW:
         lr_t: Any,
         step_size: Any,
         bc2_sqrt: Any,
+        wds: list[float],
         count: torch.Tensor,
     ) -> None:
         """The update of :meth:`_apply_in_place` on checked leaves (``_checked``'s), written into the moments'
@@ -353,22 +394,23 @@ class _AdamW:
         quiet = _quiet((g_leaves, m_leaves, v_leaves, p_leaves), (lr_t, step_size, bc2_sqrt))
         with torch._C.DisableTorchFunction() if quiet else contextlib.nullcontext():
             b1, b2 = self.b1, self.b2
-            fused = []
-            for g, m, v, p in zip(g_leaves, m_leaves, v_leaves, p_leaves, strict=True):
+            fused: dict[float, list[tuple[torch.Tensor, ...]]] = {}  # the fused kernel's leaves by weight decay
+            for g, m, v, p, wd in zip(g_leaves, m_leaves, v_leaves, p_leaves, wds, strict=True):
                 g = g if g.dtype == m.dtype else g.to(m.dtype)
                 if chunk and _fusable(g, m, v, p):
-                    fused.append((g, m, v, p))
+                    fused.setdefault(wd, []).append((g, m, v, p))
                     continue
                 for g_, m_, v_, p_ in _chunks(chunk, g, m, v, p):
                     m_.lerp_(g_, 1 - b1)  # first moment
                     v_.mul_(b2).addcmul_(g_, g_, value=1 - b2)  # second moment
                     den = v_.sqrt().div_(bc2_sqrt).add_(self.eps)
-                    if self.wd != 0:
-                        p_.mul_(1 - lr_t * self.wd)  # decoupled weight decay
+                    if wd != 0:
+                        p_.mul_(1 - lr_t * wd)  # decoupled weight decay
                     _addcdiv(p_, m_, den, -step_size, in_place=True)
             if fused:
                 step = int(count) + 1  # read: not tracing
-                _fused_update(fused, lr_t, b1, b2, self.eps, self.wd, step)
+                for wd, leaves in fused.items():  # one call per weight decay (two at most: masked and not)
+                    _fused_update(leaves, lr_t, b1, b2, self.eps, wd, step)
 
     def state_specs(self, param_specs: PyTree) -> AdamWState:
         return AdamWState(P(), param_specs, param_specs)

@@ -25,7 +25,9 @@ from ._base import (
 from .schedules import LrSchedule, check_lr, lr_at
 
 
-def sgd(lr: float | LrSchedule, momentum: float = 0.0, nesterov: bool = False, weight_decay: float = 0.0) -> Optimizer:
+def sgd(
+    lr: float | LrSchedule, momentum: float | None = 0.0, nesterov: bool = False, weight_decay: float = 0.0
+) -> Optimizer:
     """SGD with optional (Nesterov) momentum and L2 weight decay, the arithmetic of ``torch.optim.SGD``.
 
     Per leaf: ``d = g + wd * p``; with momentum ``buf = momentum * buf + d`` and ``d = buf`` (Nesterov:
@@ -33,7 +35,7 @@ def sgd(lr: float | LrSchedule, momentum: float = 0.0, nesterov: bool = False, w
 
     Args:
         lr: learning rate, or a schedule of the step count.
-        momentum: momentum factor, >= 0 (0: no buffers in the state).
+        momentum: momentum factor, >= 0 (0 or None, optax's default: no buffers in the state).
         nesterov: Nesterov momentum (needs ``momentum > 0``).
         weight_decay: L2 penalty added to the gradient, >= 0.
 
@@ -51,6 +53,7 @@ def sgd(lr: float | LrSchedule, momentum: float = 0.0, nesterov: bool = False, w
         tensor([0.5000, 0.5000])
     """
     fn = "sgd"
+    momentum = 0.0 if momentum is None else momentum
     check_lr(fn, lr)
     check_nonneg(fn, momentum=momentum, weight_decay=weight_decay)
     if nesterov and momentum <= 0:
