@@ -9,6 +9,8 @@ state and resumed on another.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -84,3 +86,211 @@ def test_cross_entropy_keeps_float64_dist() -> None:
     from _dist_pool import run_body
 
     assert run_body("dist", _cross_entropy_body, {"tp": 2}, "mean") == ["ok", "ok"]
+
+
+# ---------------------------------------------------------------------------------------------- HF Llama
+
+HF_SIZES = {
+    "vocab_size": 96,
+    "hidden_size": 32,
+    "intermediate_size": 48,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 1,  # one k/v head shared by every query head
+    "max_position_embeddings": 32,
+    "rms_norm_eps": 1e-3,
+    "rope_theta": 123.0,
+}
+
+
+def _hf_folder(tmp_path, tie: bool):
+    """A random tiny LlamaForCausalLM (norms not all ones) saved to ``tmp_path``; returns the model."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**HF_SIZES, tie_word_embeddings=tie)).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(1 + 0.2 * torch.randn_like(p) if "norm" in name else 0.1 * torch.randn_like(p))
+    model.save_pretrained(tmp_path, safe_serialization=True)
+    return model
+
+
+def _tokens_and_labels(batch: int = 4, seq: int = 16) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Tokens, HF labels with -100 spread unevenly over the sequences, and funcshard's targets (shifted)."""
+    g = torch.Generator().manual_seed(3)
+    tokens = torch.randint(0, HF_SIZES["vocab_size"], (batch, seq), generator=g)
+    labels = tokens.clone()
+    labels[0, :9] = -100  # a prompt: more ignored tokens in the first sequence (and microbatch, and dp shard)
+    labels[batch - 1, -2:] = -100
+    targets = torch.cat([labels[:, 1:], torch.full((batch, 1), -100)], dim=1)  # HF shifts inside its loss
+    return tokens, labels, targets
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="rope computes float64 q/k in float32 (2e-7 from HF); the fix waits on tests/test_dp_rope_table.py's "
+    "_rope_as_it_was, which pins that (asked of the lead)",
+)
+def test_float64_logits_equal_transformers(tmp_path) -> None:
+    from funcshard.models import llama
+
+    model = _hf_folder(tmp_path, tie=False).double()
+    cfg, params = llama.from_hf(tmp_path, dtype=torch.float64)
+    tokens, _, _ = _tokens_and_labels()
+    with torch.no_grad():
+        ref = model(tokens).logits
+    got = llama.forward(params, tokens, cfg)
+    assert got.dtype == torch.float64 and ref.abs().max() > 1.0
+    torch.testing.assert_close(got, ref, rtol=1e-12, atol=1e-12)
+
+
+HF_MESHES = {"single": None, "dp2_cp2": {"dp": 2, "cp": 2}, "fsdp2_pp2": {"fsdp": 2, "pp": 2}}
+
+
+@pytest.mark.parametrize("tie", [False, True], ids=["untied", "tied"])
+@pytest.mark.parametrize("mesh_name", sorted(HF_MESHES))
+def test_loss_and_grads_equal_transformers_with_ignored_labels(tmp_path, mesh_name: str, tie: bool) -> None:
+    from funcshard.models import llama
+    from funcshard.models.llama.hf import hf_names
+
+    model = _hf_folder(tmp_path, tie)
+    cfg, params = llama.from_hf(tmp_path)
+    tokens, labels, targets = _tokens_and_labels()
+    out = model(tokens, labels=labels)
+    out.loss.backward()
+    ref = {name: p.grad for name, p in model.named_parameters()}
+    shape = HF_MESHES[mesh_name]
+    if shape is None:
+        loss, grads = fs.value_and_grad(llama.loss)(params, tokens, targets, cfg)
+    else:
+        mesh = fs.make_mesh(shape, backend="sim")
+        cfg = dataclasses.replace(cfg, pp_microbatches=2)  # pp: microbatches with different counts of -100
+        specs, bs = llama.param_specs(cfg, mesh), llama.batch_spec(mesh)
+        f = fs.shard_map(
+            lambda p, t, y: llama.value_and_grad(p, t, y, cfg),
+            mesh=mesh,
+            in_specs=(specs, bs, bs),
+            out_specs=(P(), specs),
+        )
+        loss, grads = fs.device_get(f(fs.device_put(params, mesh, specs), tokens, targets))
+    torch.testing.assert_close(loss, out.loss.detach(), rtol=1e-5, atol=1e-6)
+    for name, leaf, layer in hf_names(cfg):
+        got = grads[leaf] if layer is None else grads["layers"][leaf][layer]
+        torch.testing.assert_close(got, ref[name], rtol=1e-4, atol=1e-6, msg=f"{mesh_name} {name}")
+
+
+# ---------------------------------------------------------------------------------------------- pipelines
+
+# odd microbatch counts, fewer microbatches than stages, an odd number of stages (tests/test_pipeline_runtime.py
+# runs m in (4, 8) on p in (2, 4)); every schedule, each where its own rules allow
+PP_ODD = [
+    ("gpipe", 4, 1),
+    ("1f1b", 4, 3),
+    ("1f1b", 3, 5),
+    ("interleaved", 3, 3),
+    ("zb_h1", 3, 5),
+    ("zb_h1", 4, 2),
+    ("interleaved_zb", 4, 3),
+    ("looped_bfs", 2, 5),
+    ("zbv", 4, 3),
+    ("zbv", 2, 1),
+    ("dualpipev", 3, 7),
+]
+
+
+@pytest.mark.parametrize(("name", "p", "m"), PP_ODD, ids=[f"{n}-p{p}-m{m}" for n, p, m in PP_ODD])
+def test_pipeline_odd_and_few_microbatches_equal_plain_model(name: str, p: int, m: int) -> None:
+    from _dist_pool import run_body
+    from test_pipeline_runtime import _pipeline_body  # the toy residual-MLP pipeline vs the plain model
+
+    assert run_body("sim", _pipeline_body, {"pp": p}, name, m, True) == ["ok"]
+
+
+def test_pipeline_odd_microbatches_dist() -> None:
+    from _dist_pool import run_body
+    from test_pipeline_runtime import _pipeline_body
+
+    assert run_body("dist", _pipeline_body, {"pp": 2}, "zb_h1", 3, True) == ["ok", "ok"]
+
+
+@pytest.mark.parametrize("p", [2, 3, 5])
+def test_bubble_with_fewer_microbatches_than_stages(p: int) -> None:
+    from funcshard.pipeline import gpipe, one_f_one_b
+
+    for m in range(1, p):
+        bubble = (p - 1) / (m + p - 1)  # F = 1, B = 2: idle time over the makespan 3 (m + p - 1)
+        g, o = gpipe(p, m).simulate(), one_f_one_b(p, m).simulate()
+        assert g.bubble_fraction == pytest.approx(bubble) and o.bubble_fraction == pytest.approx(bubble)
+        assert g.makespan == o.makespan == pytest.approx(3 * (m + p - 1))
+        assert g.peak_in_flight == [m] * p and o.peak_in_flight == [min(p - s, m) for s in range(p)]
+
+
+# ---------------------------------------------------------------------------------------------- checkpoints
+
+
+def _llama_adamw_setup():
+    """(cfg, opt, params, tokens, targets) of a small Llama and AdamW with weight decay."""
+    from funcshard.models import llama
+
+    cfg = llama.Config(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=16)
+    opt = fs.optim.adamw(1e-2, weight_decay=0.1)
+    g = torch.Generator().manual_seed(5)
+    tokens = torch.randint(0, 64, (4, 16), generator=g)
+    return cfg, opt, llama.init(fs.random.key(0), cfg), tokens, tokens.roll(-1, dims=1)
+
+
+def _sharded_step(mesh: fs.Mesh, cfg, opt):
+    """``(step, init_state, specs, state_specs)``: one AdamW step of the Llama, shard_map'd over ``mesh``."""
+    from funcshard.models import llama
+
+    specs, bs = llama.param_specs(cfg, mesh), llama.batch_spec(mesh)
+    sspecs = opt.state_specs(specs)
+
+    def step(p, s, t, y):
+        loss, grads = llama.value_and_grad(p, t, y, cfg)
+        return (loss, *opt.update(grads, s, p))
+
+    f = fs.shard_map(step, mesh=mesh, in_specs=(specs, sspecs, bs, bs), out_specs=(P(), specs, sspecs))
+    return f, fs.shard_map(opt.init, mesh=mesh, in_specs=(specs,), out_specs=sspecs), specs
+
+
+def _resume_on_other_mesh_body(mesh: fs.Mesh, path: str) -> tuple:
+    cfg, opt, params, tokens, targets = _llama_adamw_setup()
+    step, init, specs = _sharded_step(mesh, cfg, opt)  # dp=2 x tp=2
+    p = fs.device_put(params, mesh, specs)
+    _, p, s = step(p, init(p), tokens, targets)
+    fs.checkpoint.save(path, {"params": p, "opt_state": s, "step": 1})
+    saved = fs.device_get((p, s))
+    other = fs.make_mesh({"fsdp": 2, "cp": 2}, backend=mesh.backend)
+    step2, init2, specs2 = _sharded_step(other, cfg, opt)
+    like_p = fs.device_put(fs.pytree.tree_map(torch.zeros_like, params), other, specs2)
+    tree = fs.checkpoint.load(path, {"params": like_p, "opt_state": init2(like_p), "step": 0})
+    assert tree["step"] == 1 and tree["params"]["layers"]["wq"].mesh == other
+    assert tree["opt_state"].mu["layers"]["wq"].spec == specs2["layers"]["wq"]
+    loaded = fs.device_get((tree["params"], tree["opt_state"]))
+    _assert_equal_trees(loaded, saved)  # params, both moments and the step count, bit for bit
+    # the next step from the loaded state is the step from the saved state laid out on the other mesh
+    direct = step2(*fs.device_put(saved, other, (specs2, opt.state_specs(specs2))), tokens, targets)
+    loss, p2, s2 = step2(tree["params"], tree["opt_state"], tokens, targets)
+    _assert_equal_trees(fs.device_get((loss, p2, s2)), fs.device_get(direct))
+    return fs.device_get(loss), fs.device_get(s2.count)
+
+
+def _assert_equal_trees(a, b) -> None:
+    la, lb = fs.pytree.leaves_with_path(a), fs.pytree.leaves_with_path(b)
+    assert [p for p, _ in la] == [p for p, _ in lb]
+    for (path, x), (_, y) in zip(la, lb, strict=True):
+        assert x.dtype == y.dtype and torch.equal(x, y), path
+
+
+def test_resume_with_optimizer_state_on_another_mesh(run, tmp_path) -> None:
+    from funcshard.models import llama
+
+    cfg, opt, params, tokens, targets = _llama_adamw_setup()
+    p, s = params, opt.init(params)
+    for _ in range(2):  # the unsharded run: the loss of its second step
+        loss, grads = fs.value_and_grad(llama.loss)(p, tokens, targets, cfg)
+        p, s = opt.update(grads, s, p)
+    for got_loss, count in run(_resume_on_other_mesh_body, {"dp": 2, "tp": 2}, str(tmp_path / "ck")):
+        torch.testing.assert_close(got_loss, loss, rtol=1e-5, atol=1e-6)
+        assert int(count) == 2
