@@ -137,11 +137,25 @@ def split(key: torch.Tensor, n: int = 2) -> torch.Tensor:
 def fold_in(key: torch.Tensor, i: int) -> torch.Tensor:
     """The key numbered ``i`` derived from ``key`` (int64 ``[2]``), e.g. one per layer or step.
 
+    ``i`` is an int or a 0-dim integer tensor. Inside ``shard_map``, ``fold_in(key, fs.axis_index("dp"))`` gives
+    each device of ``dp`` its own key, which (as in JAX) varies over ``dp``: so do the draws made from it, and
+    returning them under an out spec that omits ``dp`` is refused. (``int(fs.axis_index(...))`` gives a plain
+    number that carries no axes.)
+
     Example:
         >>> fold_in(key(0), 7).shape
         torch.Size([2])
     """
     k = _check_key(key, "fold_in")
+    if isinstance(i, torch.Tensor):  # e.g. fs.axis_index("dp"): the key varies over what i varies over
+        if i.dim() != 0 or i.dtype.is_floating_point or i.dtype.is_complex or i.dtype == torch.bool:
+            raise ConfigError(f"fold_in: i must be an int or a 0-dim integer tensor, found a {i.dtype} tensor "
+                              f"of shape {tuple(i.shape)}.")  # fmt: skip
+        n = int(i)
+        if not 0 <= n < 2**63:
+            raise ConfigError(f"fold_in: i must lie in [0, 2**63), found {n}; fold in i % 2**63 instead.")
+        # computed from the tensor, not from its number: inside shard_map the vma mode tags the key with i's axes
+        return _derive(k, i.to(device=k.device, dtype=torch.int64).reshape(1))[0]  # [] -> [1] -> [1, 2] -> [2]
     i = operator.index(i)
     if not 0 <= i < 2**63:
         raise ConfigError(f"fold_in: i must lie in [0, 2**63), found {i}; fold in i % 2**63 instead.")

@@ -328,6 +328,39 @@ def test_sharded_draws_over_tuple_axes_are_slices(run) -> None:
         assert torch.equal(u, want_u) and torch.equal(b, want_b)
 
 
+def _fold_in_axis_body(mesh: fs.Mesh) -> list[Any]:
+    def noise(k: torch.Tensor) -> torch.Tensor:
+        return fsr.normal(fsr.fold_in(k, fs.axis_index("tp")), (3,))  # this device's own stream
+
+    try:
+        fs.shard_map(noise, mesh=mesh, in_specs=(P(),), out_specs=P())(fsr.key(4))
+        refused = ""
+    except fs.ShardingError as e:
+        refused = str(e)
+
+    def grad(w: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+        return fs.value_and_grad(lambda w: (w * noise(k)).sum())(w)[1]  # w meets a tp-varying value: psum'd
+
+    g = fs.shard_map(grad, mesh=mesh, in_specs=(P(), P()), out_specs=P())(torch.ones(3), fsr.key(4))
+    per_device = fs.shard_map(noise, mesh=mesh, in_specs=(P(),), out_specs=P("tp"))(fsr.key(4))
+    return [refused, fs.device_get(g), fs.device_get(per_device)]
+
+
+def test_fold_in_of_axis_index_varies_over_the_axis(run) -> None:
+    """``fold_in(key, axis_index("tp"))`` gave a key tagged invariant: draws that differ per device passed an out
+    spec without tp (device 0's returned for all) and a replicated weight meeting them got device 0's gradient
+    alone. Now the key varies over tp, as in JAX: the replicated out spec is refused, the gradient is the sum
+    over the devices of their draws."""
+    want = torch.stack([fsr.normal(fsr.fold_in(fsr.key(4), i), (3,)) for i in range(2)])
+    for refused, g, per_device in run(_fold_in_axis_body, MESH):
+        assert "varies over axis 'tp'" in refused
+        assert torch.equal(per_device, want.reshape(-1))
+        torch.testing.assert_close(g, want.sum(0))
+    with pytest.raises(fs.ConfigError, match="0-dim integer tensor"):
+        fsr.fold_in(fsr.key(0), torch.tensor([1, 2]))
+    assert torch.equal(fsr.fold_in(fsr.key(0), torch.tensor(2**40)), fsr.fold_in(fsr.key(0), 2**40))
+
+
 # ------------------------------------------------------------------------------------------------------ remat
 
 
