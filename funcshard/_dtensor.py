@@ -90,6 +90,8 @@ def from_dtensor(dt: Any, mesh: Mesh | None = None) -> Array:
             raise ShardingError(f"from_dtensor: placement {d!r} on mesh dim '{name}' has no fs spec equivalent.")
         if d is not None:
             entries[d].append(name)
+    if any(d is not None for d in dims):
+        _check_ranks(dt.device_mesh.mesh.tolist(), names, mesh)
     spec = P(*[None if not e else e[0] if len(e) == 1 else tuple(e) for e in entries])
     for d, (size, axes) in enumerate(zip(dt.shape, spec.dim_axes(dt.ndim), strict=True)):
         n = math.prod(mesh.shape[a] for a in axes)
@@ -100,6 +102,33 @@ def from_dtensor(dt: Any, mesh: Mesh | None = None) -> Array:
             )
     coords = tuple(mesh.device_coords()[_rank()].values())
     return Array(mesh, spec, tuple(dt.shape), dt.dtype, {coords: local})
+
+
+def _check_ranks(grid: Any, names: tuple[str, ...], mesh: Mesh) -> None:
+    """Raise unless every rank sits at the same coordinates (by axis name) in the DeviceMesh's rank grid
+    (``grid``: nested lists, one level per name) as in ``mesh`` (row-major over its axes): else this process's
+    block would be filed under another device's coordinates, and the Array's value be a silent shuffle.
+
+    Raises:
+        ShardingError: a rank placed differently.
+    """
+    coords = mesh.device_coords()
+
+    def walk(g: Any, at: tuple[int, ...]) -> None:
+        if isinstance(g, list):
+            for i, sub in enumerate(g):
+                walk(sub, (*at, i))
+            return
+        here = dict(zip(names, at, strict=True))
+        if not 0 <= g < len(coords) or coords[g] != here:
+            raise ShardingError(
+                f"from_dtensor: the DTensor's DeviceMesh puts rank {g} at {here}, but mesh {dict(mesh.shape)} has "
+                f"it at {coords[g] if 0 <= g < len(coords) else 'no position'} (rank = row-major index of the "
+                f"coordinates, as init_device_mesh lays ranks out). Build the DeviceMesh with init_device_mesh and "
+                f"these axis names in the mesh's order, or redistribute the DTensor to Replicate() first."
+            )
+
+    walk(grid, ())
 
 
 def _rank() -> int:

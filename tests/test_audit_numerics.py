@@ -361,6 +361,41 @@ def test_fold_in_of_axis_index_varies_over_the_axis(run) -> None:
     assert torch.equal(fsr.fold_in(fsr.key(0), torch.tensor(2**40)), fsr.fold_in(fsr.key(0), 2**40))
 
 
+# -------------------------------------------------------------------------------------------------- DTensor
+
+
+def _foreign_device_mesh_body(mesh: fs.Mesh) -> list[Any]:
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    x = torch.arange(16.0).reshape(4, 4)
+    out: list[Any] = []
+    column_major = DeviceMesh("cpu", torch.tensor([[0, 2], [1, 3]]), mesh_dim_names=("dp", "tp"))
+    swapped = init_device_mesh("cpu", (2, 2), mesh_dim_names=("tp", "dp"))
+    for dm, m, placements in (
+        (column_major, None, [Shard(0), Shard(1)]),  # ranks not row-major
+        (swapped, mesh, [Shard(0), Replicate()]),  # the same names in another order than mesh's
+        (swapped, None, [Shard(0), Replicate()]),  # a mesh made from it: its own order, fine
+        (column_major, None, [Replicate(), Replicate()]),  # the same value everywhere: fine
+    ):
+        try:
+            a = fs.from_dtensor(distribute_tensor(x, dm, placements), m)
+            out.append(torch.equal(fs.device_get(a), x))
+        except fs.ShardingError as e:
+            out.append(str(e))
+    return out
+
+
+def test_from_dtensor_refuses_a_device_mesh_with_other_rank_positions() -> None:
+    """A DeviceMesh whose ranks are not laid out as the mesh's (row-major over the same axis order) gave an Array
+    whose blocks sat under other devices' coordinates: a silently shuffled value. Now an error naming the rank."""
+    from _dist_pool import run_body
+
+    for bad1, bad2, ok1, ok2 in run_body("dist", _foreign_device_mesh_body, MESH):
+        assert "puts rank 2 at {'dp': 0, 'tp': 1}" in bad1 and "puts rank 1 at {'tp': 0, 'dp': 1}" in bad2
+        assert ok1 is True and ok2 is True
+
+
 # ------------------------------------------------------------------------------------------------------ remat
 
 
