@@ -7,6 +7,7 @@ from typing import Any
 import optree
 import torch
 
+from .._backend.base import tracing
 from .._errors import ConfigError, ShardingError
 from .._spec import P
 from ._base import (
@@ -65,7 +66,7 @@ def sgd(
 
     def common(grads: PyTree, state: Any, params: PyTree, where: str) -> tuple[Any, ...]:
         check_state(where, state, SgdState)
-        check_count(where, state.count)
+        check_count(where, state.count, read=not tracing())  # compiled: it stays a tensor
         g_leaves, _ = tensor_leaves(where, "grads", grads)
         p_leaves = check_like(where, "params", params, grads, "grads") if params is not None else None
         if p_leaves is None and weight_decay != 0:
@@ -91,7 +92,11 @@ def sgd(
 
     def apply(grads: PyTree, state: Any, params: PyTree) -> tuple[PyTree, SgdState]:
         treedef, p_leaves, lr_t, ds, new_state = common(grads, state, params, f"{fn}.update")
-        new = [p.add(d, alpha=-lr_t) for p, d in zip(p_leaves, ds, strict=True)]  # p - lr * d, as torch
+        if isinstance(lr_t, torch.Tensor):  # a schedule's value in a compiled step: no alpha= for a tensor
+            # p + d * (-lr): addcmul with -lr in p's dtype rounds as add(alpha=-lr) does (bit for bit, eager)
+            new = [torch.addcmul(p, d, (-lr_t).to(p.dtype)) for p, d in zip(p_leaves, ds, strict=True)]
+        else:
+            new = [p.add(d, alpha=-lr_t) for p, d in zip(p_leaves, ds, strict=True)]  # p - lr * d, as torch
         return optree.tree_unflatten(treedef, new), new_state
 
     def state_specs(param_specs: PyTree) -> SgdState:

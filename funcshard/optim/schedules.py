@@ -1,4 +1,9 @@
-"""Learning-rate schedules: functions of the step count (an int or the 0-dim tensor the optimiser state holds)."""
+"""Learning-rate schedules: functions of the step count (an int or the 0-dim tensor the optimiser state holds).
+
+In a step recorded into a compiled graph (``shard_map(..., compile=...)``) the count is a tensor of the graph,
+whose value cannot be read: there a schedule returns a 0-dim float64 tensor computed from it by torch ops (the
+same float64 arithmetic as the Python floats of an eager step), as an optax schedule does under ``jax.jit``.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +13,7 @@ from typing import Any
 
 import torch
 
+from .._backend.base import tracing
 from .._errors import ConfigError
 from ._base import check_nonneg
 
@@ -20,9 +26,14 @@ def check_lr(fn: str, lr: Any) -> None:
         check_nonneg(fn, lr=lr)
 
 
-def lr_at(fn: str, lr: float | LrSchedule, count: torch.Tensor) -> float:
+def lr_at(fn: str, lr: float | LrSchedule, count: torch.Tensor) -> float | torch.Tensor:
+    """The learning rate at ``count``: a float, or (a compiled step, where ``count``'s value cannot be read) the
+    schedule's 0-dim tensor, unchecked."""
     if not callable(lr):
         return float(lr)
+    if isinstance(count, torch.Tensor) and tracing():
+        value = lr(count)
+        return value if isinstance(value, torch.Tensor) else float(value)
     value = float(lr(count))
     if not math.isfinite(value) or value < 0:
         raise ConfigError(f"{fn}: the lr schedule gave {value} at step {int(count)}; it must be finite and >= 0.")
@@ -31,6 +42,16 @@ def lr_at(fn: str, lr: float | LrSchedule, count: torch.Tensor) -> float:
 
 def _step_of(step: Any) -> int:
     return int(step)
+
+
+def _traced(step: Any) -> bool:
+    """Whether ``step`` is a count in a step being recorded into a graph (its value unreadable)."""
+    return isinstance(step, torch.Tensor) and tracing()
+
+
+def _warmup(s: torch.Tensor, init_lr: float, peak_lr: float, warmup_steps: int) -> torch.Tensor:
+    """``init_lr + (peak_lr - init_lr) * s / warmup_steps`` on a float64 count, as the Python floats compute it."""
+    return (peak_lr - init_lr) * s / max(warmup_steps, 1) + init_lr
 
 
 def constant(lr: float) -> LrSchedule:
@@ -55,7 +76,10 @@ def linear_warmup(peak_lr: float, warmup_steps: int, *, init_lr: float = 0.0) ->
     """
     check_nonneg("linear_warmup", peak_lr=peak_lr, warmup_steps=warmup_steps, init_lr=init_lr)
 
-    def schedule(step: Any) -> float:
+    def schedule(step: Any) -> float | torch.Tensor:
+        if _traced(step):  # [] float64
+            s = step.to(torch.float64)
+            return torch.where(s >= warmup_steps, float(peak_lr), _warmup(s, init_lr, peak_lr, warmup_steps))
         s = _step_of(step)
         if s >= warmup_steps:
             return float(peak_lr)
@@ -97,7 +121,13 @@ def warmup_cosine(
             f"linear_warmup."
         )
 
-    def schedule(step: Any) -> float:
+    def schedule(step: Any) -> float | torch.Tensor:
+        if _traced(step):  # [] float64
+            t = step.to(torch.float64)
+            progress = ((t - warmup_steps) / (total_steps - warmup_steps)).clamp(0.0, 1.0)
+            decay = (peak_lr - final_lr) * (0.5 * (1.0 + torch.cos(math.pi * progress))) + final_lr
+            decay = torch.where(t >= total_steps, float(final_lr), decay)
+            return torch.where(t < warmup_steps, _warmup(t, init_lr, peak_lr, warmup_steps), decay)
         s = _step_of(step)
         if s < warmup_steps:
             return init_lr + (peak_lr - init_lr) * s / warmup_steps
