@@ -294,3 +294,127 @@ def test_resume_with_optimizer_state_on_another_mesh(run, tmp_path) -> None:
     for got_loss, count in run(_resume_on_other_mesh_body, {"dp": 2, "tp": 2}, str(tmp_path / "ck")):
         torch.testing.assert_close(got_loss, loss, rtol=1e-5, atol=1e-6)
         assert int(count) == 2
+
+
+# ---------------------------------------------------------------------------------------------- Llama 3.1 RoPE
+
+LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0}
+# head_dim 8, theta 123: wavelengths 6.3, 21, 70 and 233 against 16 / 4 and 16 / 1: one pair blended, three scaled
+LLAMA3_SIZES = {**HF_SIZES, "num_key_value_heads": 2, "max_position_embeddings": 64}
+
+
+def _llama3_model(tmp_path, original: int | None = 16):
+    transformers = pytest.importorskip("transformers")
+    scaling = {**LLAMA3} if original is None else {**LLAMA3, "original_max_position_embeddings": original}
+    torch.manual_seed(1)
+    conf = transformers.LlamaConfig(**LLAMA3_SIZES, rope_scaling=scaling)
+    model = transformers.LlamaForCausalLM(conf).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(1 + 0.2 * torch.randn_like(p) if "norm" in name else 0.1 * torch.randn_like(p))
+    model.save_pretrained(tmp_path, safe_serialization=True)
+    return model
+
+
+@pytest.mark.parametrize("original", [16, None], ids=["original16", "original_absent"])
+def test_llama3_rope_scaling_equals_transformers(tmp_path, original: int | None) -> None:
+    from funcshard.models import llama
+
+    model = _llama3_model(tmp_path, original)
+    cfg, params = llama.from_hf(tmp_path)
+    want = 16 if original is not None else 64  # transformers: the context length when the field is absent
+    assert cfg.rope_scaling == llama.RopeScaling(8.0, 1.0, 4.0, want)
+    tokens = torch.randint(0, 96, (2, 40), generator=torch.Generator().manual_seed(4))  # past 16 positions
+    with torch.no_grad():
+        ref = model(tokens).logits
+    got = llama.forward(params, tokens, cfg)
+    torch.testing.assert_close(got, ref, rtol=1e-6, atol=1e-6)
+    plain = llama.forward(params, tokens, dataclasses.replace(cfg, rope_scaling=None))
+    assert (plain - ref).abs().max() > 1e-2  # the scaling changes the numbers: the check above can fail
+
+
+def test_llama3_rope_scaling_sharded_loss_and_grads(tmp_path) -> None:
+    from funcshard.models import llama
+    from funcshard.models.llama.hf import hf_names
+
+    model = _llama3_model(tmp_path)
+    cfg, params = llama.from_hf(tmp_path)
+    tokens, labels, targets = _tokens_and_labels(seq=32)
+    out = model(tokens, labels=labels)
+    out.loss.backward()
+    ref = {name: p.grad for name, p in model.named_parameters()}
+    mesh = fs.make_mesh({"cp": 2, "tp": 2}, backend="sim")  # cp: RoPE at this device's (traced) offset
+    specs, bs = llama.param_specs(cfg, mesh), llama.batch_spec(mesh)
+    f = fs.shard_map(
+        lambda p, t, y: llama.value_and_grad(p, t, y, cfg), mesh=mesh, in_specs=(specs, bs, bs), out_specs=(P(), specs)
+    )
+    loss, grads = fs.device_get(f(fs.device_put(params, mesh, specs), tokens, targets))
+    torch.testing.assert_close(loss, out.loss.detach(), rtol=1e-5, atol=1e-6)
+    for name, leaf, layer in hf_names(cfg):
+        got = grads[leaf] if layer is None else grads["layers"][leaf][layer]
+        torch.testing.assert_close(got, ref[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_llama3_rope_scaling_to_hf_and_back(tmp_path) -> None:
+    transformers = pytest.importorskip("transformers")
+    from funcshard.models import llama
+
+    cfg = llama.Config(96, 32, 2, 4, 2, 48, 64, rope_theta=123.0, rope_scaling=llama.RopeScaling(8.0, 1.0, 4.0, 16))
+    params = llama.init(fs.random.key(2), cfg)
+    llama.to_hf(params, cfg, tmp_path)
+    model = transformers.LlamaForCausalLM.from_pretrained(tmp_path).eval()
+    assert model.config.rope_parameters["rope_type"] == "llama3"
+    tokens = torch.randint(0, 96, (2, 40), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        torch.testing.assert_close(llama.forward(params, tokens, cfg), model(tokens).logits, rtol=1e-6, atol=1e-6)
+    assert llama.from_hf(tmp_path)[0] == cfg
+    assert llama.Config(**dataclasses.asdict(cfg)) == cfg  # a checkpoint's metadata gives the config back
+
+
+def test_llama3_rope_scaling_errors(tmp_path) -> None:
+    from funcshard.models import llama
+    from funcshard.models.llama.hf_config import config_from_hf
+
+    hf = {"model_type": "llama", "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 1}
+    hf |= {"num_attention_heads": 4, "vocab_size": 96}
+    with pytest.raises(fs.ConfigError, match=r"type 'llama3'.*missing \['factor'\]"):
+        config_from_hf({**hf, "rope_scaling": {"rope_type": "llama3", "low_freq_factor": 1, "high_freq_factor": 4}})
+    with pytest.raises(fs.ConfigError, match=r"high_freq_factor \(1\.0\) must be greater than low_freq_factor"):
+        config_from_hf({**hf, "rope_parameters": {**LLAMA3, "high_freq_factor": 1.0, "rope_theta": 5e5}})
+    with pytest.raises(fs.ConfigError, match=r"type 'yarn'"):
+        config_from_hf({**hf, "rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 5e5}})
+    with pytest.raises(fs.ConfigError, match=r"rope_scaling must be a RopeScaling"):
+        llama.Config(rope_scaling=8.0)
+
+
+# ---------------------------------------------------------------------------------------------- to_hf under dist
+
+
+def _to_hf_then_read_body(mesh: fs.Mesh, path: str) -> list[bool]:
+    from funcshard.models import llama
+
+    cfg = llama.Config(96, 32, 2, 4, 2, 48, 64)
+    params = llama.init(fs.random.key(2), cfg)
+    sharded = fs.device_put(params, mesh, llama.param_specs(cfg, mesh))
+    same = []
+    for i in range(3):  # each folder read by every process right after the save: no process reads a partial one
+        llama.to_hf(sharded, cfg, f"{path}/{i}", max_shard_bytes=20_000)
+        back = llama.from_hf(f"{path}/{i}")[1]
+        same.append(all(torch.equal(back["layers"][k], params["layers"][k]) for k in params["layers"]))
+    return same
+
+
+def test_to_hf_under_dist_is_read_back_by_every_process(tmp_path) -> None:
+    from _dist_pool import run_body
+
+    assert run_body("dist", _to_hf_then_read_body, {"tp": 2}, str(tmp_path)) == [[True] * 3] * 2
+
+
+def test_null_config_fields_read_as_transformers_does() -> None:
+    transformers = pytest.importorskip("transformers")
+    from funcshard.models.llama.hf_config import config_from_hf
+
+    hf = {"hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 1, "num_attention_heads": 4}
+    hf |= {"vocab_size": 96, "num_key_value_heads": None}
+    ref = transformers.LlamaConfig(**hf)
+    assert config_from_hf({"model_type": "llama", **hf}).n_kv_heads == ref.num_key_value_heads == 4

@@ -65,6 +65,7 @@ MODEL_FIELDS = (
     "ffn_dim",
     "max_seq_len",
     "rope_theta",
+    "rope_scaling",
     "norm_eps",
     "tie_embeddings",
     "init_std",

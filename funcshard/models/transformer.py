@@ -37,6 +37,7 @@ from .._remat import remat as rematerialize
 from .._vma import EMPTY, find_vma, one_op, set_vma
 from ..ops import column_parallel_linear, fsdp_gather, ring_attention, row_parallel_linear
 from .plan import ParallelPlan
+from .rope_scaling import RopeScaling
 
 __all__ = ["MLPS", "REMAT", "causal_attention", "rms_norm", "rope", "transformer_block", "use_params"]
 
@@ -82,23 +83,31 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def _rope_table(
-    s: int, hd: int, theta: float, offset: int | torch.Tensor, device: torch.device
+    s: int,
+    hd: int,
+    theta: float,
+    offset: int | torch.Tensor,
+    device: torch.device,
+    scaling: RopeScaling | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """RoPE's ``cos`` and ``sin`` at positions ``offset .. offset+s-1``: each ``[1, s, 1, hd/2]`` float32."""
+    """RoPE's ``cos`` and ``sin`` at positions ``offset .. offset+s-1``: each ``[1, s, 1, hd/2]`` float32; the
+    frequencies scaled by ``scaling`` (Llama 3.1's) when given."""
     inv = 1.0 / theta ** (torch.arange(0, hd, 2, dtype=torch.float32, device=device) / hd)  # [hd/2]
+    if scaling is not None:
+        inv = scaling.inv_freq(inv)  # [hd/2]
     pos = torch.arange(s, dtype=torch.float32, device=device) + offset  # [s]: this device's positions
     ang = pos[:, None] * inv  # [s, 1] * [hd/2] -> [s, hd/2]
     return ang.cos()[None, :, None, :], ang.sin()[None, :, None, :]  # [1, s, 1, hd/2]
 
 
-#: (s, hd, theta, offset, device) -> RoPE's (cos, sin): computed once, not twice in each layer of each step (the
-#: 13.2M Llama's 16 rope calls a step issued ~220 ops through the vma mode for the same two tables)
+#: (s, hd, theta, scaling, offset, device) -> RoPE's (cos, sin): computed once, not twice in each layer of each step
+#: (the 13.2M Llama's 16 rope calls a step issued ~220 ops through the vma mode for the same two tables)
 _ROPE_TABLES: dict[tuple[Any, ...], tuple[torch.Tensor, torch.Tensor]] = {}
 _ROPE_TABLES_MAX = 64  # distinct shapes kept (a sweep over many sequence lengths starts over past this)
 
 
 def _rope_cached(
-    x: torch.Tensor, s: int, hd: int, theta: float, offset: int | torch.Tensor
+    x: torch.Tensor, s: int, hd: int, theta: float, offset: int | torch.Tensor, scaling: RopeScaling | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`_rope_table`, kept from call to call where it is a plain constant: a Python ``int`` offset (not
     cp's traced position), a plain tensor ``x`` and no transform, graph capture or fake / proxy mode around
@@ -114,12 +123,12 @@ def _rope_cached(
         or torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is not None
         or torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.PROXY) is not None
     ):
-        return _rope_table(s, hd, theta, offset, x.device)
-    key = (s, hd, float(theta), offset, x.device)
+        return _rope_table(s, hd, theta, offset, x.device, scaling)
+    key = (s, hd, float(theta), scaling, offset, x.device)
     hit = _ROPE_TABLES.get(key)
     if hit is None:
         with torch._C.DisableTorchFunction(), _disable_current_modes(), torch.no_grad():
-            hit = _rope_table(s, hd, theta, offset, x.device)
+            hit = _rope_table(s, hd, theta, offset, x.device, scaling)
         if len(_ROPE_TABLES) >= _ROPE_TABLES_MAX:
             _ROPE_TABLES.clear()
         _ROPE_TABLES[key] = hit
@@ -134,8 +143,11 @@ def _rope_cached(
 
 
 @one_op  # one dispatch through the vma mode, not one per op inside (plain local math)
-def rope(x: torch.Tensor, theta: float, offset: int | torch.Tensor = 0) -> torch.Tensor:
-    """Rotary embedding of ``x [b, s, heads, hd]`` at positions ``offset .. offset+s-1`` (rotate-half form).
+def rope(
+    x: torch.Tensor, theta: float, offset: int | torch.Tensor = 0, scaling: RopeScaling | None = None
+) -> torch.Tensor:
+    """Rotary embedding of ``x [b, s, heads, hd]`` at positions ``offset .. offset+s-1`` (rotate-half form),
+    its frequencies scaled by ``scaling`` (Llama 3.1's, :class:`~funcshard.models.rope_scaling.RopeScaling`).
     The angle tables are computed once per shape and kept (see :func:`_rope_cached`); the numbers are those of
     computing them at each call.
 
@@ -145,7 +157,8 @@ def rope(x: torch.Tensor, theta: float, offset: int | torch.Tensor = 0) -> torch
         True
     """
     s, hd = x.shape[1], x.shape[-1]
-    cos, sin = _rope_cached(x, s, hd, theta, offset)  # [1, s, 1, hd/2] each
+    scaled = () if scaling is None else (scaling,)  # (plain RoPE: the five-argument call tests stand in for)
+    cos, sin = _rope_cached(x, s, hd, theta, offset, *scaled)  # [1, s, 1, hd/2] each
     x1, x2 = x.float().chunk(2, dim=-1)
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
 
@@ -204,6 +217,7 @@ def transformer_block(
     head_dim: int,
     norm_eps: float,
     rope_theta: float | None = None,
+    rope_scaling: RopeScaling | None = None,
     mlp: str = "swiglu",
     remat: str = "none",
     gather: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None = None,
@@ -219,6 +233,7 @@ def transformer_block(
         head_dim: the attention head size (q/k/v features are ``heads * head_dim``).
         norm_eps: RMSNorm's epsilon.
         rope_theta: the RoPE base; ``None``: no rotary embedding.
+        rope_scaling: Llama 3.1's scaling of the RoPE frequencies, or ``None`` (plain RoPE).
         mlp: a kind of :data:`MLPS`: ``"swiglu"`` or ``"gelu"``.
         remat: a key of :data:`REMAT`: ``"none"`` keeps the activations for the backward, ``"full"`` recomputes
             the block in the backward from its input (``fs.remat``, ``nothing_saveable``), ``"selective"`` keeps
@@ -245,7 +260,8 @@ def transformer_block(
     def block(x: torch.Tensor, p: dict[str, torch.Tensor]) -> torch.Tensor:
         if gather is not None:
             p = gather(p)  # [.., s/fsdp, ..] -> [.., s, ..], again in the backward's recomputation
-        return _block(x, p, plan, head_dim=head_dim, norm_eps=norm_eps, rope_theta=rope_theta, mlp=mlp)
+        rope_kw = {"rope_theta": rope_theta, "rope_scaling": rope_scaling}
+        return _block(x, p, plan, head_dim=head_dim, norm_eps=norm_eps, mlp=mlp, **rope_kw)
 
     policy = REMAT[remat]
     if gather is not None and policy is None:
@@ -264,6 +280,7 @@ def _block(
     head_dim: int,
     norm_eps: float,
     rope_theta: float | None,
+    rope_scaling: RopeScaling | None,
     mlp: str,
 ) -> torch.Tensor:
     up_names, act = MLPS[mlp]
@@ -277,7 +294,7 @@ def _block(
     q, k, v = (t.view(b, s, -1, head_dim) for t in qkv)
     if rope_theta is not None:
         offset = 0 if plan.cp is None else lax.axis_index(plan.cp) * s  # this device's first position
-        q, k = rope(q, rope_theta, offset), rope(k, rope_theta, offset)
+        q, k = rope(q, rope_theta, offset, rope_scaling), rope(k, rope_theta, offset, rope_scaling)
     o = causal_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), plan)  # [b, heads(/tp), s, hd]
     o = checkpoint_name(o.transpose(1, 2).reshape(b, s, -1), "attn_out")  # -> [b, s, heads(/tp)*hd]
     x = x + row_parallel_linear(o, p["wo"], axis=plan.tp, scatter_dim=sp)  # [b, s, h*hd(/tp)] -> [b, s(/tp), d]

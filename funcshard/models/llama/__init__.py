@@ -12,6 +12,7 @@ Example:
     (P(None, None, 'model'), P('data', None))
 """
 
+from ..rope_scaling import RopeScaling as RopeScaling
 from .config import Config as Config
 from .hf import from_hf as from_hf
 from .hf import to_hf as to_hf
@@ -25,6 +26,7 @@ from .sharding import param_specs as param_specs
 
 __all__ = [
     "Config",
+    "RopeScaling",
     "batch_spec",
     "forward",
     "from_hf",

@@ -7,6 +7,7 @@ from dataclasses import KW_ONLY, dataclass
 from ..._errors import ConfigError, ShardingError
 from ..._precision import Precision
 from ...pipeline.schedules import SCHEDULE_NAMES
+from ..rope_scaling import RopeScaling
 
 __all__ = ["Config"]
 
@@ -24,6 +25,8 @@ class Config:
         ffn_dim: SwiGLU hidden size.
         max_seq_len: longest sequence RoPE is prepared for.
         rope_theta: RoPE base.
+        rope_scaling: Llama 3.1's scaling of the RoPE frequencies (transformers' ``rope_type: "llama3"``): a
+            :class:`~funcshard.models.rope_scaling.RopeScaling` or a dict of its fields; ``None``: plain RoPE.
         norm_eps: RMSNorm epsilon.
         tie_embeddings: use the embedding table as the output head.
         sequence_parallel: with a ``tp`` axis, keep activations split along the sequence between blocks.
@@ -66,6 +69,7 @@ class Config:
     max_seq_len: int = 256
     _: KW_ONLY
     rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
     sequence_parallel: bool = False
@@ -77,6 +81,13 @@ class Config:
     precision: Precision | None = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.rope_scaling, dict):  # read back from a checkpoint's metadata (dataclasses.asdict)
+            object.__setattr__(self, "rope_scaling", RopeScaling.from_dict(self.rope_scaling))
+        elif self.rope_scaling is not None and not isinstance(self.rope_scaling, RopeScaling):
+            raise ConfigError(
+                f"llama.Config: rope_scaling must be a RopeScaling, a dict of its fields or None, found "
+                f"{self.rope_scaling!r}."
+            )
         if isinstance(self.precision, str):
             object.__setattr__(self, "precision", Precision.parse(self.precision))
         elif isinstance(self.precision, dict):  # read back from a checkpoint's metadata (dataclasses.asdict)

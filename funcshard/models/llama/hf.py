@@ -12,7 +12,8 @@ q/k/v heads are contiguous blocks of ``head_dim`` rows in both, and weights are 
 (``params["layers"]["wq"][i]`` is ``model.layers.{i}.self_attn.q_proj.weight``); SwiGLU's ``w1``, ``w3``,
 ``w2`` are ``gate_proj``, ``up_proj``, ``down_proj``.
 
-What funcshard's Llama cannot represent (biases, RoPE scaling, another architecture...) is refused with a
+Llama 3.1's RoPE scaling (``rope_type: "llama3"``) is read and written (``Config.rope_scaling``). What funcshard's
+Llama cannot represent (biases, other RoPE scalings, another architecture...) is refused with a
 :class:`~funcshard.ConfigError` naming the field of ``config.json`` or the tensor.
 
 Example:
@@ -38,7 +39,7 @@ from typing import Any
 
 import torch
 
-from ..._array import device_get
+from ..._array import Array, device_get
 from ..._errors import ConfigError
 from .config import Config
 from .hf_config import config_to_hf, model_folder, read_config, read_json
@@ -249,8 +250,11 @@ def to_hf(
 
     Writes ``config.json`` and the weights: ``model.safetensors``, or, above ``max_shard_bytes``, shards
     ``model-0000k-of-0000n.safetensors`` and ``model.safetensors.index.json``. Weight files an earlier save
-    left in the folder (``model*.safetensors``, the index) are replaced, as ``save_pretrained`` does. Under
-    ``"dist"`` every process must call it (``fs.device_get`` gathers); process 0 writes.
+    left in the folder (``model*.safetensors``, the index) are replaced, as ``save_pretrained`` does. With
+    ``fs.Array`` leaves on a ``"dist"`` mesh every process must call it (``fs.device_get`` gathers); process 0
+    writes and every process returns once the folder is complete (each may read it at once), raising process
+    0's error where its write failed. Plain tensors under torch.distributed: process 0 writes, the others
+    return at once (call it on every process, or on process 0 alone as with ``save_pretrained``).
 
     Args:
         params: the parameter tree of :func:`~funcshard.models.llama.init` / :func:`from_hf`: full tensors, or
@@ -273,12 +277,34 @@ def to_hf(
         ['config.json', 'model-00001-of-00007.safetensors', 'model-00002-of-00007.safetensors']
     """
     _check_params(params, cfg)
+    leaves = [v for k, v in params.items() if k != "layers"] + list(params["layers"].values())
+    together = any(isinstance(a, Array) and a.mesh.backend == "dist" for a in leaves)  # every process calls
     full = device_get(params)
     dtype = full["embed"].dtype if dtype is None else dtype
     hf = config_to_hf(cfg, dtype)  # ConfigError for a dtype it cannot write
-    if int(os.environ.get("RANK", "0")) != 0:
-        return
+    from ..._backend import dist as dist_backend
+
+    up = together or dist_backend.initialized()
     folder = Path(path).expanduser()
+    err: BaseException | None = None
+    if (dist_backend.process_rank() if up else int(os.environ.get("RANK", "0"))) == 0:
+        try:
+            _write_folder(folder, full, cfg, dtype, hf, max_shard_bytes)
+        except BaseException as e:  # noqa: BLE001 - re-raised below, after the other processes hear of it
+            err = e
+    if together:  # a collective: no process returns before the folder is complete
+        msg = dist_backend.broadcast_object(None if err is None else f"{type(err).__name__}: {err}")
+        if msg is not None and err is None:
+            raise ConfigError(f"to_hf: process 0 could not write '{folder}' ({msg}).")
+    if err is not None:
+        raise err
+
+
+def _write_folder(
+    folder: Path, full: PyTree, cfg: Config, dtype: torch.dtype, hf: dict[str, Any], max_shard_bytes: int
+) -> None:
+    """``to_hf``'s files: the weights of the full tensors ``full`` (in ``dtype``, sharded above
+    ``max_shard_bytes``), the index, and ``config.json`` (``hf``) last."""
     folder.mkdir(parents=True, exist_ok=True)
     shapes = param_shapes(cfg)
     table = {}  # hf name -> (shape, getter)

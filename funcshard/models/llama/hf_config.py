@@ -4,7 +4,8 @@ Both styles of transformers are read: 4 (``rope_theta``, ``rope_scaling``, ``tor
 (``rope_parameters``, ``dtype``), and :func:`config_to_hf` writes both. What funcshard's Llama cannot
 represent is a :class:`~funcshard.ConfigError` naming the field: another ``model_type`` or architecture,
 attention or MLP biases, an activation other than SiLU, a ``head_dim`` other than ``hidden_size /
-num_attention_heads``, RoPE scaling of any type but ``default``.
+num_attention_heads``, RoPE scaling of any type but ``default`` and Llama 3.1's ``llama3``
+(:class:`~funcshard.models.rope_scaling.RopeScaling`).
 
 Example:
     >>> from funcshard.models.llama import Config
@@ -17,6 +18,7 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from collections.abc import Mapping
@@ -26,6 +28,7 @@ from typing import Any
 import torch
 
 from ..._errors import ConfigError, FuncshardError
+from ..rope_scaling import RopeScaling
 from .config import Config
 
 __all__ = ["HF_DTYPES", "config_from_hf", "config_to_hf", "model_folder", "read_config", "read_json"]
@@ -34,8 +37,10 @@ HF_DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16:
 
 
 def _field(hf: Mapping[str, Any], name: str, where: str, default: Any = None, kind: type = int) -> Any:
-    """``hf[name]`` checked to be a ``kind`` (an int > 0, a float >= 0, a bool), or ``default`` when absent."""
-    value = hf.get(name, default)
+    """``hf[name]`` checked to be a ``kind`` (an int > 0, a float >= 0, a bool), or ``default`` when absent or
+    null (as transformers reads ``"num_key_value_heads": null``: as many as the query heads)."""
+    value = hf.get(name)
+    value = default if value is None else value
     if value is None:
         raise ConfigError(f"from_hf: {where} has no field '{name}'; a Llama config.json needs it.")
     number = isinstance(value, int | float) and not isinstance(value, bool)
@@ -50,10 +55,10 @@ def _field(hf: Mapping[str, Any], name: str, where: str, default: Any = None, ki
     return kind(value)
 
 
-def _rope_theta(hf: Mapping[str, Any], where: str) -> float:
-    """The RoPE base of transformers 4 (``rope_theta``, ``rope_scaling``) or 5 (``rope_parameters``);
-    ConfigError for any RoPE scaling (funcshard's RoPE is the plain one)."""
-    theta = hf.get("rope_theta", 10000.0)
+def _rope(hf: Mapping[str, Any], where: str) -> tuple[float, RopeScaling | None]:
+    """The RoPE base and scaling of transformers 4 (``rope_theta``, ``rope_scaling``) or 5 (``rope_parameters``);
+    ConfigError for any RoPE scaling but Llama 3.1's (``"llama3"``)."""
+    theta, scaling = hf.get("rope_theta", 10000.0), None
     for field in ("rope_scaling", "rope_parameters"):
         rp = hf.get(field)
         if rp is None:
@@ -61,10 +66,20 @@ def _rope_theta(hf: Mapping[str, Any], where: str) -> float:
         if not isinstance(rp, Mapping):
             raise ConfigError(f"from_hf: {where} field '{field}' must be an object or null, found {rp!r}.")
         kind = rp.get("rope_type", rp.get("type", "default"))
-        if kind != "default":
+        if kind == "llama3":
+            # transformers takes the context length for the pre-training one when the field is absent
+            rp = {"original_max_position_embeddings": hf.get("max_position_embeddings", 2048), **rp}
+            try:
+                scaling = RopeScaling.from_dict(rp)
+            except ConfigError as e:
+                raise ConfigError(
+                    f"from_hf: {where} field '{field}' asks for RoPE scaling of type 'llama3', whose fields do not "
+                    f"fit: {e}"
+                ) from None
+        elif kind != "default":
             raise ConfigError(
                 f"from_hf: {where} field '{field}' asks for RoPE scaling of type {kind!r}; funcshard's Llama has "
-                f"plain RoPE only (type 'default'); use a model without RoPE scaling."
+                f"plain RoPE (type 'default') and Llama 3.1's ('llama3') only; use a model with one of those."
             )
         if rp.get("partial_rotary_factor", 1.0) != 1.0:
             raise ConfigError(
@@ -72,7 +87,7 @@ def _rope_theta(hf: Mapping[str, Any], where: str) -> float:
                 f"funcshard's Llama rotates whole heads (1.0)."
             )
         theta = rp.get("rope_theta", theta)
-    return _field({"rope_theta": theta}, "rope_theta", where, kind=float)
+    return _field({"rope_theta": theta}, "rope_theta", where, kind=float), scaling
 
 
 def config_from_hf(hf: Mapping[str, Any], where: str = "config.json") -> Config:
@@ -125,6 +140,7 @@ def config_from_hf(hf: Mapping[str, Any], where: str = "config.json") -> Config:
             f"from_hf: {where} field 'head_dim' is {head_dim}, but funcshard's Llama has head_dim = hidden_size / "
             f"num_attention_heads = {dim} / {n_heads}; a model with another head_dim cannot be represented."
         )
+    theta, scaling = _rope(hf, where)
     try:
         return Config(
             vocab_size=_field(hf, "vocab_size", where),
@@ -134,7 +150,8 @@ def config_from_hf(hf: Mapping[str, Any], where: str = "config.json") -> Config:
             n_kv_heads=_field(hf, "num_key_value_heads", where, n_heads),
             ffn_dim=_field(hf, "intermediate_size", where),
             max_seq_len=_field(hf, "max_position_embeddings", where, 2048),
-            rope_theta=_rope_theta(hf, where),
+            rope_theta=theta,
+            rope_scaling=scaling,
             norm_eps=_field(hf, "rms_norm_eps", where, 1e-6, float),
             tie_embeddings=_field(hf, "tie_word_embeddings", where, False, bool),
             init_std=_field(hf, "initializer_range", where, 0.02, float),
@@ -160,6 +177,8 @@ def config_to_hf(cfg: Config, dtype: torch.dtype = torch.float32) -> dict[str, A
         raise ConfigError(
             f"to_hf: dtype {dtype} cannot be written; use torch.float32, torch.float16 or torch.bfloat16."
         )
+    scaling = {} if cfg.rope_scaling is None else dataclasses.asdict(cfg.rope_scaling)
+    kind = "default" if cfg.rope_scaling is None else "llama3"
     return {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
@@ -173,8 +192,8 @@ def config_to_hf(cfg: Config, dtype: torch.dtype = torch.float32) -> dict[str, A
         "max_position_embeddings": cfg.max_seq_len,
         "rms_norm_eps": cfg.norm_eps,
         "rope_theta": cfg.rope_theta,  # transformers 4
-        "rope_scaling": None,
-        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},  # transformers 5
+        "rope_scaling": None if cfg.rope_scaling is None else {"rope_type": kind, **scaling},
+        "rope_parameters": {"rope_type": kind, "rope_theta": cfg.rope_theta, **scaling},  # transformers 5
         "tie_word_embeddings": cfg.tie_embeddings,
         "hidden_act": "silu",
         "attention_bias": False,

@@ -165,6 +165,7 @@ def layer(
         head_dim=cfg.head_dim,
         norm_eps=cfg.norm_eps,
         rope_theta=cfg.rope_theta,
+        rope_scaling=cfg.rope_scaling,
         remat=cfg.remat,
         gather=gather,
     )  # [b, s(/tp), d] -> [b, s(/tp), d]
