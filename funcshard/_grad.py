@@ -30,6 +30,7 @@ Example:
 
 from __future__ import annotations
 
+import operator
 import types
 from collections.abc import Callable
 from typing import Any
@@ -99,7 +100,8 @@ def value_and_grad(
 
     Args:
         f: a function returning a scalar tensor (or ``(scalar, aux)`` with ``has_aux``).
-        argnums: which positional argument(s) to differentiate; an int or a tuple of ints.
+        argnums: which positional argument(s) to differentiate; an int or a tuple of ints (numpy integers
+            too), negative ones counting from the last argument.
         has_aux: ``f`` returns ``(value, aux)``; ``aux`` (any pytree) is passed through, not differentiated.
 
     Returns:
@@ -117,7 +119,23 @@ def value_and_grad(
     """
     if not callable(f):
         raise ConfigError(f"value_and_grad: expected a function as first argument, found {type(f).__name__}.")
+    if type(argnums) is not int and type(argnums) is not tuple:  # (the common forms pass as they are)
+        argnums = _as_ints(argnums)
     return _ValueAndGrad(f, argnums, _check_argnums(argnums), bool(has_aux))
+
+
+def _as_ints(argnums: Any) -> Any:
+    """numpy integers (``np.int64(1)``, JAX takes them) as ints, alone or in a tuple; anything else (bools,
+    floats, lists) unchanged, for the check to refuse."""
+
+    def one(i: Any) -> Any:
+        if isinstance(i, (bool, int, torch.Tensor)) or not hasattr(i, "__index__"):
+            return i
+        return operator.index(i)
+
+    if type(argnums) is tuple:
+        return tuple(one(i) for i in argnums)
+    return one(argnums)
 
 
 class _ValueAndGrad:

@@ -245,6 +245,10 @@ def test_value_and_grad_refuses_one_argument_twice_and_integer_leaves() -> None:
         fs.value_and_grad(f, argnums=(-1, 1))(a, b)
     _, (ga, gb) = fs.value_and_grad(f, argnums=(0, -1))(a, b)  # distinct: still fine
     assert torch.equal(ga, b * b) and torch.equal(gb, 2 * a * b)
+    # numpy integers, as JAX takes them (they were refused)
+    assert torch.equal(fs.value_and_grad(f, argnums=np.int64(1))(a, b)[1], gb)
+    _, (ga2, gb2) = fs.value_and_grad(f, argnums=(np.int32(0), np.int64(-1)))(a, b)
+    assert torch.equal(ga2, ga) and torch.equal(gb2, gb)
     loss = lambda p: (p["w"] ** 2).sum()  # noqa: E731
     for leaf, found in ((torch.tensor([1, 2]), "torch.int64 tensor"), (3, "value of type int")):
         with pytest.raises(fs.ConfigError, match=re.escape(f"argument 0 leaf 'k' is a {found}")):
