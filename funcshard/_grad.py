@@ -68,7 +68,7 @@ _ARGNUMS: dict[int, tuple[Any, tuple[int, ...]]] = {}
 
 
 def _checked_argnums(argnums: Any) -> tuple[int, ...]:
-    nums = (argnums,) if isinstance(argnums, int) and not isinstance(argnums, bool) else argnums
+    nums = (argnums,) if isinstance(argnums, int) and not isinstance(argnums, bool) else _as_ints(argnums)
     if (
         not isinstance(nums, tuple)
         or not nums
