@@ -138,8 +138,9 @@ class Precision:
 
     @classmethod
     def parse(cls, text: str) -> Precision:
-        """A policy from jmp's string form ``"params=float32,compute=bfloat16,output=float32"`` (also
-        ``reduce=``; a missing key takes the constructor's default), or a single dtype name for a plain
+        """A policy from jmp's string form ``"params=float32,compute=bfloat16,output=float32"`` (or its short
+        keys ``"p=f32,c=bf16,o=f32"``; also ``reduce=`` / ``r=``; a missing key takes the constructor's default,
+        where jmp's output would follow compute), or a single dtype name for a plain
         policy (``"float32"``: everything float32; ``"bf16"``: float32 parameters, bf16 compute).
 
         Raises:
@@ -155,6 +156,7 @@ class Precision:
             return cls(torch.float32 if dt != torch.float64 else dt, dt)
         keys = {"params": "param_dtype", "param": "param_dtype", "compute": "compute_dtype"}
         keys |= {"reduce": "reduce_dtype", "output": "output_dtype"}
+        keys |= {"p": "param_dtype", "c": "compute_dtype", "r": "reduce_dtype", "o": "output_dtype"}  # jmp's short keys
         kw: dict[str, Any] = {}
         for part in filter(None, (p.strip() for p in text.split(","))):
             k, _, v = part.partition("=")

@@ -421,6 +421,13 @@ def test_fold_in_of_axis_index_varies_over_the_axis(run) -> None:
     assert torch.equal(fsr.fold_in(fsr.key(0), torch.tensor(2**40)), fsr.fold_in(fsr.key(0), 2**40))
 
 
+def test_precision_parses_jmps_short_keys() -> None:
+    """jmp's short policy keys (``p=``, ``c=``, ``o=``; ``r=`` for the reduction), refused before."""
+    got = fs.Precision.parse("p=f32,c=bf16,o=f16,r=bf16")
+    assert got == fs.Precision(torch.float32, torch.bfloat16, torch.bfloat16, torch.float16)
+    assert fs.Precision.parse("p=f32, c=bf16") == fs.Precision.parse("params=float32,compute=bfloat16")
+
+
 # -------------------------------------------------------------------------------------------------- DTensor
 
 
