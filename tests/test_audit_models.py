@@ -10,6 +10,7 @@ state and resumed on another.
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import pytest
 import torch
@@ -418,3 +419,19 @@ def test_null_config_fields_read_as_transformers_does() -> None:
     hf |= {"vocab_size": 96, "num_key_value_heads": None}
     ref = transformers.LlamaConfig(**hf)
     assert config_from_hf({"model_type": "llama", **hf}).n_kv_heads == ref.num_key_value_heads == 4
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "needle"),
+    [
+        ("rope_theta", 0.0, "rope_theta must be a finite number > 0, found 0.0"),  # RoPE of infinite frequencies
+        ("rope_theta", float("nan"), "rope_theta must be a finite number > 0, found nan"),
+        ("norm_eps", -1e-5, "norm_eps must be a finite number >= 0"),  # rsqrt of a negative: NaN
+        ("tie_embeddings", "no", "tie_embeddings must be True or False, found 'no'"),  # a truthy string: tied
+    ],
+)
+def test_config_refuses_values_that_compute_garbage(field: str, value: object, needle: str) -> None:
+    from funcshard.models import llama
+
+    with pytest.raises(fs.ConfigError, match=re.escape(needle)):
+        llama.Config(**{field: value})

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import KW_ONLY, dataclass
 
 from ..._errors import ConfigError, ShardingError
@@ -117,6 +118,15 @@ class Config:
             raise ConfigError(f"llama.Config: pp_microbatches must be a positive int or None, found {m!r}.")
         if (self.dim // self.n_heads) % 2:
             raise ShardingError(f"llama.Config: the head dim {self.dim // self.n_heads} must be even for RoPE.")
+        for name, low in (("rope_theta", 0.0), ("norm_eps", None), ("init_std", None)):  # > 0, or >= 0 (None)
+            v = getattr(self, name)
+            real = isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
+            if not real or (v <= low if low is not None else v < 0):
+                want = "a finite number > 0" if low is not None else "a finite number >= 0"
+                raise ConfigError(f"llama.Config: {name} must be {want}, found {v!r}.")
+        for name in ("tie_embeddings", "sequence_parallel", "reshard_after_forward"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"llama.Config: {name} must be True or False, found {getattr(self, name)!r}.")
 
     def microbatches(self, pp: int) -> int:
         """The microbatches per step on a ``pp`` axis of size ``pp``: ``pp_microbatches``, or ``2 * pp``.
