@@ -119,15 +119,21 @@ def key(seed: int) -> torch.Tensor:
     return torch.tensor([seed >> 32, seed & _M], dtype=torch.int64)
 
 
-def split(key: torch.Tensor, n: int = 2) -> torch.Tensor:
-    """``n`` new keys, int64 ``[n, 2]``; row ``i`` equals ``fold_in(key, i)``.
+def split(key: torch.Tensor, n: int | Sequence[int] = 2) -> torch.Tensor:
+    """``n`` new keys, int64 ``[n, 2]``; row ``i`` equals ``fold_in(key, i)``. ``n`` may be a shape, as in
+    ``jax.random.split(key, (2, 3))``: keys ``[*n, 2]``, the row-major numbering of ``split(key, prod(n))``.
 
     Example:
         >>> k = key(0)
         >>> torch.equal(split(k, 3)[2], fold_in(k, 2))
         True
+        >>> split(k, (2, 3)).shape
+        torch.Size([2, 3, 2])
     """
     k = _check_key(key, "split")
+    if isinstance(n, (Sequence, torch.Size)):
+        shape = _check_shape(n, "split")
+        return _derive(k, torch.arange(math.prod(shape), dtype=torch.int64, device=k.device)).reshape(*shape, 2)
     n = operator.index(n)
     if n < 0:
         raise ConfigError(f"split: n must be >= 0, found {n}.")

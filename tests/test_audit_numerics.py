@@ -353,6 +353,8 @@ def test_default_shapes_and_many_keys_match_jax(jr: Any) -> None:
         assert fsr.normal(k, shape).shape == jr.normal(jk, shape).shape
     kd = lambda jkeys: np.asarray(jr.key_data(jkeys)).astype(np.int64)  # noqa: E731
     assert np.array_equal(fsr.split(k, 4099).numpy(), kd(jr.split(jk, 4099)))
+    for shape in ((2, 3), (0,), (4, 1, 2)):  # split into a shape of keys (was a TypeError)
+        assert np.array_equal(fsr.split(k, shape).numpy(), kd(jr.split(jk, shape)))
     assert np.array_equal(fsr.fold_in(k, 2**32 - 1).numpy(), kd(jr.fold_in(jk, 2**32 - 1)))
 
 
