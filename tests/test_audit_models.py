@@ -435,3 +435,33 @@ def test_config_refuses_values_that_compute_garbage(field: str, value: object, n
 
     with pytest.raises(fs.ConfigError, match=re.escape(needle)):
         llama.Config(**{field: value})
+
+
+def _softmax_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Causal softmax attention in q's dtype, grouped-query (jvp-able, unlike SDPA's fused CPU kernel)."""
+    g = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
+    s = (q @ k.transpose(-1, -2)) / q.shape[-1] ** 0.5  # [b, h, s, d] @ [b, h, d, s] -> [b, h, s, s]
+    s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool).triu(1), float("-inf"))
+    return s.softmax(-1) @ v  # [b, h, s, s] @ [b, h, s, d] -> [b, h, s, d]
+
+
+def test_ring_attention_under_vmap_and_jvp_keeps_float64() -> None:
+    from funcshard.ops import ring_attention, zigzag_indices, zigzag_inverse_indices
+
+    g = torch.Generator().manual_seed(6)
+    q, tq = (torch.randn(2, 4, 16, 8, generator=g, dtype=torch.float64) for _ in "qt")
+    k, v = (torch.randn(2, 1, 16, 8, generator=g, dtype=torch.float64) for _ in "kv")
+    zz, inv, spec = zigzag_indices(16, 2), zigzag_inverse_indices(16, 2), P(None, None, "cp")
+
+    def inner(q, k, v, tq):  # transforms the ring's Function has no rule for: autograd through the ring
+        out = torch.vmap(lambda q, k, v: ring_attention(q[None], k[None], v[None])[0])(q, k, v)
+        return out, torch.func.jvp(lambda q: ring_attention(q, k, v), (q,), (tq,))[1]
+
+    mesh = fs.make_mesh({"cp": 2}, backend="sim")
+    f = fs.shard_map(inner, mesh=mesh, in_specs=(spec,) * 4, out_specs=(spec, spec))
+    out, tangent = (fs.device_get(t).index_select(2, inv) for t in f(*(t.index_select(2, zz) for t in (q, k, v, tq))))
+    ref, ref_tangent = torch.func.jvp(lambda q: _softmax_attention(q, k, v), (q,), (tq,))
+    assert out.dtype == tangent.dtype == torch.float64
+    torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)  # float32 inside: 1e-7 off
+    torch.testing.assert_close(tangent, ref_tangent, rtol=1e-11, atol=1e-11)
