@@ -96,9 +96,11 @@ def _reduce_tensor(t: torch.Tensor, ctx: DeviceContext, axes: tuple[str, ...], o
     """One tensor of :func:`_reduce`: made varying over ``axes`` where the vma rule asks, reduced, tagged."""
     with torch._C.DisableTorchFunction():
         t, have = bind_operand(_prims.AllReduce, t, axes, ctx.device, ctx.check_vma, name)
+        if op == "sum" and t.dtype == torch.bool:  # a count of the True copies, as JAX (not their logical or)
+            t = t.to(torch.int32)
         y = _prims.call(prim, t, ctx.device, axes, op, name)  # [*s] -> [*s], invariant over axes
-        if name == "pmean":
-            y = y / _n(ctx, axes)
+        if name == "pmean":  # JAX's dtypes: floats keep theirs, int64 -> float64, other integers -> float32
+            y = (y.double() if y.dtype == torch.int64 else y) / _n(ctx, axes)
     return bind_result(_prims.AllReduce, y, have, axes)
 
 
@@ -106,7 +108,8 @@ def psum(x: PyTree, axis: _Axis) -> PyTree:
     """All-reduce sum over ``axis`` (forward); identity per device (backward, the transpose ``pvary``).
 
     The result is invariant over ``axis``. A value that is already invariant over ``axis`` is summed as the
-    ``n`` equal copies it stands for (``psum(1, "tp") == axis_size("tp")``).
+    ``n`` equal copies it stands for (``psum(1, "tp") == axis_size("tp")``). A bool tensor is summed as a
+    count of its Trues, in int32 (JAX's rule); other dtypes keep theirs.
 
     Example:
         >>> # inside shard_map over {"tp": 4}: y = fs.psum(x, "tp")  # [b, d] -> [b, d]
@@ -193,6 +196,8 @@ def psum_pending(x: torch.Tensor, axis: _Axis) -> torch.Tensor:
 
 def pmean(x: PyTree, axis: _Axis) -> PyTree:
     """All-reduce mean over ``axis`` (forward); identity / n per device (backward).
+
+    Floating dtypes keep theirs; integers and bools give float32, int64 gives float64 (JAX's dtypes).
 
     Example:
         >>> # loss = fs.pmean(local_loss, "dp")  # [] -> []
@@ -493,6 +498,11 @@ def psum_scatter(x: PyTree, axis: _Axis, *, dim: int = 0, tiled: bool = False) -
             raise ShardingError(
                 f"psum_scatter: dim {d} of shape {tuple(t.shape)} has size {t.shape[d]}, not divisible by the "
                 f"size {n} of {axes}; pad it to a multiple of {n}."
+            )
+        if t.dtype == torch.bool:  # (psum counts Trues as int32; a blockwise count is that psum's block)
+            raise ShardingError(
+                f"psum_scatter: a bool tensor of shape {tuple(t.shape)} has no sum (JAX refuses it too); cast it "
+                f"first, e.g. fs.psum_scatter(x.to(torch.int32), {axis!r}, ...) to count the Trues."
             )
         if not tiled and t.shape[d] != n:
             raise ShardingError(

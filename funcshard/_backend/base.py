@@ -21,7 +21,9 @@ __all__ = [
     "PeerError",
     "check_p2p",
     "default_timeout",
+    "from_order_key",
     "group_members",
+    "order_key",
     "overlap_last",
     "overlap_scope",
     "prefetch_scope",
@@ -32,6 +34,47 @@ __all__ = [
 ]
 
 DEFAULT_TIMEOUT = 300.0
+
+_KEY_DTYPES = {
+    torch.float64: torch.int64,
+    torch.float32: torch.int32,
+    torch.float16: torch.int16,
+    torch.bfloat16: torch.int16,
+}
+
+
+def order_key(x: torch.Tensor, op: str) -> torch.Tensor:
+    """Integers ordered as the floats ``x`` are (their bits, the non-sign bits of negatives flipped: -0 < +0), NaN
+    made the extreme that ``op`` (``"max"`` / ``"min"``) picks: the integer max / min of them over a group is the
+    float one with NaN propagated, as ``torch.maximum``, the same bits on every member and under both backends
+    (gloo's float max / min gave 1.0 for max(1, nan, 1, 2); NCCL's drop NaN). 16-bit floats in int32 (NCCL
+    has no int16).
+
+    Example:
+        >>> from_order_key(order_key(torch.tensor([-0.0, 2.0]), "max"), torch.float32)
+        tensor([-0., 2.])
+    """
+    kd = _KEY_DTYPES[x.dtype]
+    bits = x.contiguous().view(kd)
+    low = torch.iinfo(kd).max  # the non-sign bits
+    key = torch.where(bits < 0, bits ^ low, bits)  # [*s] -> [*s]
+    key = key.masked_fill(x.isnan(), low if op == "max" else -low - 1)
+    return key.to(torch.int32) if kd == torch.int16 else key
+
+
+def from_order_key(key: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The floats of ``dtype`` whose :func:`order_key` is ``key`` (the bit map is its own inverse); a NaN key
+    gives torch's NaN (positive, quiet).
+
+    Example:
+        >>> from_order_key(torch.tensor([2**31 - 1], dtype=torch.int32), torch.float32)
+        tensor([nan])
+    """
+    kd = _KEY_DTYPES[dtype]
+    key = key.to(kd)
+    low = torch.iinfo(kd).max
+    out = torch.where(key < 0, key ^ low, key).view(dtype)  # [*s] -> [*s]
+    return out.masked_fill_((key == low) | (key == -low - 1), float("nan"))
 
 
 class PeerError(ShardingError):

@@ -44,7 +44,9 @@ from .base import (
     PeerError,
     check_p2p,
     default_timeout,
+    from_order_key,
     group_members,
+    order_key,
     overlap_allowed,
     overlap_last,
     prefetching,
@@ -448,6 +450,8 @@ class DistDevice(DeviceHandle):
     def all_reduce(self, x: torch.Tensor, axes: tuple[str, ...], op: str) -> torch.Tensor:
         g, members, _, _ = self._group(axes)
         what = _REDUCE_NAMES[op]
+        if op != "sum" and x.is_floating_point():  # max / min of floats: NaN wins, as torch.maximum and sim
+            return from_order_key(self.all_reduce(order_key(x.detach(), op), axes, op), x.dtype)
         if _functional(op == "sum" and _in_backward()):
             # a gradient's sum (or any, in a compiled graph): issued now, waited for at its first use
             with _waiting(what, axes, members):

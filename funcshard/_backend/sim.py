@@ -35,7 +35,16 @@ import torch._functorch.eager_transforms as _eager
 import torch.autograd.forward_ad as fwAD
 
 from .._errors import ShardingError
-from .base import DeviceHandle, P2POp, P2PWork, check_p2p, default_timeout, group_members
+from .base import (
+    DeviceHandle,
+    P2POp,
+    P2PWork,
+    check_p2p,
+    default_timeout,
+    from_order_key,
+    group_members,
+    order_key,
+)
 
 __all__ = ["SimDevice", "SimWorld", "abandoned_threads"]
 
@@ -463,6 +472,12 @@ def _reduce(vals: list[torch.Tensor], op: str) -> torch.Tensor:
             out = torch.add(vals[0], vals[1])
             for v in vals[2:]:
                 out.add_(v)
+        elif vals[0].is_floating_point():  # NaN wins and -0 < +0, the same bits as under dist
+            fn = torch.maximum if op == "max" else torch.minimum
+            key = order_key(vals[0], op)
+            for v in vals[1:]:
+                fn(key, order_key(v, op), out=key)
+            out = from_order_key(key, vals[0].dtype)
         else:
             fn = torch.maximum if op == "max" else torch.minimum
             out = fn(vals[0], vals[1])

@@ -1,0 +1,171 @@
+"""Audit of the collectives against JAX's ``shard_map`` on what the fuzzer does not generate: dtypes other than
+float64 (bool, integers, 16-bit floats) and the special floats (NaN, signed zeros) through the reductions.
+
+Each body runs under ``sim`` and under ``dist`` (gloo); the oracle is ``jax.shard_map`` on 8 host devices
+(``jax.lax.psum`` / ``pmean`` / ``pmax`` / ``pmin``: their values and dtypes) or, where JAX has no rule (the
+gradient of ``pmax``) or its CPU collective differs from its own ``jnp.max`` (NaN), torch's reduction over
+the stacked blocks.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import funcshard as fs
+from funcshard import P
+
+MESH = {"a": 2, "b": 4}
+DTYPES = [torch.bool, torch.int8, torch.int32, torch.int64, torch.float16, torch.bfloat16]
+# (name, axis, out_spec): a reduction over one axis and over a tuple out of mesh order
+REDUCTIONS = [("psum", "b", P("a")), ("pmean", "b", P("a")), ("pmax", ("b", "a"), P()), ("pmin", "b", P("a"))]
+
+
+def _value(dt: torch.dtype) -> torch.Tensor:
+    """An [8, 4] value of ``dt`` with repeats (ties), negatives, and in int64 numbers float32 cannot hold."""
+    x = torch.arange(32).reshape(8, 4) % 5 - 2
+    if dt == torch.int64:
+        return x + 2**40 + 1  # pmean must not round through float32
+    return x.to(dt)
+
+
+def _reductions_body(mesh: fs.Mesh) -> dict[tuple[str, str], torch.Tensor]:
+    out = {}
+    for dt in DTYPES:
+        for name, axis, out_spec in REDUCTIONS:
+            f = fs.shard_map(
+                lambda v, name=name, axis=axis: getattr(fs, name)(v, axis),
+                mesh=mesh,
+                in_specs=(P(("a", "b")),),
+                out_specs=out_spec,
+            )
+            out[str(dt), name] = fs.device_get(f(_value(dt)))
+    return out
+
+
+def _jax_reductions() -> dict[tuple[str, str], torch.Tensor]:
+    """The same reductions by ``jax.shard_map`` (x64 on, so int64 stays int64 as in torch)."""
+    os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+    jax = pytest.importorskip("jax")
+    import ml_dtypes
+    import numpy as np
+    from jax.sharding import PartitionSpec
+
+    if len(jax.devices()) < 8:
+        pytest.skip("jax was imported before XLA_FLAGS asked for 8 host devices")
+    mesh = jax.make_mesh((2, 4), ("a", "b"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    out = {}
+    with jax.enable_x64(True):
+        for dt in DTYPES:
+            x = _value(dt)
+            a = x.float().numpy().astype(ml_dtypes.bfloat16) if dt == torch.bfloat16 else x.numpy()
+            for name, axis, out_spec in REDUCTIONS:
+                f = jax.shard_map(
+                    lambda v, name=name, axis=axis: getattr(jax.lax, name)(v, axis),
+                    mesh=mesh,
+                    in_specs=(PartitionSpec(("a", "b")),),
+                    out_specs=PartitionSpec(*out_spec),
+                )
+                r = np.asarray(f(jax.numpy.asarray(a)))
+                got = torch.from_numpy(r.astype(np.float32)).bfloat16() if r.dtype == ml_dtypes.bfloat16 else None
+                out[str(dt), name] = got if got is not None else torch.from_numpy(r.copy())
+    return out
+
+
+def test_reduction_dtypes_match_jax(run) -> None:
+    """psum of bool counts the Trues in int32 (it was a logical or: pmean of bools gave 1/n), pmean of int64
+    is float64 (it was float32: 2**40 + 1 rounded), other dtypes keep JAX's; the same under sim and dist."""
+    want = _jax_reductions()
+    for got in run(_reductions_body, MESH):
+        for key, w in want.items():
+            g = got[key]
+            assert g.dtype == w.dtype and g.shape == w.shape, (key, g.dtype, w.dtype, g.shape, w.shape)
+            assert torch.equal(g, w), (key, g, w)
+
+
+def test_psum_scatter_of_bool_raises() -> None:
+    """JAX refuses a bool psum_scatter; funcshard summed it as a logical or. Now a ShardingError with the fix."""
+    mesh = fs.make_mesh(MESH, backend="sim")
+    f = fs.shard_map(lambda v: fs.psum_scatter(v, "b", tiled=True), mesh=mesh, in_specs=(P(),), out_specs=P("b"))
+    with pytest.raises(fs.ShardingError, match=r"psum_scatter: a bool tensor of shape \(8, 4\).*torch.int32"):
+        f(torch.ones(8, 4, dtype=torch.bool))
+
+
+_SPECIAL = [0.0, -0.0, float("inf"), -float("inf"), float("nan"), 1e-40, -1e-40, 3.0]
+_BITS = {2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _special_value(dt: torch.dtype) -> torch.Tensor:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(4, 64, generator=g).to(dt)
+    special = torch.tensor(_SPECIAL).to(dt)
+    pick = torch.randint(0, len(_SPECIAL), (4, 64), generator=g)
+    return torch.where(torch.rand(4, 64, generator=g) < 0.4, special[pick], x)
+
+
+def _special_body(mesh: fs.Mesh) -> dict[tuple[str, str], torch.Tensor]:
+    out = {}
+    for dt in (torch.float32, torch.float64, torch.float16, torch.bfloat16):
+        for name in ("pmax", "pmin"):
+            f = fs.shard_map(
+                lambda v, name=name: getattr(fs, name)(v, "b"), mesh=mesh, in_specs=(P("b"),), out_specs=P()
+            )
+            out[str(dt), name] = fs.device_get(f(_special_value(dt)))[0]
+    return out
+
+
+def _special_ref(x: torch.Tensor, name: str) -> torch.Tensor:
+    """torch.amax / amin over the blocks (NaN wins), with IEEE's order of the zeros (-0 < +0)."""
+    ref = x.amax(0) if name == "pmax" else x.amin(0)
+    pos0 = ((x == 0) & ~x.signbit()).any(0)
+    neg0 = ((x == 0) & x.signbit()).any(0)
+    zero = torch.where(pos0 if name == "pmax" else ~neg0, 0.0, -0.0).to(x.dtype)
+    ref = torch.where(ref == 0, zero, ref)
+    return torch.where(x.isnan().any(0), float("nan"), ref).to(x.dtype)
+
+
+def test_pmax_pmin_nan_and_zeros(run) -> None:
+    """pmax / pmin of floats with NaN, infinities, signed zeros and denormals: NaN wins as in torch.amax,
+    bit for bit the same under sim and dist. gloo's own float max gave max(1, nan, 1, 2) = 1.0 and
+    min(-inf, 1, 1, nan) = 1.0, where sim gave NaN."""
+    for got in run(_special_body, {"b": 4}):
+        for (dt, name), g in got.items():
+            want = _special_ref(_special_value(getattr(torch, dt.split(".")[1])), name)
+            assert torch.equal(g.view(_BITS[g.element_size()]), want.view(_BITS[want.element_size()])), (dt, name)
+
+
+def _ties_body(mesh: fs.Mesh) -> dict[str, torch.Tensor]:
+    """pmax / pmin over a tuple out of mesh order, with ties between devices: value and gradient."""
+    x = torch.tensor([[1.0, 3, 3, 2], [3, 1, 2, 3]], dtype=torch.float64).repeat(4, 1)
+    ct = torch.linspace(-1, 2, 4, dtype=torch.float64).reshape(1, 4)
+    out = {}
+    for name in ("pmax", "pmin"):
+        f = fs.shard_map(
+            lambda v, name=name: getattr(fs, name)(v, ("b", "a")),
+            mesh=mesh,
+            in_specs=(P(("a", "b")),),
+            out_specs=P(),
+        )
+        xr = x.clone().requires_grad_(True)
+        y = fs.device_get(f(xr))
+        (g,) = torch.autograd.grad((y * ct).sum(), xr)
+        out[name] = torch.cat([y.detach(), g])
+    return out
+
+
+def test_pmax_pmin_ties_gradient(run) -> None:
+    """The cotangent is split evenly between the devices holding the extreme, as torch.amax's backward."""
+    x = torch.tensor([[1.0, 3, 3, 2], [3, 1, 2, 3]], dtype=torch.float64).repeat(4, 1)
+    ct = torch.linspace(-1, 2, 4, dtype=torch.float64).reshape(1, 4)
+    results = run(_ties_body, MESH)
+    for rank, got in enumerate(results):
+        # under dist a process's gradient of the full input holds its own block only: row `rank` of P(("a", "b"))
+        rows = slice(None) if len(results) == 1 else slice(rank, rank + 1)
+        for name, red in (("pmax", torch.amax), ("pmin", torch.amin)):
+            xr = x.clone().requires_grad_(True)
+            y = red(xr, 0, keepdim=True)
+            (g,) = torch.autograd.grad((y * ct).sum(), xr)
+            torch.testing.assert_close(got[name][:1], y.detach(), rtol=0, atol=0)
+            torch.testing.assert_close(got[name][1:][rows], g[rows], rtol=0, atol=1e-15)
