@@ -465,3 +465,21 @@ def test_ring_attention_under_vmap_and_jvp_keeps_float64() -> None:
     assert out.dtype == tangent.dtype == torch.float64
     torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)  # float32 inside: 1e-7 off
     torch.testing.assert_close(tangent, ref_tangent, rtol=1e-11, atol=1e-11)
+
+
+def test_int32_targets_on_every_mesh() -> None:
+    """Token ids as int32 (what tokenizers and funcshard's data give): the same loss with or without a tp axis
+    (F.cross_entropy alone takes int64 only; the sharded path took int32 already)."""
+    from funcshard.models import llama
+
+    cfg = llama.Config(vocab_size=64, dim=32, n_layers=1, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=16)
+    params = llama.init(fs.random.key(0), cfg)
+    tokens = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(7), dtype=torch.int32)
+    targets = tokens.roll(-1, 1)
+    targets[0, :3] = -100
+    want = llama.loss(params, tokens.long(), targets.long(), cfg)
+    torch.testing.assert_close(llama.loss(params, tokens, targets, cfg), want, rtol=0, atol=0)
+    mesh = fs.make_mesh({"tp": 2}, backend="sim")
+    specs, bs = llama.param_specs(cfg, mesh), llama.batch_spec(mesh)
+    f = fs.shard_map(lambda p, t, y: llama.loss(p, t, y, cfg), mesh=mesh, in_specs=(specs, bs, bs), out_specs=P())
+    torch.testing.assert_close(fs.device_get(f(params, tokens, targets)), want, rtol=1e-6, atol=1e-6)

@@ -375,6 +375,7 @@ def _local_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, ignore_inde
     op's reductions."""
     flat = logits.reshape(-1, logits.shape[-1])  # [..., V] -> [N, V]
     flat = flat.to(torch.promote_types(flat.dtype, torch.float32))
+    labels = labels if labels.dtype == torch.long else labels.long()  # int32 ids too, as with an axis
     if reduction == "none":
         loss = F.cross_entropy(flat, labels.reshape(-1), ignore_index=ignore_index, reduction="none")  # [N]
         return loss.view(labels.shape)
