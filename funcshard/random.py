@@ -448,20 +448,39 @@ def normal(
     return _finish(torch.tensor(math.sqrt(2), dtype=dtype) * e, axes)
 
 
-def bernoulli(key: torch.Tensor, p: float = 0.5, shape: _Shape | None = None, *, spec: P | None = None) -> torch.Tensor:
+def bernoulli(
+    key: torch.Tensor, p: float | torch.Tensor = 0.5, shape: _Shape | None = None, *, spec: P | None = None
+) -> torch.Tensor:
     """Bool samples that are True with probability ``p``: ``jax.random.bernoulli(key, p, shape)``
-    (``uniform(key, shape) < p`` in float32). ``p`` is one number; ``shape=None`` draws one value (shape ``()``).
+    (``uniform(key, shape, dtype) < p``). ``p`` is a number (``dtype`` float32; ``shape=None``: one value) or a
+    floating tensor of the global shape or broadcastable to it (``dtype`` its own, as JAX draws in ``p``'s dtype;
+    ``shape=None``: ``p.shape``), the same on every device; with ``spec`` each device compares its block.
 
     Example:
         >>> b = bernoulli(key(0), 0.25, (100_000,))
         >>> b.dtype, abs(float(b.float().mean()) - 0.25) < 0.01
         (torch.bool, True)
+        >>> bernoulli(key(0), torch.tensor([0.0, 1.0]))
+        tensor([False,  True])
     """
-    p = float(p)
-    if not 0.0 <= p <= 1.0:
-        raise ConfigError(f"bernoulli: p must lie in [0, 1], found {p}.")
-    x0, x1, axes = _words(key, () if shape is None else shape, spec, "bernoulli")
-    return _finish(_unit(x0, x1, torch.float32) < torch.tensor(p, dtype=torch.float32), axes)
+    if not isinstance(p, torch.Tensor) or (p.dim() == 0 and not p.is_floating_point()):
+        p = float(p)
+        if not 0.0 <= p <= 1.0:
+            raise ConfigError(f"bernoulli: p must lie in [0, 1], found {p}.")
+        x0, x1, axes = _words(key, () if shape is None else shape, spec, "bernoulli")
+        return _finish(_unit(x0, x1, torch.float32) < torch.tensor(p, dtype=torch.float32), axes)
+    if p.dtype not in _FLOAT_BITS:
+        raise ConfigError(f"bernoulli: a tensor p must have a floating dtype (as JAX's), found {p.dtype}.")
+    shape = tuple(p.shape) if shape is None else _check_shape(shape, "bernoulli")
+    try:
+        full = p.expand(shape)  # [*p.shape] -> [*shape], broadcast as JAX does
+    except RuntimeError:
+        raise ConfigError(f"bernoulli: p of shape {tuple(p.shape)} does not broadcast to shape {shape}.") from None
+    x0, x1, axes = _words(key, shape, spec, "bernoulli")
+    if spec is not None:  # this device's block of p (spec checked by _words)
+        ctx = maybe_current()
+        full = full[tuple(shard_slices(shape, spec, ctx.mesh.shape, ctx.device.coords))]
+    return _finish(_unit(x0, x1, p.dtype) < full, axes)
 
 
 def randint(

@@ -403,6 +403,35 @@ def test_default_shapes_and_many_keys_match_jax(jr: Any) -> None:
     assert np.array_equal(fsr.fold_in(k, 2**32 - 1).numpy(), kd(jr.fold_in(jk, 2**32 - 1)))
 
 
+def test_bernoulli_with_a_tensor_p_is_jax(jr: Any) -> None:
+    """A tensor ``p`` (it raised 'only one element tensors can be converted'): drawn in ``p``'s dtype, of ``p``'s
+    shape or broadcast to ``shape``, as ``jax.random.bernoulli``; sharded blocks compare their block of ``p``."""
+    import jax.numpy as jnp
+
+    k, jk = fsr.key(7), jr.key(7)
+    cases = [
+        (torch.full((1000,), 0.3, dtype=torch.float16), None),
+        (torch.full((300,), 0.6, dtype=torch.bfloat16), None),
+        (torch.linspace(0, 1, 12).reshape(3, 4), None),
+        (torch.linspace(0, 1, 4), (3, 4)),
+    ]
+    for p, shape in cases:
+        pj = jnp.asarray(p.float().numpy()).astype(
+            {torch.float16: jnp.float16, torch.bfloat16: jnp.bfloat16}.get(p.dtype, jnp.float32)
+        )
+        assert np.array_equal(fsr.bernoulli(k, p, shape).numpy(), np.asarray(jr.bernoulli(jk, pj, shape)))
+    mesh = fs.make_mesh(MESH, backend="sim")
+    pp = torch.rand(4, 6, generator=torch.Generator().manual_seed(0))
+    f = fs.shard_map(
+        lambda key: fsr.bernoulli(key, pp, spec=P("dp", "tp")), mesh=mesh, in_specs=(P(),), out_specs=P("dp", "tp")
+    )
+    assert torch.equal(fs.device_get(f(k)), fsr.bernoulli(k, pp))
+    with pytest.raises(fs.ConfigError, match="floating dtype"):
+        fsr.bernoulli(k, torch.tensor([1, 0]))
+    with pytest.raises(fs.ConfigError, match="does not broadcast"):
+        fsr.bernoulli(k, torch.ones(3), (2,))
+
+
 def test_negative_seeds_are_jax_x64_keys() -> None:
     """A negative seed is a 64-bit two's complement, as JAX with ``jax_enable_x64`` makes its key (JAX's default,
     32-bit seeds, would give ``[0, seed % 2**32]`` instead: the docstring of ``key`` says which one we follow)."""
