@@ -255,14 +255,14 @@ def _sharded_step(mesh: fs.Mesh, cfg, opt):
     return f, fs.shard_map(opt.init, mesh=mesh, in_specs=(specs,), out_specs=sspecs), specs
 
 
-def _resume_on_other_mesh_body(mesh: fs.Mesh, path: str) -> tuple:
+def _resume_on_other_mesh_body(mesh: fs.Mesh, path: str, other_shape: dict[str, int]) -> tuple:
     cfg, opt, params, tokens, targets = _llama_adamw_setup()
-    step, init, specs = _sharded_step(mesh, cfg, opt)  # dp=2 x tp=2
+    step, init, specs = _sharded_step(mesh, cfg, opt)
     p = fs.device_put(params, mesh, specs)
     _, p, s = step(p, init(p), tokens, targets)
     fs.checkpoint.save(path, {"params": p, "opt_state": s, "step": 1})
     saved = fs.device_get((p, s))
-    other = fs.make_mesh({"fsdp": 2, "cp": 2}, backend=mesh.backend)
+    other = fs.make_mesh(other_shape, backend=mesh.backend)
     step2, init2, specs2 = _sharded_step(other, cfg, opt)
     like_p = fs.device_put(fs.pytree.tree_map(torch.zeros_like, params), other, specs2)
     tree = fs.checkpoint.load(path, {"params": like_p, "opt_state": init2(like_p), "step": 0})
@@ -284,7 +284,7 @@ def _assert_equal_trees(a, b) -> None:
         assert x.dtype == y.dtype and torch.equal(x, y), path
 
 
-def test_resume_with_optimizer_state_on_another_mesh(run, tmp_path) -> None:
+def test_resume_with_optimizer_state_on_another_mesh(run, backend: str, tmp_path) -> None:
     from funcshard.models import llama
 
     cfg, opt, params, tokens, targets = _llama_adamw_setup()
@@ -292,7 +292,9 @@ def test_resume_with_optimizer_state_on_another_mesh(run, tmp_path) -> None:
     for _ in range(2):  # the unsharded run: the loss of its second step
         loss, grads = fs.value_and_grad(llama.loss)(p, tokens, targets, cfg)
         p, s = opt.update(grads, s, p)
-    for got_loss, count in run(_resume_on_other_mesh_body, {"dp": 2, "tp": 2}, str(tmp_path / "ck")):
+    # sim: dp2 x tp2 -> fsdp2 x cp2; dist (fewer processes to start): tp2 -> fsdp2
+    a, b = ({"dp": 2, "tp": 2}, {"fsdp": 2, "cp": 2}) if backend == "sim" else ({"tp": 2}, {"fsdp": 2})
+    for got_loss, count in run(_resume_on_other_mesh_body, a, str(tmp_path / "ck"), b):
         torch.testing.assert_close(got_loss, loss, rtol=1e-5, atol=1e-6)
         assert int(count) == 2
 
