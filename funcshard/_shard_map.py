@@ -19,6 +19,7 @@ from collections.abc import Callable
 from typing import Any
 
 import optree
+import torch
 
 from ._arraytype import Array, is_array
 from ._compile import CompiledBody, compile_options, warn_sim
@@ -107,6 +108,9 @@ def shard_map(
     return mapped
 
 
+_transforms_active = torch._C._are_functorch_transforms_active
+
+
 def _call(
     f: Callable[..., Any],
     mesh: Mesh,
@@ -126,6 +130,13 @@ def _call(
         raise ShardingError(
             f"{name}: called inside another shard_map; nesting is not supported. Call the inner function "
             f"directly on the local shards, using collectives for communication."
+        )
+    if _transforms_active():  # (sim: the devices' threads are outside the transform, jvp gave a zero tangent)
+        raise ShardingError(
+            f"{name}: called inside a torch.func transform (grad / vjp / jvp / vmap) from outside shard_map, "
+            f"which does not reach the devices' computation. Differentiate from outside with torch.autograd "
+            f"(loss.backward(), torch.autograd.grad) or torch.autograd.forward_ad, or fs.value_and_grad; or "
+            f"apply the torch.func transform inside f, on the local shards."
         )
     if not donate and compiled is None and mesh.backend == "dist":  # the common step: one device, no donation
         sig, leaves = cache.signature(name, mesh, in_specs, args)

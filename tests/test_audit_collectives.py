@@ -169,3 +169,48 @@ def test_pmax_pmin_ties_gradient(run) -> None:
             (g,) = torch.autograd.grad((y * ct).sum(), xr)
             torch.testing.assert_close(got[name][:1], y.detach(), rtol=0, atol=0)
             torch.testing.assert_close(got[name][1:][rows], g[rows], rtol=0, atol=1e-15)
+
+
+def _outside_body(mesh: fs.Mesh) -> dict[str, object]:
+    """torch.func transforms around a shard_map call (from outside): a ShardingError naming the alternatives;
+    forward-mode torch.autograd.forward_ad from outside: the tangent of the global function."""
+    import torch.autograd.forward_ad as fwad
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(8, 4, dtype=torch.float64, generator=g)
+    w = torch.randn(4, 4, dtype=torch.float64, generator=g)
+    f = fs.shard_map(
+        lambda x, w: fs.psum(torch.tanh(x @ w).sum(0), ("a", "b")),  # [8/n, 4] @ [4, 4] -> [4], summed
+        mesh=mesh,
+        in_specs=(P(("a", "b")), P()),
+        out_specs=P(),
+    )
+
+    def loss(w: torch.Tensor) -> torch.Tensor:
+        return fs.device_get(f(x, w)).pow(2).sum()
+
+    out: dict[str, object] = {}
+    for name, call in (
+        ("grad", lambda: torch.func.grad(loss)(w)),
+        ("jvp", lambda: torch.func.jvp(loss, (w,), (torch.ones_like(w),))),  # sim gave a zero tangent
+        ("vmap", lambda: torch.func.vmap(loss)(torch.stack([w, 2 * w]))),
+    ):
+        try:
+            call()
+            out[name] = "no error"
+        except fs.ShardingError as e:
+            out[name] = str(e)
+    with fwad.dual_level():
+        out["tangent"] = fwad.unpack_dual(loss(fwad.make_dual(w, torch.ones_like(w)))).tangent
+    return out
+
+
+def test_torch_func_around_shard_map_raises(run) -> None:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(8, 4, dtype=torch.float64, generator=g)
+    w = torch.randn(4, 4, dtype=torch.float64, generator=g)
+    _, want = torch.func.jvp(lambda w: torch.tanh(x @ w).sum(0).pow(2).sum(), (w,), (torch.ones_like(w),))
+    for got in run(_outside_body, {"a": 2, "b": 2}):
+        for name in ("grad", "jvp", "vmap"):
+            assert "inside a torch.func transform" in got[name] and "torch.autograd" in got[name], got[name]
+        torch.testing.assert_close(got["tangent"], want, rtol=1e-12, atol=1e-12)
