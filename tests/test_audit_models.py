@@ -485,3 +485,54 @@ def test_int32_targets_on_every_mesh() -> None:
     specs, bs = llama.param_specs(cfg, mesh), llama.batch_spec(mesh)
     f = fs.shard_map(lambda p, t, y: llama.loss(p, t, y, cfg), mesh=mesh, in_specs=(specs, bs, bs), out_specs=P())
     torch.testing.assert_close(fs.device_get(f(params, tokens, targets)), want, rtol=1e-6, atol=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------- transforms
+
+
+def test_attention_under_jvp_hessian_and_grad_of_grad() -> None:
+    """SDPA's fused CPU kernel has no forward-mode rule and no double backward: torch.func.jvp, hessian and
+    grad-of-grad of ops.attention raised NotImplementedError; now equal to the written-out softmax."""
+    g = torch.Generator().manual_seed(8)
+    q, t = (torch.randn(1, 4, 6, 8, generator=g, dtype=torch.float64) for _ in "qt")
+    k, v = (torch.randn(1, 2, 6, 8, generator=g, dtype=torch.float64) for _ in "kv")
+
+    def square(fn):  # a scalar of q, through attention
+        return lambda q: fn(q, k, v).pow(2).sum()
+
+    fs_attn = lambda q, k, v: attention(q, k, v, causal=True)  # noqa: E731
+    out, tangent = torch.func.jvp(lambda q: fs_attn(q, k, v), (q,), (t,))
+    ref, ref_tangent = torch.func.jvp(lambda q: _softmax_attention(q, k, v), (q,), (t,))
+    torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(tangent, ref_tangent, rtol=1e-12, atol=1e-12)
+    hvp = torch.func.hessian(square(fs_attn))(q)
+    torch.testing.assert_close(hvp, torch.func.hessian(square(_softmax_attention))(q), rtol=1e-10, atol=1e-10)
+    gg = torch.func.grad(lambda q: torch.func.grad(square(fs_attn))(q).sum())(q)
+    ref_gg = torch.func.grad(lambda q: torch.func.grad(square(_softmax_attention))(q).sum())(q)
+    torch.testing.assert_close(gg, ref_gg, rtol=1e-10, atol=1e-10)
+    with torch.no_grad():  # no transform: SDPA itself, as before
+        assert torch.equal(
+            attention(q, k, v), F.scaled_dot_product_attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1))
+        )
+
+
+def test_llama_jvp_is_the_gradient_along_the_tangent() -> None:
+    """torch.func.jvp of llama.loss (forward-mode, as jax.jvp), unsharded and inside shard_map on tp=2, equals
+    the reverse-mode gradient dotted with the tangent."""
+    from funcshard.models import llama
+
+    cfg = llama.Config(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=16)
+    params = fs.pytree.tree_map(lambda x: x.double(), llama.init(fs.random.key(0), cfg))
+    g = torch.Generator().manual_seed(9)
+    tangent = fs.pytree.tree_map(lambda x: torch.randn(x.shape, generator=g, dtype=x.dtype), params)
+    tokens = torch.randint(0, 64, (2, 8), generator=g)
+    targets = tokens.roll(-1, 1)
+    _, grads = fs.value_and_grad(llama.loss)(params, tokens, targets, cfg)
+    leaves = lambda tree: [x for _, x in fs.pytree.leaves_with_path(tree)]  # noqa: E731
+    want = sum((a * b).sum() for a, b in zip(leaves(grads), leaves(tangent), strict=True))
+    jvp = lambda p, t, x, y: torch.func.jvp(lambda p: llama.loss(p, x, y, cfg), (p,), (t,))[1]  # noqa: E731
+    torch.testing.assert_close(jvp(params, tangent, tokens, targets), want, rtol=1e-5, atol=0)  # RMSNorm in fp32
+    mesh = fs.make_mesh({"tp": 2}, backend="sim")
+    specs, bs = llama.param_specs(cfg, mesh), llama.batch_spec(mesh)
+    f = fs.shard_map(jvp, mesh=mesh, in_specs=(specs, specs, bs, bs), out_specs=P())
+    torch.testing.assert_close(fs.device_get(f(params, tangent, tokens, targets)), want, rtol=1e-5, atol=0)

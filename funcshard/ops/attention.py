@@ -17,9 +17,24 @@ import torch
 import torch.nn.functional as F
 
 from .._errors import ShardingError
+from .._grad import has_tangent
 from .._vma import one_op
 
 __all__ = ["attention"]
+
+
+def _sdpa_has_no_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether a transform is active that SDPA's fused kernels have no derivative for: forward-mode AD
+    (``torch.func.jvp``, ``jacfwd``, ``hessian``, a dual input) or a gradient of a gradient (nested
+    ``torch.func.grad`` / ``vjp``). The explicit softmax is differentiable to any order."""
+    if torch._C._are_functorch_transforms_active():
+        from torch._C._functorch import TransformType
+        from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
+
+        kinds = [i.key() for i in retrieve_all_functorch_interpreters()]
+        if TransformType.Jvp in kinds or kinds.count(TransformType.Grad) > 1:
+            return True
+    return has_tangent((q, k, v))
 
 
 @one_op  # inside shard_map(check_vma=True): one dispatch through the vma mode, not ~10 shape reads and ~3 ops
@@ -34,6 +49,10 @@ def attention(
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Softmax attention on one device. ``k`` / ``v`` may have fewer heads than ``q`` (grouped-query
     attention: each kv head serves ``q_heads / kv_heads`` query heads).
+
+    ``F.scaled_dot_product_attention`` computes it, except with ``return_lse`` or under forward-mode AD
+    (``torch.func.jvp``, ``jacfwd``, ``hessian``) or nested ``torch.func.grad``, which SDPA's fused kernels
+    have no derivative for: there the softmax is written out (float32 at least), differentiable to any order.
 
     Args:
         q: ``[b, hq, sq, d]``.
@@ -69,7 +88,7 @@ def attention(
         k = k.repeat_interleave(hq // hkv, dim=1)  # [b, hkv, s, d] -> [b, hq, s, d]
         v = v.repeat_interleave(hq // hkv, dim=1)
     scale = 1.0 / math.sqrt(d) if scale is None else scale
-    if not return_lse:
+    if not return_lse and not _sdpa_has_no_rule(q, k, v):
         return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
     acc = torch.promote_types(q.dtype, torch.float32)  # float32 at least (float64 stays float64)
     scores = (q.to(acc) @ k.to(acc).transpose(-1, -2)) * scale  # [b, h, sq, d] @ [b, h, d, sk] -> [b, h, sq, sk]
@@ -78,4 +97,4 @@ def attention(
         scores = scores.masked_fill(mask, float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)  # [b, h, sq]
     out = torch.exp(scores - lse.unsqueeze(-1)) @ v.to(acc)  # [b, h, sq, sk] @ [b, h, sk, d] -> [b, h, sq, d]
-    return out.to(q.dtype), lse
+    return (out.to(q.dtype), lse) if return_lse else out.to(q.dtype)
