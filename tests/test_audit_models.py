@@ -516,9 +516,8 @@ def test_attention_under_jvp_hessian_and_grad_of_grad() -> None:
         )
 
 
-def test_llama_jvp_is_the_gradient_along_the_tangent() -> None:
-    """torch.func.jvp of llama.loss (forward-mode, as jax.jvp), unsharded and inside shard_map on tp=2, equals
-    the reverse-mode gradient dotted with the tangent."""
+def _llama_jvp_body(mesh: fs.Mesh) -> tuple[float, float]:
+    """(jvp of llama.loss inside shard_map over ``mesh``, the unsharded gradient dotted with the tangent)."""
     from funcshard.models import llama
 
     cfg = llama.Config(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=16)
@@ -532,7 +531,14 @@ def test_llama_jvp_is_the_gradient_along_the_tangent() -> None:
     want = sum((a * b).sum() for a, b in zip(leaves(grads), leaves(tangent), strict=True))
     jvp = lambda p, t, x, y: torch.func.jvp(lambda p: llama.loss(p, x, y, cfg), (p,), (t,))[1]  # noqa: E731
     torch.testing.assert_close(jvp(params, tangent, tokens, targets), want, rtol=1e-5, atol=0)  # RMSNorm in fp32
-    mesh = fs.make_mesh({"tp": 2}, backend="sim")
     specs, bs = llama.param_specs(cfg, mesh), llama.batch_spec(mesh)
     f = fs.shard_map(jvp, mesh=mesh, in_specs=(specs, specs, bs, bs), out_specs=P())
-    torch.testing.assert_close(fs.device_get(f(params, tangent, tokens, targets)), want, rtol=1e-5, atol=0)
+    return fs.device_get(f(params, tangent, tokens, targets)).item(), want.item()
+
+
+@pytest.mark.parametrize("shape", [{"tp": 2}, {"dp": 2}], ids=["tp2", "dp2"])
+def test_llama_jvp_is_the_gradient_along_the_tangent(run, shape: dict[str, int]) -> None:
+    """torch.func.jvp of llama.loss (forward-mode, as jax.jvp), unsharded and inside shard_map, equals the
+    reverse-mode gradient dotted with the tangent."""
+    for got, want in run(_llama_jvp_body, shape):
+        assert got == pytest.approx(want, rel=1e-5)
