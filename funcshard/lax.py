@@ -352,7 +352,12 @@ def _gather(
     )
 
     def one(t: torch.Tensor) -> torch.Tensor:
-        d = _dim(dim, max(t.dim() + (0 if tiled else 1), 1), name, "dim", t.shape)
+        if tiled and t.dim() == 0:  # (was torch's IndexError from the flatten)
+            raise ShardingError(
+                f"{name}(tiled=True): a 0-dim value has no dim to concatenate along (JAX refuses it too); use "
+                f"tiled=False to stack the {_n(ctx, axes)} values in a new dim, or reshape it to [1] first."
+            )
+        d = _dim(dim, t.dim() + (0 if tiled else 1), name, "dim", t.shape)
         with torch._C.DisableTorchFunction():
             t, have = bind_operand(prim, t, axes, ctx.device, ctx.check_vma, name)
             if invariant:

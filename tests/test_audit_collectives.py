@@ -93,6 +93,21 @@ def test_psum_scatter_of_bool_raises() -> None:
         f(torch.ones(8, 4, dtype=torch.bool))
 
 
+def test_tiled_all_gather_of_a_scalar_raises() -> None:
+    """JAX refuses to tile 0-dim values; funcshard raised torch's IndexError from inside. Untiled, they stack."""
+    mesh = fs.make_mesh(MESH, backend="sim")
+    x = torch.arange(8.0)
+    tiled = fs.shard_map(
+        lambda v: fs.all_gather(v.sum(), "b", tiled=True), mesh=mesh, in_specs=(P(("a", "b")),), out_specs=P("b")
+    )
+    with pytest.raises(fs.ShardingError, match=r"all_gather\(tiled=True\): a 0-dim value.*tiled=False"):
+        tiled(x)
+    stacked = fs.shard_map(
+        lambda v: fs.all_gather(v.sum(), "b"), mesh=mesh, in_specs=(P(("a", "b")),), out_specs=P(("a", "b"))
+    )  # [] -> [4] on each device: its row of the (a, b) grid
+    assert torch.equal(fs.device_get(stacked(x)), x.reshape(2, 1, 4).expand(2, 4, 4).reshape(-1))
+
+
 _SPECIAL = [0.0, -0.0, float("inf"), -float("inf"), float("nan"), 1e-40, -1e-40, 3.0]
 _BITS = {2: torch.int16, 4: torch.int32, 8: torch.int64}
 
