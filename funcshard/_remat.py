@@ -579,6 +579,7 @@ def remat(
     *,
     prevent_cse: bool = True,
     save_collectives: bool = False,
+    static_argnums: int | tuple[int, ...] = (),
 ) -> Callable[..., Any]:
     """``f`` with its activations recomputed in the backward instead of kept: JAX's ``jax.checkpoint``.
 
@@ -594,6 +595,8 @@ def remat(
         policy: what to keep from the forward: one of :data:`remat_policies` (default ``nothing_saveable``).
         prevent_cse: accepted for JAX compatibility; eager PyTorch does no common-subexpression elimination.
         save_collectives: keep the results of ``f``'s collectives, so the recomputation does not communicate.
+        static_argnums: accepted for JAX compatibility: the positional arguments that are Python values (every
+            non-tensor argument is passed through as it is, static already); one of them being a tensor raises.
 
     Returns:
         The rematerialising function (usable as a decorator through ``functools.partial``).
@@ -618,9 +621,19 @@ def remat(
         )
     if not isinstance(prevent_cse, bool) or not isinstance(save_collectives, bool):
         raise ConfigError("remat: prevent_cse and save_collectives must be True or False.")
+    static = (static_argnums,) if isinstance(static_argnums, int) else static_argnums
+    if not isinstance(static, tuple) or not all(isinstance(i, int) and not isinstance(i, bool) for i in static):
+        raise ConfigError(f"remat: static_argnums must be an int or a tuple of ints, found {static_argnums!r}.")
 
     @functools.wraps(f)
     def wrapped(*args: Any, **kwargs: Any) -> Any:
+        for i in static:
+            if not -len(args) <= i < len(args) or isinstance(args[i], torch.Tensor):
+                what = "a tensor" if -len(args) <= i < len(args) else f"missing ({len(args)} positional arguments)"
+                raise ConfigError(
+                    f"remat({getattr(f, '__name__', 'f')}): static_argnums names argument {i}, which is {what}; "
+                    f"static arguments are Python values (as JAX's must be hashable), tensors are differentiated."
+                )
         if policy.everything or not torch.is_grad_enabled() or has_tangent((args, kwargs)):
             return f(*args, **kwargs)
         transforms = only_grad_transforms()

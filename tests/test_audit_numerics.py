@@ -567,3 +567,23 @@ def test_remat_policy_names_that_never_appear() -> None:
     for b in cases:
         v1, g1 = fs.value_and_grad(loss(b), argnums=(0, 1))(w, x)
         assert torch.equal(v0, v1) and all(torch.equal(a, c) for a, c in zip(g0, g1, strict=True))
+
+
+def test_remat_takes_jax_static_argnums() -> None:
+    """``remat(f, static_argnums=...)`` as ``jax.checkpoint`` (a TypeError before): Python values pass through,
+    the gradient is the plain one; a tensor named static, or a position past the arguments, raises."""
+    g = torch.Generator().manual_seed(4)
+    x, w = torch.randn(3, 4, generator=g, dtype=torch.float64), torch.randn(4, 4, generator=g, dtype=torch.float64)
+
+    def f(x: torch.Tensor, w: torch.Tensor, n: int, act: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        return act(x @ w).sum() * n  # [3, 4] @ [4, 4] -> [3, 4]
+
+    want = fs.value_and_grad(f, argnums=1)(x, w, 3, torch.tanh)
+    got = fs.value_and_grad(fs.remat(f, static_argnums=(2, -1)), argnums=1)(x, w, 3, torch.tanh)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    with pytest.raises(fs.ConfigError, match="argument 1, which is a tensor"):
+        fs.remat(f, static_argnums=1)(x, w, 3, torch.tanh)
+    with pytest.raises(fs.ConfigError, match="argument 7, which is missing"):
+        fs.remat(f, static_argnums=7)(x, w, 3, torch.tanh)
+    with pytest.raises(fs.ConfigError, match="static_argnums must be"):
+        fs.remat(f, static_argnums=[2])
