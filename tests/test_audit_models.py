@@ -127,11 +127,6 @@ def _tokens_and_labels(batch: int = 4, seq: int = 16) -> tuple[torch.Tensor, tor
     return tokens, labels, targets
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="rope computes float64 q/k in float32 (2e-7 from HF); the fix waits on tests/test_dp_rope_table.py's "
-    "_rope_as_it_was, which pins that (asked of the lead)",
-)
 def test_float64_logits_equal_transformers(tmp_path) -> None:
     from funcshard.models import llama
 

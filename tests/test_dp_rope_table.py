@@ -31,7 +31,7 @@ def _rope_as_it_was(x: torch.Tensor, theta: float, offset: int | torch.Tensor = 
     pos = torch.arange(s, dtype=torch.float32, device=x.device) + offset  # [s]
     ang = pos[:, None] * inv  # [s, hd/2]
     cos, sin = ang.cos()[None, :, None, :], ang.sin()[None, :, None, :]  # [1, s, 1, hd/2]
-    x1, x2 = x.float().chunk(2, dim=-1)
+    x1, x2 = x.to(torch.promote_types(x.dtype, torch.float32)).chunk(2, dim=-1)
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
 
 

@@ -159,7 +159,7 @@ def rope(
     s, hd = x.shape[1], x.shape[-1]
     scaled = () if scaling is None else (scaling,)  # (plain RoPE: the five-argument call tests stand in for)
     cos, sin = _rope_cached(x, s, hd, theta, offset, *scaled)  # [1, s, 1, hd/2] each
-    x1, x2 = x.float().chunk(2, dim=-1)
+    x1, x2 = x.to(torch.promote_types(x.dtype, torch.float32)).chunk(2, dim=-1)  # float32 at least
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
 
 
