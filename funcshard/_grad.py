@@ -126,14 +126,14 @@ def value_and_grad(
 
 def _as_ints(argnums: Any) -> Any:
     """numpy integers (``np.int64(1)``, JAX takes them) as ints, alone or in a tuple; anything else (bools,
-    floats, lists) unchanged, for the check to refuse."""
+    floats) unchanged, for the check to refuse; a list as a tuple."""
 
     def one(i: Any) -> Any:
         if isinstance(i, (bool, int, torch.Tensor)) or not hasattr(i, "__index__"):
             return i
         return operator.index(i)
 
-    if type(argnums) is tuple:
+    if type(argnums) in (tuple, list):  # a list too, as JAX takes it
         return tuple(one(i) for i in argnums)
     return one(argnums)
 
