@@ -516,12 +516,34 @@ def test_state_not_matching_params_raises() -> None:
         value_and_grad(lambda a, b: (a * b).sum(), argnums=2)(torch.ones(1), torch.ones(1))
 
 
-def test_arrays_outside_shard_map_and_bad_specs_raise() -> None:
+def test_update_of_arrays_outside_shard_map_runs_on_their_mesh() -> None:
+    # as optax updates sharded jax.Arrays: each device its shards, equal to the update of the full tensors
     mesh = fs.make_mesh(MESH, backend="sim")
-    params = fs.device_put({"w": torch.ones(4, 2)}, mesh, {"w": P("tp")})
+    gen = torch.Generator().manual_seed(0)
+    full = {"w": torch.randn(4, 2, generator=gen), "b": torch.randn(2, generator=gen)}
+    grads_full = {"w": torch.randn(4, 2, generator=gen), "b": torch.randn(2, generator=gen)}
+    specs = {"w": P("tp"), "b": P()}
+    for opt in (optim.adamw(0.1, weight_decay=0.1), optim.chain(optim.clip_by_global_norm(0.5), optim.sgd(0.1))):
+        params, grads = fs.device_put(full, mesh, specs), fs.device_put(grads_full, mesh, specs)
+        state = opt.init(params)
+        for _ in range(2):
+            params, state = opt.update(grads, state, params)
+        ref, ref_state = full, opt.init(full)
+        for _ in range(2):
+            ref, ref_state = opt.update(grads_full, ref_state, ref)
+        assert all(isinstance(params[k], fs.Array) and params[k].spec == specs[k] for k in specs)
+        got = fs.device_get(params)
+        for k in full:
+            torch.testing.assert_close(got[k], ref[k], rtol=1e-6, atol=1e-6)
+    other = fs.make_mesh({"dp": 4}, backend="sim")
     opt = optim.sgd(0.1)
-    with pytest.raises(fs.ShardingError, match=r"is an fs\.Array.*inside fs\.shard_map"):
-        opt.update(params, opt.init(params), params)
+    params = fs.device_put(full, mesh, specs)
+    with pytest.raises(fs.ShardingError, match="different meshes"):
+        opt.update(fs.device_put(grads_full, other, {"w": P(), "b": P()}), opt.init(params), params)
+
+
+def test_bad_specs_raise() -> None:
+    mesh = fs.make_mesh(MESH, backend="sim")
 
     def f(g: torch.Tensor) -> torch.Tensor:
         return optim.global_norm({"w": g}, specs={"w": P("cp")})

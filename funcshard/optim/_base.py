@@ -16,6 +16,7 @@ import torch
 
 from .. import pytree
 from .._arraytype import Array
+from .._context import maybe_current
 from .._errors import ConfigError, ShardingError
 from .._spec import P
 
@@ -63,6 +64,8 @@ class Optimizer:
         """
         if params is None:
             raise ConfigError(f"{self.name}.update: params are required (new params = params + updates).")
+        if maybe_current() is None and has_array(grads, state, params):  # global values: each device its shards
+            return on_mesh(self, grads, state, params)
         if self.apply is not None:
             return self.apply(grads, state, params)
         updates, state = self.transform(grads, state, params)
@@ -118,6 +121,39 @@ class ClipByGlobalNormState(NamedTuple):
 
 def is_array(x: Any) -> bool:
     return isinstance(x, Array)
+
+
+def has_array(*trees: PyTree) -> bool:
+    """Whether a leaf of ``trees`` is an ``fs.Array``."""
+    return any(isinstance(x, Array) for t in trees for x in optree.tree_leaves(t, is_leaf=is_array))
+
+
+def on_mesh(opt: Optimizer, grads: PyTree, state: PyTree, params: PyTree) -> tuple[PyTree, PyTree]:
+    """``opt.update`` of global values (``fs.Array``s, as optax updates sharded ``jax.Array``s) outside
+    ``shard_map``: run inside one over their mesh, each device on its shards, with the params' specs (a plain
+    tensor leaf is a replicated full value, ``P()``) and the state laid out by ``opt.state_specs``; grads and
+    state in other layouts are resharded on the way in.
+
+    Raises:
+        ShardingError: Arrays on different meshes.
+    """
+    from .._shard_map import shard_map  # (layer 4 below this one; imported where used: only this path needs it)
+
+    meshes = {x.mesh for t in (grads, state, params) for x in optree.tree_leaves(t, is_leaf=is_array) if is_array(x)}
+    if len(meshes) > 1:
+        raise ShardingError(
+            f"{opt.name}.update: the grads, state and params are fs.Arrays on {len(meshes)} different meshes "
+            f"({', '.join(sorted(str(dict(m.shape)) for m in meshes))}); put them on one with fs.reshard / device_put."
+        )
+    specs = optree.tree_map(lambda x: x.spec if is_array(x) else P(), params, is_leaf=is_array)
+    state_specs = opt.state_specs(specs)
+    step = shard_map(
+        lambda g, s, p: opt.update(g, s, p),
+        mesh=meshes.pop(),
+        in_specs=(specs, state_specs, specs),
+        out_specs=(specs, state_specs),
+    )
+    return step(grads, state, params)
 
 
 def zeros_like(x: Any, name: str) -> Any:
