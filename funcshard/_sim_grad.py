@@ -36,6 +36,14 @@ class _SimGrad(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+        if torch.is_grad_enabled():  # create_graph=True: the devices' backward graphs would not reach the inputs
+            raise ShardingError(
+                "shard_map (sim): a second derivative through a sim shard_map called from outside "
+                "(torch.autograd.grad(..., create_graph=True), then a backward of that gradient) is not supported: "
+                "each device's backward runs in its own thread on its own copies of the inputs. Take the "
+                "derivatives inside the shard_map'd function (fs.value_and_grad or torch.autograd.grad there), "
+                'or use backend="dist", where the same code gives the second derivative.'
+            )
         return (None, *ctx.state.backward(grads))
 
 

@@ -217,6 +217,13 @@ def _outside_body(mesh: fs.Mesh) -> dict[str, object]:
             out[name] = str(e)
     with fwad.dual_level():
         out["tangent"] = fwad.unpack_dual(loss(fwad.make_dual(w, torch.ones_like(w)))).tangent
+    wr = w.clone().requires_grad_(True)
+    try:  # a second derivative from outside: dist gives it; sim raises (its devices' graphs are thread-local)
+        (gw,) = torch.autograd.grad(loss(wr), wr, create_graph=True)
+        out["hvp"] = torch.autograd.grad(gw.sum(), wr)[0]
+    except fs.ShardingError as e:
+        out["hvp"] = str(e)
+    out["backend"] = mesh.backend
     return out
 
 
@@ -224,8 +231,14 @@ def test_torch_func_around_shard_map_raises(run) -> None:
     g = torch.Generator().manual_seed(0)
     x = torch.randn(8, 4, dtype=torch.float64, generator=g)
     w = torch.randn(4, 4, dtype=torch.float64, generator=g)
-    _, want = torch.func.jvp(lambda w: torch.tanh(x @ w).sum(0).pow(2).sum(), (w,), (torch.ones_like(w),))
+    ref = lambda w: torch.tanh(x @ w).sum(0).pow(2).sum()  # noqa: E731
+    _, want = torch.func.jvp(ref, (w,), (torch.ones_like(w),))
+    hvp = torch.func.grad(lambda w: torch.func.grad(ref)(w).sum())(w)
     for got in run(_outside_body, {"a": 2, "b": 2}):
         for name in ("grad", "jvp", "vmap"):
             assert "inside a torch.func transform" in got[name] and "torch.autograd" in got[name], got[name]
         torch.testing.assert_close(got["tangent"], want, rtol=1e-12, atol=1e-12)
+        if got["backend"] == "sim":
+            assert "second derivative" in got["hvp"] and 'backend="dist"' in got["hvp"], got["hvp"]
+        else:
+            torch.testing.assert_close(got["hvp"], hvp, rtol=1e-12, atol=1e-12)

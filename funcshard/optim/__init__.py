@@ -4,7 +4,9 @@ An :class:`Optimizer` is three pure functions: ``init(params) -> state``, ``tran
 -> (updates, state)`` and ``state_specs(param_specs) -> spec tree of the state``, plus ``update(grads, state,
 params) -> (params, state)``. Nothing is changed in place; every call returns new trees. Inside ``shard_map``
 each device transforms its local shards, and the state is laid out like the params (its leaves take the
-params' specs; scalars such as the step count take ``P()``). The arithmetic mirrors ``torch.optim`` and
+params' specs; scalars such as the step count take ``P()``). Given the ``fs.Array``s a training loop keeps,
+outside ``shard_map``, ``update`` runs itself in one over their mesh (as optax updates sharded ``jax.Array``s).
+The arithmetic mirrors ``torch.optim`` and
 ``torch.nn.utils.clip_grad_norm_`` operation by operation, so an unsharded run matches them bit for bit.
 
 ``clip_by_global_norm`` needs the norm over every shard: each leaf's sum of squares is summed with the others
