@@ -34,7 +34,9 @@ def multi_steps(opt: Optimizer, k: int) -> Optimizer:
     Each call adds its gradients to a running mean (``acc + (g - acc) / (n + 1)``, optax's Welford update);
     the ``k``-th call hands the mean to ``opt`` and resets it, the others leave the params (and ``opt``'s
     state) as they are. With a mean loss over equal microbatches, ``k`` calls on ``k`` microbatches are one
-    step of ``opt`` on the ``k``-times larger batch. Inside ``shard_map`` the accumulator is laid out like the
+    step of ``opt`` on the ``k``-times larger batch; a loss averaged over the counted tokens of microbatches
+    that count different numbers (labels ``-100`` spread unevenly) is not: scale each microbatch's loss by
+    ``k * its counted tokens / all counted tokens`` for the big batch's mean. Inside ``shard_map`` the accumulator is laid out like the
     params (:meth:`Optimizer.state_specs`), so accumulating costs no communication.
 
     Args:
