@@ -36,8 +36,9 @@ def multi_steps(opt: Optimizer, k: int) -> Optimizer:
     state) as they are. With a mean loss over equal microbatches, ``k`` calls on ``k`` microbatches are one
     step of ``opt`` on the ``k``-times larger batch; a loss averaged over the counted tokens of microbatches
     that count different numbers (labels ``-100`` spread unevenly) is not: scale each microbatch's loss by
-    ``k * its counted tokens / all counted tokens`` for the big batch's mean. Inside ``shard_map`` the accumulator is laid out like the
-    params (:meth:`Optimizer.state_specs`), so accumulating costs no communication.
+    ``k * its counted tokens / all counted tokens`` for the big batch's mean. Inside ``shard_map`` the
+    accumulator is laid out like the params (:meth:`Optimizer.state_specs`), so accumulating costs no
+    communication.
 
     Args:
         opt: the optimiser to apply every ``k`` calls (e.g. ``chain(clip_by_global_norm(1.0), adamw(3e-4))``).
