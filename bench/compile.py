@@ -21,6 +21,7 @@ Usage:
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import statistics
@@ -82,7 +83,12 @@ def run(args: argparse.Namespace) -> None:
         kw = {"in_specs": (specs, sspecs, bs, bs), "out_specs": (P(), specs, sspecs)}
         return fs.shard_map(body, mesh=mesh, donate=(0, 1), compile=compile, **kw)
 
-    steps = {"eager": make(False), "compiled": make({"backend": args.backend})}
+    if args.profile:  # inductor's C++ kernels by name in the profile
+        import torch._inductor.config as inductor_config
+
+        inductor_config.cpp.enable_kernel_profile = True
+    options = {"backend": args.backend, **({"options": json.loads(args.options)} if args.options else {})}
+    steps = {"eager": make(False), "compiled": make(options)}
     state = {}
     for name in steps:
         p = init(fs.random.key(0))
@@ -123,6 +129,16 @@ def run(args: argparse.Namespace) -> None:
             _, *st = steps[n](*state[n], x, y)
             times[n].append(time.perf_counter() - t0)
             state[n] = tuple(st)
+    tables = {}
+    if args.profile:  # rank 0's ops by self CPU time, each variant over 3 steps of its own
+        from torch.profiler import ProfilerActivity, profile
+
+        for n in names:
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                for _ in range(3):
+                    _, *st = steps[n](*state[n], x, y)
+                    state[n] = tuple(st)
+            tables[n] = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.profile)
     local = {n: statistics.median(times[n]) * 1e3 for n in names}
     every: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(every, local)
@@ -171,6 +187,8 @@ def run(args: argparse.Namespace) -> None:
             print(f"{n:<10} {med[n]:>10.2f} {q[0] * 1e3:>8.2f} {q[-1] * 1e3:>8.2f}")
         print()
         print(f"speedup (eager / compiled, median, max over ranks): {med['eager'] / med['compiled']:.2f}x")
+        for n, table in tables.items():
+            print(f"\n{n}: rank 0's top ops by self CPU time over 3 steps\n{table}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -184,6 +202,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=1, help="torch threads per process")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--steps", type=int, default=20, help="timed steps per variant (>= 10)")
+    ap.add_argument("--options", default="", help="torch.compile options as JSON, e.g. '{\"max_autotune\": true}'")
+    ap.add_argument("--profile", type=int, default=0, help="print rank 0's N top ops by self CPU time per variant")
     ap.add_argument("--naive", action="store_true", help="also count plain torch.compile's graph breaks (slow)")
     args = ap.parse_args(argv)
     if args.steps < 10:

@@ -30,6 +30,7 @@ import torch
 from torch._functorch.autograd_function import custom_function_call as _custom_function_call
 from torch._functorch.utils import unwrap_dead_wrappers as _unwrap_dead
 
+from ._backend.base import tracing
 from ._stats import record
 
 _is_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
@@ -409,7 +410,7 @@ class PvaryBucket(Prim):
         ctx.shapes = [x.shape for x in inputs[2:]]
         # rows of stacked leaves (a stacked model's layer): the bucket is a row of one buffer for all the layers
         share = getattr(ctx.dev, "pending_sums_share_storage", None)
-        ok = share is not None and not torch._C._are_functorch_transforms_active() and share()
+        ok = share is not None and not torch._C._are_functorch_transforms_active() and not tracing() and share()
         ctx.rows = _layer_major(inputs[2:]) if ok else None
 
     @staticmethod
@@ -420,8 +421,9 @@ class PvaryBucket(Prim):
         # one copy: every cotangent written once into one flat buffer (the bucket)
         flat_gs = [g.reshape(-1) for g in gs]
         inplace = getattr(ctx.dev, "all_reduce_inplace", None)
-        if inplace is None or torch.is_grad_enabled() or torch._C._are_functorch_transforms_active():
-            # (differentiated again, or a backend with no in-place sum: the AllReduce Function, which copies)
+        if inplace is None or torch.is_grad_enabled() or torch._C._are_functorch_transforms_active() or tracing():
+            # (differentiated again, a backend with no in-place sum, or recorded into a compiled graph, where a
+            # write into a kept buffer would become a copy of all of it: the AllReduce Function, which copies)
             flat = torch.cat(flat_gs)  # k x [*s_i] -> [sum |s_i|]
             total = call(AllReduce, flat, ctx.dev, ctx.axes, "sum", "psum")  # [sum |s_i|] -> [sum |s_i|]
         else:  # the bucket is this backward's own: summed in place, as DDP's flat buckets (no second copy)

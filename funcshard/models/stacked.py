@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch.autograd.function import _SingleLevelFunction
 
-from .._backend.base import settle
+from .._backend.base import settle, tracing
 from .._context import maybe_current
 from .._prims import BucketPool
 
@@ -65,7 +65,8 @@ class Unstack(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *gs: torch.Tensor | None) -> torch.Tensor:  # type: ignore[override]
         row = ctx.shape[1:]
-        if not torch.is_grad_enabled():
+        traced = tracing()  # recorded into a compiled graph: a plain stack (a kept buffer's writes would be copies)
+        if not torch.is_grad_enabled() and not traced:
             pending = _pending_rows(gs, ctx.shape, ctx.dtype)
             if pending is not None:  # still travelling, at one stride in one buffer: one pending view, no wait
                 return pending
@@ -74,7 +75,7 @@ class Unstack(torch.autograd.Function):
             if strided is not None:  # already laid out at one stride (a layer-major bucket buffer): no copy
                 return strided
         parts = [torch.zeros(row, dtype=ctx.dtype, device=ctx.device) if g is None else g for g in gs]
-        if torch.is_grad_enabled() or any(g.shape != row or g.dtype != ctx.dtype for g in parts):
+        if torch.is_grad_enabled() or traced or any(g.shape != row or g.dtype != ctx.dtype for g in parts):
             return torch.stack(parts)  # n x [*s] -> [n, *s] (differentiable; or torch's own checks raise)
         out = _pool().take(ctx.shape.numel(), ctx.dtype, ctx.device).view(ctx.shape)
         return torch.stack(parts, out=out)  # n x [*s] -> [n, *s], into memory already mapped
