@@ -158,6 +158,30 @@ def test_inside_shard_map_heads_over_tp() -> None:
         _close(g, r)
 
 
+@needs_triton
+def test_attention_with_lse_runs_the_kernels_on_flash_devices(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``ops.attention(return_lse=True)`` runs the kernels on :data:`FLASH_DEVICES` (CUDA; CPU
+    added here, interpreted): its results and gradients are the torch path's; without the lse it stays SDPA."""
+    import importlib
+
+    from funcshard.ops import triton
+
+    attention_module = importlib.import_module("funcshard.ops.attention")
+    calls: list[int] = []
+    apply = triton._FlashAttention.apply
+    monkeypatch.setattr(triton._FlashAttention, "apply", lambda *a: calls.append(1) or apply(*a))
+    q, k, v = _qkv(1, 4, 2, 24, 16)
+    want = _run(attention, q, k, v, causal=True, return_lse=True)
+    assert calls == []  # CPU is not among the devices by default
+    monkeypatch.setattr(attention_module, "FLASH_DEVICES", ("cuda", "cpu"))
+    got = _run(attention, q, k, v, causal=True, return_lse=True)
+    assert calls == [1]
+    for a, b in zip((got[0], got[1], *got[2]), (want[0], want[1], *want[2]), strict=True):
+        _close(a, b)
+    attention(q, k, v, causal=True)  # no lse: SDPA
+    assert calls == [1]
+
+
 def test_fallback_without_the_interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
     """On CPU without ``TRITON_INTERPRET`` it is the torch path: exactly ``attention``'s results."""
     monkeypatch.delenv("TRITON_INTERPRET")

@@ -22,6 +22,11 @@ from .._vma import one_op
 
 __all__ = ["attention"]
 
+#: devices on which ``attention(return_lse=True)`` (blocks merged by their lse) runs the Triton kernels of
+#: ``funcshard.ops.triton`` where they take the inputs; SDPA's own fused CUDA kernels serve the calls without
+#: the log-sum-exp (they are the faster there), the written-out softmax serves every other device.
+FLASH_DEVICES = ("cuda",)
+
 
 def _sdpa_has_no_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     """Whether a transform is active that SDPA's fused kernels have no derivative for: forward-mode AD
@@ -53,6 +58,9 @@ def attention(
     ``F.scaled_dot_product_attention`` computes it, except with ``return_lse`` or under forward-mode AD
     (``torch.func.jvp``, ``jacfwd``, ``hessian``) or nested ``torch.func.grad``, which SDPA's fused kernels
     have no derivative for: there the softmax is written out (float32 at least), differentiable to any order.
+    With ``return_lse`` on CUDA (:data:`FLASH_DEVICES`) the Triton kernels of
+    :mod:`funcshard.ops.triton` compute it where they take the inputs (Triton installed, float16 / bfloat16 /
+    float32, ``head_dim <= 256``, no forward-mode AD, batching or grad of grad).
 
     Args:
         q: ``[b, hq, sq, d]``.
@@ -84,6 +92,11 @@ def attention(
         )
     if causal and k.shape[2] != sq:
         raise ShardingError(f"attention(causal=True): q has {sq} positions but k has {k.shape[2]}; they must match.")
+    if return_lse and q.device.type in FLASH_DEVICES and not _sdpa_has_no_rule(q, k, v):
+        from . import triton as flash  # (imported here: that module imports this one)
+
+        if flash.kernels_take(q, k, v):  # GQA in the kernel: no repeated k / v
+            return flash.flash_attention(q, k, v, causal=causal, return_lse=True, scale=scale)
     if hkv != hq:
         k = k.repeat_interleave(hq // hkv, dim=1)  # [b, hkv, s, d] -> [b, hq, s, d]
         v = v.repeat_interleave(hq // hkv, dim=1)

@@ -45,7 +45,7 @@ from . import _triton_kernels as _kernels
 from ._ring_kernel import needs_autograd_ring
 from .attention import attention
 
-__all__ = ["MAX_HEAD_DIM", "flash_attention", "uses_triton"]
+__all__ = ["MAX_HEAD_DIM", "flash_attention", "kernels_take", "uses_triton"]
 
 MAX_HEAD_DIM = 256
 """The largest head_dim the kernels take (any size up to it: padded inside to a power of two, at least 16)."""
@@ -70,6 +70,29 @@ def uses_triton(q: torch.Tensor) -> bool:
     if q.device.type == "cuda":
         return _has_triton()
     return q.device.type == "cpu" and _kernels.interpreting() and _has_triton()
+
+
+def kernels_take(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether :func:`flash_attention` runs the kernels for these inputs rather than the torch path: Triton for
+    ``q``'s device (:func:`uses_triton`), no empty input, no forward-mode AD or batching over them, one dtype the
+    kernels take, ``head_dim <= MAX_HEAD_DIM``, one device. Shapes are checked by the callers.
+
+    Example:
+        >>> import torch
+        >>> x = torch.zeros(1, 2, 4, 8, device="meta")
+        >>> kernels_take(x, x, x)
+        False
+    """
+    return (
+        uses_triton(q)
+        and q.numel() > 0
+        and k.numel() > 0
+        and q.dtype in _DTYPES
+        and k.dtype == v.dtype == q.dtype
+        and q.shape[-1] <= MAX_HEAD_DIM
+        and q.device == k.device == v.device
+        and not needs_autograd_ring(q, k, v)
+    )
 
 
 def _has_triton() -> bool:
