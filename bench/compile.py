@@ -7,7 +7,8 @@ The step (loss, gradients and the AdamW update in one ``shard_map``):
 
 run twice over the same mesh: eagerly (``compile=False``) and compiled (``compile={"backend": ...}``: the body
 recorded once into one graph of torch ops, the collectives among them, then ``torch.compile``'d). The script
-first checks that three compiled steps give the eager losses and params (rtol 1e-5), then times both steps
+first checks that three compiled steps give the eager losses and params (rtol 1e-5; 1e-4 under inductor, see
+the check), then times both steps
 interleaved (the order flips every step) and prints the median step times, their ratio (the speedup), the
 graph breaks and graphs torch.compile reported, and the compile time. ``--naive`` also measures what plain
 ``torch.compile`` of the per-device body gives (dynamo tracing funcshard's Python: its graph-break count).
@@ -16,17 +17,22 @@ Measured (torch 2.13 CPU inductor, 2 gloo processes on a 2-core host, 1 thread e
 launch passed the 3-step check; speedup = eager / compiled median step time):
 
     model                                             mesh    speedup
-    dim 128, 2 layers (the default)                   dp=2    1.16-1.18x
-                                                      tp=2    1.13x
-    dim 384, 8 layers, batch 4 x seq 128 (~18M)       dp=2    0.70x -> 0.88x (this round), aot_eager 0.43x
+    dim 128, 2 layers (the default)                   dp=2    1.14-1.18x
+                                                      tp=2    1.13-1.39x
+    dim 384, 8 layers, batch 4 x seq 128 (17.9M)      dp=2    0.70x -> 0.88x -> 0.92-0.94x (this round's two
+                                                              changes, below); aot_eager 0.43x before them
 
 ``--profile`` showed where the larger step lost: one inductor kernel of 405-440 ms a step writing the stacked
 layers' gradients, row by row, into the kept layer-major bucket buffer and the kept stack buffer (eager's
 tricks to avoid page faults; recorded, each write into a slice of a kept buffer became a functional
 scatter, a copy of all of it: 17.7M-element loops of masked loads). While recorded, the buckets and the
-unstacking node now take the plain path (``torch.cat`` + all-reduce, ``torch.stack``). What is left at that
-size, per step: the AdamW kernel ~114 ms (eager's fused CPU kernel is cheaper), waits for the gradient
-all-reduces ~107 ms (eager: ~47 ms), the bucket cat/split ~40 ms; the matmuls are the same ops either way.
+unstacking node now take the plain path (``torch.cat`` + all-reduce, ``torch.stack``): 0.88x. Then AdamW: a
+recorded step with donated params and moments updated them op by op (inductor's kernel: ~114 ms a step, fresh
+buffers copied back); it is now one op of the graph, ``funcshard::adamw_fused_`` (torch's fused CPU kernel,
+declared to write its operands, so inductor keeps it in place: ~16 ms, eager's), bitwise eager's numbers under
+aot_eager: 0.92-0.94x, the compiled step's CPU 6% over eager's (3 profiled steps: 1.457 s vs 1.372 s). What is
+left: the stacked layers' gradients stacked by a kernel (~32 ms a step; eager hands back strided views of the
+layer-major bucket, no copy) and the waits for the all-reduces (~47 ms a step, eager's ~39 ms).
 Page faults matter here too: the same launch with ``MALLOC_MMAP_MAX_=0`` (no fresh mmap per large buffer)
 went from 0.70x to 0.84x before this round's change.
 
@@ -126,10 +132,19 @@ def run(args: argparse.Namespace) -> None:
         first_s[name] = time.perf_counter() - t0
     breaks, graphs = _graph_counts()
     full = {n: [fs.device_get(t) for t in optree.tree_leaves(state[n][0])] for n in steps}
-    close = all(
-        torch.allclose(a, b, rtol=1e-5, atol=1e-6) for a, b in zip(full["compiled"], full["eager"], strict=True)
-    )
+    # aot_eager records eager's ops: its params equal eager's (the tests' rtol 1e-5; measured: bitwise). Inductor
+    # generates its own reductions (other rounding), and AdamW's normalised update turns a last-bit difference of
+    # a near-zero gradient into one of ~lr on that parameter: measured up to 1.5e-5 of a leaf's max after 3 steps
+    # (tp=2, the default model), so there each leaf is held to 1e-4 of its largest value.
+    rtol = 1e-4 if args.backend == "inductor" else 1e-5
     worst = max(((a - b).abs().max() / b.abs().max()).item() for a, b in zip(full["compiled"], full["eager"]))
+    close = (
+        worst <= rtol
+        if args.backend == "inductor"
+        else all(
+            torch.allclose(a, b, rtol=rtol, atol=1e-6) for a, b in zip(full["compiled"], full["eager"], strict=True)
+        )
+    )
     if not close or not torch.allclose(torch.tensor(losses["compiled"]), torch.tensor(losses["eager"]), rtol=1e-5):
         raise AssertionError(f"compiled != eager: losses {losses}, params worst rel diff {worst:.2e}")
 
@@ -186,7 +201,8 @@ def run(args: argparse.Namespace) -> None:
         )
         print(f"host: {os.cpu_count()} cpus, 1-min load average {args.load_before:.1f} at launch")
         print()
-        print(f"check: 3 compiled steps == 3 eager steps (rtol 1e-5): losses {losses['compiled']}")
+        what = "max |diff| <= 1e-4 of each leaf's max" if args.backend == "inductor" else f"rtol {rtol:g}"
+        print(f"check: 3 compiled steps == 3 eager steps ({what}): losses {losses['compiled']}")
         print(f"       params: worst max|diff| / max|eager| over leaves {worst:.1e}")
         print(
             f"first 3 steps (record + compile + run): compiled {first_s['compiled']:.1f} s, "

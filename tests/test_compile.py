@@ -58,17 +58,24 @@ def _train(
 
 
 def _compiled_vs_eager(mesh: fs.Mesh, donate: tuple[int, ...]) -> dict:
+    import funcshard._compile as fs_compile
     from torch._dynamo.utils import counters
 
     eager = _train(mesh, False)
     torch._dynamo.reset()
     counters.clear()
-    compiled = _train(mesh, COMPILE, donate)
+    graphs: list = []
+    fs_compile.recorded_hook = graphs.append
+    try:
+        compiled = _train(mesh, COMPILE, donate)
+    finally:
+        fs_compile.recorded_hook = None
     return {
         "eager": eager,
         "compiled": compiled,
         "graph_breaks": sum(counters["graph_break"].values()),
         "graphs": counters["stats"]["unique_graphs"],
+        "fused": sum(str(n.target).startswith("funcshard.adamw_fused_") for gm in graphs for n in gm.graph.nodes),
     }
 
 
@@ -81,6 +88,8 @@ def test_compiled_train_step_equals_eager_under_dist(shape: dict[str, int], dona
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
         assert c_comm == e_comm  # the collectives recorded at the trace are counted at every compiled call
         assert r["graph_breaks"] == 0 and r["graphs"] == 1  # the whole step, forward + backward + AdamW: one graph
+        # donated params and moments: AdamW is the fused kernel, one op of the graph writing them in place
+        assert r["fused"] == (1 if donate else 0), r["fused"]
 
 
 def _collectives(mesh: fs.Mesh) -> list[list[torch.Tensor]]:

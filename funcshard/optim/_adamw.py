@@ -242,6 +242,45 @@ def _fused_update(
         dst.copy_(src)
 
 
+def _fused_op(
+    params: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    exp_avgs: list[torch.Tensor],
+    exp_avg_sqs: list[torch.Tensor],
+    lr: torch.Tensor,
+    step: torch.Tensor,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+) -> None:
+    """:func:`_fused_update` as one op of a recorded graph (``shard_map(..., compile=...)``): declared to write
+    into ``params``, ``exp_avgs`` and ``exp_avg_sqs``, so the compiler keeps it in place on the step's donated
+    buffers (one pass of the fused kernel) instead of the op-by-op update writing fresh buffers. ``lr`` and
+    ``step`` come as tensors (a schedule's lr and the step count stay tensors in a recorded step)."""
+    leaves = list(zip(grads, exp_avgs, exp_avg_sqs, params, strict=True))
+    _fused_update(leaves, float(lr), beta1, beta2, eps, weight_decay, int(step))
+
+
+_FUSED_OP: Any = None
+
+
+def _fused_in_graph() -> Any:
+    """The op of :func:`_fused_op` (``funcshard::adamw_fused_``), registered at its first use."""
+    global _FUSED_OP
+    if _FUSED_OP is None:
+        op = torch.library.custom_op(
+            "funcshard::adamw_fused_",
+            _fused_op,
+            mutates_args=("params", "exp_avgs", "exp_avg_sqs"),
+            schema="(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, Tensor(c!)[] exp_avg_sqs, "
+            "Tensor lr, Tensor step, float beta1, float beta2, float eps, float weight_decay) -> ()",
+        )
+        op.register_fake(lambda *args: None)
+        _FUSED_OP = op
+    return _FUSED_OP
+
+
 def _chunks(n: int, *ts: torch.Tensor) -> Any:
     """``ts`` (same shape) cut into matching blocks of about ``n`` elements (views), or ``(ts,)`` itself where
     that is one block or ``n`` is 0. Contiguous: flat blocks of ``n``; else (a stacked leaf's gradient as a
@@ -390,14 +429,15 @@ class _AdamW:
         """The update of :meth:`_apply_in_place` on checked leaves (``_checked``'s), written into the moments'
         and parameters' leaves: the fused kernel's leaves in one call, the others block by block. With each leaf's
         operands tagged alike (:func:`_quiet`), torch functions are off meanwhile."""
-        chunk = 0 if tracing() else CHUNK
+        traced = tracing()
+        chunk = 0 if traced else CHUNK
         quiet = _quiet((g_leaves, m_leaves, v_leaves, p_leaves), (lr_t, step_size, bc2_sqrt))
         with torch._C.DisableTorchFunction() if quiet else contextlib.nullcontext():
             b1, b2 = self.b1, self.b2
             fused: dict[float, list[tuple[torch.Tensor, ...]]] = {}  # the fused kernel's leaves by weight decay
             for g, m, v, p, wd in zip(g_leaves, m_leaves, v_leaves, p_leaves, wds, strict=True):
                 g = g if g.dtype == m.dtype else g.to(m.dtype)
-                if chunk and _fusable(g, m, v, p):
+                if (chunk or traced) and _fusable(g, m, v, p):
                     fused.setdefault(wd, []).append((g, m, v, p))
                     continue
                 for g_, m_, v_, p_ in _chunks(chunk, g, m, v, p):
@@ -407,7 +447,13 @@ class _AdamW:
                     if wd != 0:
                         p_.mul_(1 - lr_t * wd)  # decoupled weight decay
                     _addcdiv(p_, m_, den, -step_size, in_place=True)
-            if fused:
+            if fused and traced:  # one op of the graph, in place (the count and a schedule's lr: tensors)
+                lr = lr_t if isinstance(lr_t, torch.Tensor) else torch.tensor(lr_t, dtype=torch.float64)
+                with torch._C.DisableTorchFunction():  # no vma tags: the op returns nothing, writes its operands
+                    for wd, leaves in fused.items():
+                        gs, ms, vs, ps = (list(t) for t in zip(*leaves, strict=True))
+                        _fused_in_graph()(ps, gs, ms, vs, lr, count + 1, b1, b2, self.eps, wd)
+            elif fused:
                 step = int(count) + 1  # read: not tracing
                 for wd, leaves in fused.items():  # one call per weight decay (two at most: masked and not)
                     _fused_update(leaves, lr_t, b1, b2, self.eps, wd, step)
