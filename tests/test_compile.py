@@ -58,8 +58,9 @@ def _train(
 
 
 def _compiled_vs_eager(mesh: fs.Mesh, donate: tuple[int, ...]) -> dict:
-    import funcshard._compile as fs_compile
     from torch._dynamo.utils import counters
+
+    import funcshard._compile as fs_compile
 
     eager = _train(mesh, False)
     torch._dynamo.reset()

@@ -18,8 +18,9 @@ import torch
 import funcshard as fs
 from funcshard import P, _vma
 from funcshard.ops import attention, ring_attention
+from funcshard.ops._attention_torch import attention_torch
 
-_plain = attention.__wrapped__  # the undecorated function: op by op through the mode
+_plain = attention_torch.__wrapped__  # the undecorated torch path: op by op through the mode
 B, S, D = 4, 6, 8  # batch (split over dp), sequence, head dim
 
 

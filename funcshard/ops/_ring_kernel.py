@@ -36,7 +36,7 @@ import torch
 
 from .. import _prims, lax
 from .._grad import has_tangent
-from .attention import attention
+from ._attention_torch import attention_torch as attention
 
 __all__ = ["RingAttention", "block_plan", "needs_autograd_ring", "ring_through_autograd"]
 

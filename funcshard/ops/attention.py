@@ -11,35 +11,17 @@ Example:
 
 from __future__ import annotations
 
-import math
-
 import torch
-import torch.nn.functional as F
 
-from .._errors import ShardingError
-from .._grad import has_tangent
 from .._vma import one_op
+from ._attention_torch import attention_torch, sdpa_has_no_rule
 
-__all__ = ["attention"]
+__all__ = ["FLASH_DEVICES", "attention"]
 
 #: devices on which ``attention(return_lse=True)`` (blocks merged by their lse) runs the Triton kernels of
 #: ``funcshard.ops.triton`` where they take the inputs; SDPA's own fused CUDA kernels serve the calls without
 #: the log-sum-exp (they are the faster there), the written-out softmax serves every other device.
 FLASH_DEVICES = ("cuda",)
-
-
-def _sdpa_has_no_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
-    """Whether a transform is active that SDPA's fused kernels have no derivative for: forward-mode AD
-    (``torch.func.jvp``, ``jacfwd``, ``hessian``, a dual input) or a gradient of a gradient (nested
-    ``torch.func.grad`` / ``vjp``). The explicit softmax is differentiable to any order."""
-    if torch._C._are_functorch_transforms_active():
-        from torch._C._functorch import TransformType
-        from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
-
-        kinds = [i.key() for i in retrieve_all_functorch_interpreters()]
-        if TransformType.Jvp in kinds or kinds.count(TransformType.Grad) > 1:
-            return True
-    return has_tangent((q, k, v))
 
 
 @one_op  # inside shard_map(check_vma=True): one dispatch through the vma mode, not ~10 shape reads and ~3 ops
@@ -83,31 +65,9 @@ def attention(
         >>> attention(q, kv, kv, causal=True).shape
         torch.Size([1, 4, 8, 16])
     """
-    b, hq, sq, d = q.shape
-    hkv = k.shape[1]
-    if hq % hkv or k.shape != v.shape or k.shape[0] != b or k.shape[-1] != d:
-        raise ShardingError(
-            f"attention: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} do not fit: need "
-            f"[b, hq, s, d] and [b, hkv, s, d] with hq divisible by hkv."
-        )
-    if causal and k.shape[2] != sq:
-        raise ShardingError(f"attention(causal=True): q has {sq} positions but k has {k.shape[2]}; they must match.")
-    if return_lse and q.device.type in FLASH_DEVICES and not _sdpa_has_no_rule(q, k, v):
-        from . import triton as flash  # (imported here: that module imports this one)
+    if return_lse and q.device.type in FLASH_DEVICES and not sdpa_has_no_rule(q, k, v):
+        from . import triton as flash  # (imported here: the kernels' module falls back to the torch path below)
 
         if flash.kernels_take(q, k, v):  # GQA in the kernel: no repeated k / v
             return flash.flash_attention(q, k, v, causal=causal, return_lse=True, scale=scale)
-    if hkv != hq:
-        k = k.repeat_interleave(hq // hkv, dim=1)  # [b, hkv, s, d] -> [b, hq, s, d]
-        v = v.repeat_interleave(hq // hkv, dim=1)
-    scale = 1.0 / math.sqrt(d) if scale is None else scale
-    if not return_lse and not _sdpa_has_no_rule(q, k, v):
-        return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
-    acc = torch.promote_types(q.dtype, torch.float32)  # float32 at least (float64 stays float64)
-    scores = (q.to(acc) @ k.to(acc).transpose(-1, -2)) * scale  # [b, h, sq, d] @ [b, h, d, sk] -> [b, h, sq, sk]
-    if causal:
-        mask = torch.ones(sq, sq, dtype=torch.bool, device=q.device).triu(1)
-        scores = scores.masked_fill(mask, float("-inf"))
-    lse = torch.logsumexp(scores, dim=-1)  # [b, h, sq]
-    out = torch.exp(scores - lse.unsqueeze(-1)) @ v.to(acc)  # [b, h, sq, sk] @ [b, h, sk, d] -> [b, h, sq, d]
-    return (out.to(q.dtype), lse) if return_lse else out.to(q.dtype)
+    return attention_torch(q, k, v, causal=causal, return_lse=return_lse, scale=scale)

@@ -1,0 +1,101 @@
+"""The torch path of :func:`funcshard.ops.attention`: SDPA, or the softmax written out (with the log-sum-exp,
+or under transforms SDPA has no derivative for). Kept apart from ``attention.py`` so that the Triton kernels'
+module (which falls back to it) and the ring (which calls it under transforms) do not import the dispatcher.
+
+Example:
+    >>> import torch
+    >>> q = k = v = torch.randn(1, 2, 4, 8)
+    >>> out, lse = attention_torch(q, k, v, causal=True, return_lse=True)
+    >>> out.shape, lse.shape
+    (torch.Size([1, 2, 4, 8]), torch.Size([1, 2, 4]))
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from .._errors import ShardingError
+from .._grad import has_tangent
+from .._vma import one_op
+
+__all__ = ["attention_torch", "sdpa_has_no_rule"]
+
+
+def sdpa_has_no_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether a transform is active that SDPA's fused kernels have no derivative for: forward-mode AD
+    (``torch.func.jvp``, ``jacfwd``, ``hessian``, a dual input) or a gradient of a gradient (nested
+    ``torch.func.grad`` / ``vjp``). The explicit softmax is differentiable to any order."""
+    if torch._C._are_functorch_transforms_active():
+        from torch._C._functorch import TransformType
+        from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
+
+        kinds = [i.key() for i in retrieve_all_functorch_interpreters()]
+        if TransformType.Jvp in kinds or kinds.count(TransformType.Grad) > 1:
+            return True
+    return has_tangent((q, k, v))
+
+
+@one_op  # inside shard_map(check_vma=True): one dispatch through the vma mode, not ~10 shape reads and ~3 ops
+def attention_torch(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool = False,
+    return_lse: bool = False,
+    scale: float | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Softmax attention on one device by torch's ops (see :func:`funcshard.ops.attention`). ``k`` / ``v`` may
+    have fewer heads than ``q`` (grouped-query attention: each kv head serves ``q_heads / kv_heads`` query heads).
+
+    ``F.scaled_dot_product_attention`` computes it, except with ``return_lse`` or under forward-mode AD
+    (``torch.func.jvp``, ``jacfwd``, ``hessian``) or nested ``torch.func.grad``, which SDPA's fused kernels
+    have no derivative for: there the softmax is written out (float32 at least), differentiable to any order.
+
+    Args:
+        q: ``[b, hq, sq, d]``.
+        k: ``[b, hkv, sk, d]``.
+        v: ``[b, hkv, sk, d]``.
+        causal: mask the keys after each query (needs as many keys as queries).
+        return_lse: also return the log-sum-exp of the scores, ``[b, hq, sq]`` (float32; float64 for float64
+            inputs, whose precision the softmax then keeps, as ``F.scaled_dot_product_attention``'s).
+        scale: score scale, default ``1/sqrt(d)``.
+
+    Returns:
+        ``[b, hq, sq, d]`` (and the log-sum-exp).
+
+    Raises:
+        ShardingError: heads or shapes that do not fit.
+
+    Example:
+        >>> import torch
+        >>> q, kv = torch.randn(1, 4, 8, 16), torch.randn(1, 2, 8, 16)  # 4 query heads share 2 kv heads
+        >>> attention_torch(q, kv, kv, causal=True).shape
+        torch.Size([1, 4, 8, 16])
+    """
+    b, hq, sq, d = q.shape
+    hkv = k.shape[1]
+    if hq % hkv or k.shape != v.shape or k.shape[0] != b or k.shape[-1] != d:
+        raise ShardingError(
+            f"attention: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} do not fit: need "
+            f"[b, hq, s, d] and [b, hkv, s, d] with hq divisible by hkv."
+        )
+    if causal and k.shape[2] != sq:
+        raise ShardingError(f"attention(causal=True): q has {sq} positions but k has {k.shape[2]}; they must match.")
+    if hkv != hq:
+        k = k.repeat_interleave(hq // hkv, dim=1)  # [b, hkv, s, d] -> [b, hq, s, d]
+        v = v.repeat_interleave(hq // hkv, dim=1)
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    if not return_lse and not sdpa_has_no_rule(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
+    acc = torch.promote_types(q.dtype, torch.float32)  # float32 at least (float64 stays float64)
+    scores = (q.to(acc) @ k.to(acc).transpose(-1, -2)) * scale  # [b, h, sq, d] @ [b, h, d, sk] -> [b, h, sq, sk]
+    if causal:
+        mask = torch.ones(sq, sq, dtype=torch.bool, device=q.device).triu(1)
+        scores = scores.masked_fill(mask, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)  # [b, h, sq]
+    out = torch.exp(scores - lse.unsqueeze(-1)) @ v.to(acc)  # [b, h, sq, sk] @ [b, h, sk, d] -> [b, h, sq, d]
+    return (out.to(q.dtype), lse) if return_lse else out.to(q.dtype)
