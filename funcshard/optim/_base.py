@@ -7,6 +7,7 @@ inside ``shard_map`` each device works on its local shards (see the package docs
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -145,15 +146,26 @@ def on_mesh(opt: Optimizer, grads: PyTree, state: PyTree, params: PyTree) -> tup
             f"{opt.name}.update: the grads, state and params are fs.Arrays on {len(meshes)} different meshes "
             f"({', '.join(sorted(str(dict(m.shape)) for m in meshes))}); put them on one with fs.reshard / device_put."
         )
-    specs = optree.tree_map(lambda x: x.spec if is_array(x) else P(), params, is_leaf=is_array)
-    state_specs = opt.state_specs(specs)
-    step = shard_map(
-        lambda g, s, p: opt.update(g, s, p),
-        mesh=meshes.pop(),
-        in_specs=(specs, state_specs, specs),
-        out_specs=(specs, state_specs),
-    )
+    mesh = meshes.pop()
+    leaves, treedef = optree.tree_flatten(params, is_leaf=is_array)
+    key = (mesh, treedef, tuple(x.spec if is_array(x) else P() for x in leaves))
+    steps = _ON_MESH.setdefault(opt, {})
+    step = steps.get(key)
+    if step is None:  # made once per optimiser, mesh and layout: shard_map keeps its plans on the step
+        specs = optree.tree_unflatten(treedef, list(key[2]))
+        state_specs = opt.state_specs(specs)
+        ref = weakref.ref(opt)  # (the cache's value must not hold its key)
+        step = steps[key] = shard_map(
+            lambda g, s, p: ref().update(g, s, p),  # type: ignore[union-attr]
+            mesh=mesh,
+            in_specs=(specs, state_specs, specs),
+            out_specs=(specs, state_specs),
+        )
     return step(grads, state, params)
+
+
+#: :func:`on_mesh`'s shard_map'd updates, by optimiser (dropped with it), then mesh and the params' layout
+_ON_MESH: weakref.WeakKeyDictionary[Optimizer, dict[Any, Any]] = weakref.WeakKeyDictionary()
 
 
 def zeros_like(x: Any, name: str) -> Any:
