@@ -7,8 +7,10 @@ the speedup.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import warnings
+from collections.abc import Iterator
 
 import optree
 import pytest
@@ -57,20 +59,27 @@ def _train(
     return losses, [fs.device_get(t) for t in optree.tree_leaves(p)], comm
 
 
+@contextlib.contextmanager
+def _recorded() -> Iterator[list]:
+    """The graphs ``shard_map(..., compile=...)`` records meanwhile (``funcshard._compile.recorded_hook``)."""
+    import funcshard._compile as fs_compile
+
+    graphs: list = []
+    fs_compile.recorded_hook = graphs.append
+    try:
+        yield graphs
+    finally:
+        fs_compile.recorded_hook = None
+
+
 def _compiled_vs_eager(mesh: fs.Mesh, donate: tuple[int, ...]) -> dict:
     from torch._dynamo.utils import counters
-
-    import funcshard._compile as fs_compile
 
     eager = _train(mesh, False)
     torch._dynamo.reset()
     counters.clear()
-    graphs: list = []
-    fs_compile.recorded_hook = graphs.append
-    try:
+    with _recorded() as graphs:
         compiled = _train(mesh, COMPILE, donate)
-    finally:
-        fs_compile.recorded_hook = None
     return {
         "eager": eager,
         "compiled": compiled,
@@ -164,15 +173,9 @@ def _recorded_writes(mesh: fs.Mesh) -> dict:
     """The Llama step of two stacked layers (dp=2) recorded for compile=: the ops that write into memory kept from
     call to call (``out=`` stacks and cats: the eager path's gradient buckets and stacked-gradient buffers), and
     whether its losses and params equal the eager step's."""
-    import funcshard._compile as fs_compile
-
-    graphs: list = []
     cfg = dataclasses.replace(CFG, n_layers=2)  # stacked [2, ...] layer leaves
-    fs_compile.recorded_hook = graphs.append
-    try:
+    with _recorded() as graphs:
         eager, compiled = _train(mesh, False, cfg=cfg), _train(mesh, COMPILE, cfg=cfg)
-    finally:
-        fs_compile.recorded_hook = None
     (gm,) = graphs
     writes = sorted({str(n.target) for n in gm.graph.nodes if n.op == "call_function" and "out" in str(n.target)})
     close = all(torch.allclose(c, e, rtol=1e-5, atol=1e-7) for c, e in zip(compiled[1], eager[1], strict=True))

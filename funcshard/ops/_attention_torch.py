@@ -1,13 +1,6 @@
 """The torch path of :func:`funcshard.ops.attention`: SDPA, or the softmax written out (with the log-sum-exp,
 or under transforms SDPA has no derivative for). Kept apart from ``attention.py`` so that the Triton kernels'
 module (which falls back to it) and the ring (which calls it under transforms) do not import the dispatcher.
-
-Example:
-    >>> import torch
-    >>> q = k = v = torch.randn(1, 2, 4, 8)
-    >>> out, lse = attention_torch(q, k, v, causal=True, return_lse=True)
-    >>> out.shape, lse.shape
-    (torch.Size([1, 2, 4, 8]), torch.Size([1, 2, 4]))
 """
 
 from __future__ import annotations
@@ -48,33 +41,17 @@ def attention_torch(
     return_lse: bool = False,
     scale: float | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Softmax attention on one device by torch's ops (see :func:`funcshard.ops.attention`). ``k`` / ``v`` may
-    have fewer heads than ``q`` (grouped-query attention: each kv head serves ``q_heads / kv_heads`` query heads).
-
-    ``F.scaled_dot_product_attention`` computes it, except with ``return_lse`` or under forward-mode AD
-    (``torch.func.jvp``, ``jacfwd``, ``hessian``) or nested ``torch.func.grad``, which SDPA's fused kernels
-    have no derivative for: there the softmax is written out (float32 at least), differentiable to any order.
-
-    Args:
-        q: ``[b, hq, sq, d]``.
-        k: ``[b, hkv, sk, d]``.
-        v: ``[b, hkv, sk, d]``.
-        causal: mask the keys after each query (needs as many keys as queries).
-        return_lse: also return the log-sum-exp of the scores, ``[b, hq, sq]`` (float32; float64 for float64
-            inputs, whose precision the softmax then keeps, as ``F.scaled_dot_product_attention``'s).
-        scale: score scale, default ``1/sqrt(d)``.
-
-    Returns:
-        ``[b, hq, sq, d]`` (and the log-sum-exp).
-
-    Raises:
-        ShardingError: heads or shapes that do not fit.
+    """:func:`funcshard.ops.attention` by torch's ops (same arguments, results and errors): SDPA, except with
+    ``return_lse`` or under forward-mode AD (``torch.func.jvp``, ``jacfwd``, ``hessian``) or nested
+    ``torch.func.grad``, which SDPA's fused kernels have no derivative for: there the softmax is written out
+    (float32 at least), differentiable to any order.
 
     Example:
         >>> import torch
         >>> q, kv = torch.randn(1, 4, 8, 16), torch.randn(1, 2, 8, 16)  # 4 query heads share 2 kv heads
-        >>> attention_torch(q, kv, kv, causal=True).shape
-        torch.Size([1, 4, 8, 16])
+        >>> out, lse = attention_torch(q, kv, kv, causal=True, return_lse=True)
+        >>> out.shape, lse.shape
+        (torch.Size([1, 4, 8, 16]), torch.Size([1, 4, 8]))
     """
     b, hq, sq, d = q.shape
     hkv = k.shape[1]
