@@ -209,3 +209,67 @@ def test_unsupported_inputs_raise() -> None:
 def test_importing_funcshard_does_not_import_triton() -> None:
     code = "import sys, funcshard, funcshard.ops, funcshard.ops.triton; assert 'triton' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def _ring_kernels_body(mesh, causal: bool, layout: str, dtype: torch.dtype) -> dict[str, int]:
+    """``ring_attention`` over cp with CPU among the flash devices (interpreted kernels): output and gradients of
+    q, k, v (GQA) against the unsharded torch attention; returns how often the block kernels ran here."""
+    import importlib
+
+    import funcshard as fs
+    from funcshard import P
+    from funcshard.ops import ring_attention, zigzag_indices, zigzag_inverse_indices
+    from funcshard.ops import triton as flash
+
+    attention_module = importlib.import_module("funcshard.ops.attention")
+    n, s = mesh.shape["cp"], 32
+    q, k, v = (t.detach() for t in _qkv(1, 4, 2, s, 16, dtype=dtype))
+    r = _rand(1, 4, s, 16, seed=4).detach()
+    ref = [t.clone().requires_grad_() for t in (q, k, v)]
+    out_ref = attention(*ref, causal=causal)
+    (out_ref.float() * r).sum().backward()
+
+    order = zigzag_indices(s, n) if layout == "zigzag" else torch.arange(s)
+    back = zigzag_inverse_indices(s, n) if layout == "zigzag" else torch.arange(s)
+    spec = P(None, None, "cp")
+
+    def step(r, q, k, v):
+        loss = lambda q, k, v: fs.psum((ring_attention(q, k, v, causal=causal, layout=layout).float() * r).sum(), "cp")
+        return fs.value_and_grad(loss, argnums=(0, 1, 2))(q, k, v)
+
+    calls = {"fwd": 0, "bwd": 0}
+    forward, backward = flash._forward, flash._backward
+
+    def counted(name, fn):
+        return lambda *a, **kw: calls.__setitem__(name, calls[name] + 1) or fn(*a, **kw)
+
+    saved = attention_module.FLASH_DEVICES
+    flash._forward, flash._backward = counted("fwd", forward), counted("bwd", backward)
+    attention_module.FLASH_DEVICES = ("cuda", "cpu")
+    try:
+        f = fs.shard_map(step, mesh=mesh, in_specs=(spec,) * 4, out_specs=(P(), [spec] * 3))
+        loss, grads = f(*(t.index_select(2, order) for t in (r, q, k, v)))
+    finally:
+        flash._forward, flash._backward = forward, backward
+        attention_module.FLASH_DEVICES = saved
+    tol = {"rtol": 1e-4, "atol": 1e-4} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}
+    _close(fs.device_get(loss), (out_ref.float() * r).sum(), **tol)
+    for g, a in zip(grads, ref, strict=True):
+        _close(fs.device_get(g).index_select(2, back), a.grad, **tol)
+    return calls
+
+
+@needs_triton
+@pytest.mark.parametrize(
+    "causal, layout, dtype",
+    [(True, "zigzag", torch.float32), (False, "contiguous", torch.float32), (True, "zigzag", torch.bfloat16)],
+)
+def test_ring_attention_runs_the_kernels_on_flash_devices(run, causal: bool, layout: str, dtype) -> None:
+    """On :data:`FLASH_DEVICES` (CPU added here, interpreted) ring attention computes each block by the Triton
+    kernels, forward and backward (``fs.value_and_grad``: no graph of the backward), under sim and dist: the loss
+    and the gradients of q, k, v are those of the unsharded attention. Every device runs all n blocks here
+    (zigzag causal or not causal), so n * n of each kernel over the mesh."""
+    n = 2
+    counts = run(_ring_kernels_body, {"cp": n}, causal, layout, dtype)
+    assert sum(c["fwd"] for c in counts) == n * n
+    assert sum(c["bwd"] for c in counts) == n * n

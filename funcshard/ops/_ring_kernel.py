@@ -15,6 +15,10 @@ output and the log-sum-exp of its rows (``[b, h, s/n]``, float32): O(s/n) memory
   k/v and the float32 dk/dv as two), and one last hop after the ``n``-th step brings every block's complete
   dk/dv home: ``n - 1`` ring steps plus that hop.
 
+On CUDA (``ops.attention.FLASH_DEVICES``), where the kernels of :mod:`funcshard.ops.triton` take the inputs, each
+block's forward and backward are those kernels (the output stored in float32 for the merge; the backward's
+blocks given the whole rows' lse and delta); a backward that is itself differentiated keeps the torch path.
+
 The causal mask and the layouts skip or halve blocks as the forward does (:func:`block_plan`). All
 communication goes through the backend's ``Ppermute`` (counted by ``fs.comm_stats``), with the device handle
 of the forward, so the backward needs no running ``shard_map`` context.
@@ -30,6 +34,7 @@ Example:
 
 from __future__ import annotations
 
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -42,6 +47,8 @@ __all__ = ["RingAttention", "block_plan", "needs_autograd_ring", "ring_through_a
 
 _ALL = slice(None)
 Plan = tuple[slice, slice, bool]
+Pair = tuple[torch.Tensor, torch.Tensor]
+Triple = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 
 def block_plan(i: int, j: int, causal: bool, layout: str, c: int) -> Plan | None:
@@ -179,20 +186,32 @@ class RingAttention(torch.autograd.Function):
         acc = torch.promote_types(q.dtype, torch.float32)  # merge in float32 (float64 stays float64)
         c = sq // 2  # zigzag chunk length
         with torch._C.DisableTorchFunction():
-            q5 = q.unflatten(1, (hkv, h // hkv)).to(acc)  # [b, h, sq, d] -> [b, hkv, g, sq, d]
+            flash = _flash(q, k, v)
+            if flash is None:  # the torch path: heads grouped [b, hkv, g, sq, d], blocks in the accumulation dtype
+                qb = q.unflatten(1, (hkv, h // hkv)).to(acc)  # [b, h, sq, d] -> [b, hkv, g, sq, d]
+
+                def block(qr: torch.Tensor, kb: torch.Tensor, vb: torch.Tensor, diag: bool) -> Pair:
+                    return _block_forward(qr, kb.to(acc), vb.to(acc), scale, diag)  # [b,hkv,g,r,d], [b,hkv,g,r]
+
+            else:  # the Triton kernels: [b, h, sq, d] as it is (GQA in the kernel), the output stored in acc
+                qb = q
+
+                def block(qr: torch.Tensor, kb: torch.Tensor, vb: torch.Tensor, diag: bool) -> Pair:
+                    return flash._forward(qr, kb, vb, diag, scale, out_dtype=acc)  # [b, h, r, d], [b, h, r]
+
             kv = torch.stack((k, v))  # 2 x [b, hkv, sk, d] -> [2, b, hkv, sk, d]: one message per step
-            # step 0, this device's own block (the diagonal: causal within it)
-            out, lse = _block_forward(q5, k.to(acc), v.to(acc), scale, causal)  # [b,hkv,g,sq,d], [b,hkv,g,sq]
+            out, lse = block(qb, k, v, causal)  # step 0, this device's own block (the diagonal: causal within it)
             for step in range(1, n):
                 kv = _prims.call(_prims.Ppermute, kv, dev, axes, _shift(n))  # [2,b,hkv,sk,d], from device i-1
                 plan = block_plan(i, (i - step) % n, causal, layout, c)
                 if plan is None:  # contiguous, a block in the future: nothing to compute
                     continue
                 rows, cols, diag = plan
-                kb, vb = kv[0, :, :, cols].to(acc), kv[1, :, :, cols].to(acc)  # [b, hkv, sk or c, d] each
-                o, lo = _block_forward(q5[:, :, :, rows], kb, vb, scale, diag)
-                _merge_into(out[:, :, :, rows], lse[:, :, :, rows], o, lo)
-            return out.flatten(1, 2).to(q.dtype), lse.flatten(1, 2)  # [b, h, sq, d], [b, h, sq]
+                o, lo = block(qb[..., rows, :], kv[0, :, :, cols], kv[1, :, :, cols], diag)
+                _merge_into(out[..., rows, :], lse[..., rows], o, lo)
+            if flash is None:
+                out, lse = out.flatten(1, 2), lse.flatten(1, 2)  # [b, hkv, g, sq, ...] -> [b, h, sq, ...]
+            return out.to(q.dtype), lse  # [b, h, sq, d], [b, h, sq]
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor, torch.Tensor]) -> None:
@@ -214,13 +233,30 @@ class RingAttention(torch.autograd.Function):
         acc = torch.promote_types(q.dtype, torch.float32)
         c = sq // 2
         with torch._C.DisableTorchFunction():
-            q5 = q.unflatten(1, (hkv, g)).to(acc)  # [b, h, sq, d] -> [b, hkv, g, sq, d]
-            do5 = dout.unflatten(1, (hkv, g)).to(acc)  # [b, hkv, g, sq, d]
-            lse5 = lse.unflatten(1, (hkv, g))  # [b, hkv, g, sq]
-            delta = (do5 * out.unflatten(1, (hkv, g)).to(acc)).sum(-1)  # [b, hkv, g, sq]: rowsum(dout * out)
-            if dlse is not None:  # d lse / d scores = p: ds = p (dp - delta + dlse)
-                delta = delta - dlse.unflatten(1, (hkv, g)).to(acc)  # [b, hkv, g, sq]
-            dq = torch.zeros_like(q5)  # [b, hkv, g, sq, d]
+            # the kernels record no graph: a backward that is itself differentiated (create_graph, torch.func)
+            # takes the torch path, made of differentiable ops and collectives
+            flash = None if torch.is_grad_enabled() else _flash(q, k, v)
+            if flash is None:  # heads grouped [b, hkv, g, sq, ...], in the accumulation dtype
+                qb, dob = q.unflatten(1, (hkv, g)).to(acc), dout.unflatten(1, (hkv, g)).to(acc)  # [b,hkv,g,sq,d]
+                ob, lseb = out.unflatten(1, (hkv, g)).to(acc), lse.unflatten(1, (hkv, g))  # [b,hkv,g,sq(,d)]
+                dlseb = None if dlse is None else dlse.unflatten(1, (hkv, g))  # [b, hkv, g, sq]
+
+                def block(qr: torch.Tensor, kb: torch.Tensor, vb: torch.Tensor, dor: torch.Tensor, lr: torch.Tensor,
+                          dr: torch.Tensor, diag: bool) -> Triple:  # fmt: skip
+                    return _block_backward(qr, kb.to(acc), vb.to(acc), dor, lr, dr, scale, diag)
+
+            else:  # the Triton kernels: [b, h, sq, ...] as they are; lse and delta contiguous rows, grads in acc
+                qb, dob, ob, lseb, dlseb = q, dout, out.to(acc), lse, dlse
+
+                def block(qr: torch.Tensor, kb: torch.Tensor, vb: torch.Tensor, dor: torch.Tensor, lr: torch.Tensor,
+                          dr: torch.Tensor, diag: bool) -> Triple:  # fmt: skip
+                    return flash._backward(qr, kb, vb, None, lr.contiguous(), dor, None, diag, scale,
+                                           delta=dr.contiguous(), grad_dtype=acc)  # fmt: skip
+
+            delta = (dob.to(acc) * ob).sum(-1)  # [b, h(kv, g), sq]: rowsum(dout * out)
+            if dlseb is not None:  # d lse / d scores = p: ds = p (dp - delta + dlse)
+                delta = delta - dlseb.to(acc)
+            dq = torch.zeros(qb.shape, dtype=acc, device=qb.device)  # [b, h(kv, g), sq, d]
             kv = torch.stack((k, v))  # [2, b, hkv, sk, d]
             dkv = kv.new_zeros(kv.shape, dtype=acc)  # [2, b, hkv, sk, d]: the dk/dv of the block held, travelling
             for step in range(n):
@@ -230,10 +266,9 @@ class RingAttention(torch.autograd.Function):
                 if plan is None:
                     continue
                 rows, cols, diag = plan
-                kb, vb = kv[0, :, :, cols].to(acc), kv[1, :, :, cols].to(acc)  # [b, hkv, sk or c, d] each
-                qr, dor, lr, dr = (t[:, :, :, rows] for t in (q5, do5, lse5, delta))  # this block's query rows
-                dq_b, dk_b, dv_b = _block_backward(qr, kb, vb, dor, lr, dr, scale, diag)
-                dq[:, :, :, rows] += dq_b
+                dq_b, dk_b, dv_b = block(qb[..., rows, :], kv[0, :, :, cols], kv[1, :, :, cols],
+                                         dob[..., rows, :], lseb[..., rows], delta[..., rows], diag)  # fmt: skip
+                dq[..., rows, :] += dq_b
                 # out of place: dkv may share its storage with the k/v received with it (one message), which the
                 # graph of this backward keeps, when it is differentiated (grad of grad)
                 upd = torch.stack((dk_b, dv_b))  # 2 x [b, hkv, sk or c, d] -> [2, b, hkv, sk or c, d]
@@ -243,8 +278,15 @@ class RingAttention(torch.autograd.Function):
                     dkv = torch.cat((dkv[:, :, :, cols] + upd, dkv[:, :, :, cols.stop :]), dim=3)  # -> [2,b,hkv,sk,d]
             if n > 1:  # the block held now is device i+1's, complete: one more hop takes it home
                 dkv = _prims.call(_prims.Ppermute, dkv, dev, axes, _shift(n))  # [2,b,hkv,sk,d] -> [2,b,hkv,sk,d]
-            dq_out = dq.flatten(1, 2).to(q.dtype)  # [b, hkv, g, sq, d] -> [b, h, sq, d]
+            dq_out = (dq if flash is not None else dq.flatten(1, 2)).to(q.dtype)  # -> [b, h, sq, d]
             return dq_out, dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None, None, None, None
+
+
+def _flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> ModuleType | None:
+    """:mod:`funcshard.ops.triton` where its kernels compute the ring's blocks (CUDA, inputs they take), else None."""
+    from .attention import flash_kernels  # (here: the attention module imports the kernels', which imports this)
+
+    return flash_kernels(q, k, v)
 
 
 def _rotate(

@@ -11,16 +11,18 @@ Example:
 
 from __future__ import annotations
 
+from types import ModuleType
+
 import torch
 
 from .._vma import one_op
 from ._attention_torch import attention_torch, sdpa_has_no_rule
 
-__all__ = ["FLASH_DEVICES", "attention"]
+__all__ = ["FLASH_DEVICES", "attention", "flash_kernels"]
 
-#: devices on which ``attention(return_lse=True)`` (blocks merged by their lse) runs the Triton kernels of
-#: ``funcshard.ops.triton`` where they take the inputs; SDPA's own fused CUDA kernels serve the calls without
-#: the log-sum-exp (they are the faster there), the written-out softmax serves every other device.
+#: devices on which ``attention(return_lse=True)`` (blocks merged by their lse) and ``ring_attention`` run the
+#: Triton kernels of ``funcshard.ops.triton`` where they take the inputs; SDPA's own fused CUDA kernels serve
+#: the calls without the log-sum-exp (they are the faster there), the written-out softmax every other device.
 FLASH_DEVICES = ("cuda",)
 
 
@@ -65,9 +67,23 @@ def attention(
         >>> attention(q, kv, kv, causal=True).shape
         torch.Size([1, 4, 8, 16])
     """
-    if return_lse and q.device.type in FLASH_DEVICES and not sdpa_has_no_rule(q, k, v):
-        from . import triton as flash  # (imported here: the kernels' module falls back to the torch path below)
-
-        if flash.kernels_take(q, k, v):  # GQA in the kernel: no repeated k / v
-            return flash.flash_attention(q, k, v, causal=causal, return_lse=True, scale=scale)
+    if return_lse and (flash := flash_kernels(q, k, v)) is not None:  # GQA in the kernel: no repeated k / v
+        return flash.flash_attention(q, k, v, causal=causal, return_lse=True, scale=scale)
     return attention_torch(q, k, v, causal=causal, return_lse=return_lse, scale=scale)
+
+
+def flash_kernels(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> ModuleType | None:
+    """The module :mod:`funcshard.ops.triton` where its kernels compute attention of these inputs here (on
+    :data:`FLASH_DEVICES`, inputs the kernels take, no transform they have no rule for), else None.
+
+    Example:
+        >>> import torch
+        >>> flash_kernels(*(torch.zeros(1, 2, 4, 8),) * 3) is None  # CPU is not among FLASH_DEVICES
+        True
+    """
+    if q.device.type in FLASH_DEVICES and not sdpa_has_no_rule(q, k, v):
+        from . import triton as flash  # (imported here: the kernels' module imports the torch path)
+
+        if flash.kernels_take(q, k, v):
+            return flash
+    return None

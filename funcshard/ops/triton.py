@@ -227,15 +227,21 @@ def _precision(dtype: torch.dtype) -> str:
 
 
 def _forward(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    causal: bool,
+    scale: float,
+    out_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(out [b, hq, sq, d], lse [b, hq, sq] float32)`` by the forward kernel."""
+    """``(out [b, hq, sq, d], lse [b, hq, sq] float32)`` by the forward kernel; ``out`` in ``out_dtype`` (the
+    kernel accumulates in float32 and rounds once, on its store: float32 for the ring's merge), else ``q``'s."""
     kernels = _kernels.build()
-    dtype = q.dtype
+    dtype = q.dtype if out_dtype is None else out_dtype
     q, k, v = (_interpretable(t) for t in (q, k, v))
     b, hq, sq, d = q.shape
     hkv, sk = k.shape[1], k.shape[2]
-    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    out = torch.empty(q.shape, dtype=q.dtype if out_dtype is None else out_dtype, device=q.device)
     lse = torch.empty(b, hq, sq, dtype=torch.float32, device=q.device)
     strides = (*q.stride(), *k.stride(), *v.stride(), *out.stride())
     sizes = (hq, hq // hkv, sq, sk, d, scale * _kernels.LOG2E)
@@ -254,29 +260,38 @@ def _backward(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    out: torch.Tensor,
+    out: torch.Tensor | None,
     lse: torch.Tensor,
     dout: torch.Tensor,
     dlse: torch.Tensor | None,
     causal: bool,
     scale: float,
+    delta: torch.Tensor | None = None,
+    grad_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dq, dk, dv)`` by the backward kernels; a cotangent ``dlse`` of the log-sum-exp (``d lse / d s = p``)
-    enters as ``ds = p (dp - delta + dlse)``."""
+    enters as ``ds = p (dp - delta + dlse)``.
+
+    The ring's blocks give ``delta`` (``rowsum(dout * out)`` of the whole output, contiguous ``[b, hq, sq]``
+    float32, ``dlse`` in it; ``out`` is then not read) and ``lse`` (of the whole row), and take the gradients in
+    ``grad_dtype`` (float32: they accumulate over the ring); else the inputs' dtype."""
     kernels = _kernels.build()
-    dtype = q.dtype
-    q, k, v, out, dout = (_interpretable(t) for t in (q, k, v, out, dout))
+    dtype = q.dtype if grad_dtype is None else grad_dtype
+    q, k, v, dout = (_interpretable(t) for t in (q, k, v, dout))
     b, hq, sq, d = q.shape
     hkv, sk = k.shape[1], k.shape[2]
     d_pad = _pad(d)
-    delta = torch.empty(b, hq, sq, dtype=torch.float32, device=q.device)
-    _launch(kernels.bwd_preprocess, "pre", sq, b * hq, d_pad, q.dtype, out, dout, delta, *out.stride(),
-            *dout.stride(), hq, sq, d)  # fmt: skip
-    if dlse is not None:
-        delta = delta - dlse.float()  # [b, hq, sq]
-    dq = torch.empty(b, hq, sq, d, dtype=q.dtype, device=q.device)
-    dk = torch.empty(b, hkv, sk, d, dtype=k.dtype, device=k.device)
-    dv = torch.empty(b, hkv, sk, d, dtype=v.dtype, device=v.device)
+    if delta is None:
+        out = _interpretable(out)
+        delta = torch.empty(b, hq, sq, dtype=torch.float32, device=q.device)
+        _launch(kernels.bwd_preprocess, "pre", sq, b * hq, d_pad, q.dtype, out, dout, delta, *out.stride(),
+                *dout.stride(), hq, sq, d)  # fmt: skip
+        if dlse is not None:
+            delta = delta - dlse.float()  # [b, hq, sq]
+    store = q.dtype if grad_dtype is None else grad_dtype  # the kernels round to their outputs' dtype on the store
+    dq = torch.empty(b, hq, sq, d, dtype=store, device=q.device)
+    dk = torch.empty(b, hkv, sk, d, dtype=store if grad_dtype is not None else k.dtype, device=k.device)
+    dv = torch.empty(b, hkv, sk, d, dtype=store if grad_dtype is not None else v.dtype, device=v.device)
     strides = (*q.stride(), *k.stride(), *v.stride(), *dout.stride())
     consts = {"CAUSAL": causal, "PRECISION": _precision(q.dtype)}
     g = hq // hkv
