@@ -34,6 +34,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 from types import ModuleType
 from typing import Any
 
@@ -197,7 +198,8 @@ class RingAttention(torch.autograd.Function):
                 qb = q
 
                 def block(qr: torch.Tensor, kb: torch.Tensor, vb: torch.Tensor, diag: bool) -> Pair:
-                    return flash._forward(qr, kb, vb, diag, scale, out_dtype=acc)  # [b, h, r, d], [b, h, r]
+                    with _on_device(qr):
+                        return flash._forward(qr, kb, vb, diag, scale, out_dtype=acc)  # [b, h, r, d], [b, h, r]
 
             kv = torch.stack((k, v))  # 2 x [b, hkv, sk, d] -> [2, b, hkv, sk, d]: one message per step
             out, lse = block(qb, k, v, causal)  # step 0, this device's own block (the diagonal: causal within it)
@@ -250,8 +252,9 @@ class RingAttention(torch.autograd.Function):
 
                 def block(qr: torch.Tensor, kb: torch.Tensor, vb: torch.Tensor, dor: torch.Tensor, lr: torch.Tensor,
                           dr: torch.Tensor, diag: bool) -> Triple:  # fmt: skip
-                    return flash._backward(qr, kb, vb, None, lr.contiguous(), dor, None, diag, scale,
-                                           delta=dr.contiguous(), grad_dtype=acc)  # fmt: skip
+                    with _on_device(qr):
+                        return flash._backward(qr, kb, vb, None, lr.contiguous(), dor, None, diag, scale,
+                                               delta=dr.contiguous(), grad_dtype=acc)  # fmt: skip
 
             delta = (dob.to(acc) * ob).sum(-1)  # [b, h(kv, g), sq]: rowsum(dout * out)
             if dlseb is not None:  # d lse / d scores = p: ds = p (dp - delta + dlse)
@@ -287,6 +290,11 @@ def _flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> ModuleType | No
     from .attention import flash_kernels  # (here: the attention module imports the kernels', which imports this)
 
     return flash_kernels(q, k, v)
+
+
+def _on_device(t: torch.Tensor) -> contextlib.AbstractContextManager[Any]:
+    """The kernels launch on the current CUDA device: make it ``t``'s (a process may drive several GPUs)."""
+    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
 
 
 def _rotate(
