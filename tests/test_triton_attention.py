@@ -211,9 +211,10 @@ def test_importing_funcshard_does_not_import_triton() -> None:
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
 
-def _ring_kernels_body(mesh, causal: bool, layout: str, dtype: torch.dtype) -> dict[str, int]:
+def _ring_kernels_body(mesh, causal: bool, layout: str, dtype: torch.dtype, grad: str) -> dict[str, int]:
     """``ring_attention`` over cp with CPU among the flash devices (interpreted kernels): output and gradients of
-    q, k, v (GQA) against the unsharded torch attention; returns how often the block kernels ran here."""
+    q, k, v (GQA) against the unsharded torch attention, by ``fs.value_and_grad`` or ``torch.func.grad``;
+    returns how often the block kernels ran here."""
     import importlib
 
     import funcshard as fs
@@ -234,7 +235,12 @@ def _ring_kernels_body(mesh, causal: bool, layout: str, dtype: torch.dtype) -> d
     spec = P(None, None, "cp")
 
     def step(r, q, k, v):
-        loss = lambda q, k, v: fs.psum((ring_attention(q, k, v, causal=causal, layout=layout).float() * r).sum(), "cp")
+        def loss(q, k, v):
+            return fs.psum((ring_attention(q, k, v, causal=causal, layout=layout).float() * r).sum(), "cp")
+
+        if grad == "torch.func":  # its backward records a graph (for an outer level): the torch path there
+            grads, value = torch.func.grad_and_value(loss, argnums=(0, 1, 2))(q, k, v)
+            return value, list(grads)
         return fs.value_and_grad(loss, argnums=(0, 1, 2))(q, k, v)
 
     calls = {"fwd": 0, "bwd": 0}
@@ -261,15 +267,21 @@ def _ring_kernels_body(mesh, causal: bool, layout: str, dtype: torch.dtype) -> d
 
 @needs_triton
 @pytest.mark.parametrize(
-    "causal, layout, dtype",
-    [(True, "zigzag", torch.float32), (False, "contiguous", torch.float32), (True, "zigzag", torch.bfloat16)],
+    "causal, layout, dtype, grad",
+    [
+        (True, "zigzag", torch.float32, "fs"),
+        (False, "contiguous", torch.float32, "fs"),
+        (True, "zigzag", torch.bfloat16, "fs"),
+        (True, "zigzag", torch.float32, "torch.func"),
+    ],
 )
-def test_ring_attention_runs_the_kernels_on_flash_devices(run, causal: bool, layout: str, dtype) -> None:
+def test_ring_attention_runs_the_kernels_on_flash_devices(run, causal: bool, layout: str, dtype, grad: str) -> None:
     """On :data:`FLASH_DEVICES` (CPU added here, interpreted) ring attention computes each block by the Triton
     kernels, forward and backward (``fs.value_and_grad``: no graph of the backward), under sim and dist: the loss
     and the gradients of q, k, v are those of the unsharded attention. Every device runs all n blocks here
-    (zigzag causal or not causal), so n * n of each kernel over the mesh."""
+    (zigzag causal or not causal), so n * n of each kernel over the mesh; under ``torch.func.grad`` the
+    backward, which records a graph there, takes the torch path (from the kernels' saved output and lse)."""
     n = 2
-    counts = run(_ring_kernels_body, {"cp": n}, causal, layout, dtype)
+    counts = run(_ring_kernels_body, {"cp": n}, causal, layout, dtype, grad)
     assert sum(c["fwd"] for c in counts) == n * n
-    assert sum(c["bwd"] for c in counts) == n * n
+    assert sum(c["bwd"] for c in counts) == (0 if grad == "torch.func" else n * n)
