@@ -1,6 +1,7 @@
 """The torch path of :func:`funcshard.ops.attention`: SDPA, or the softmax written out (with the log-sum-exp,
 or under transforms SDPA has no derivative for). Kept apart from ``attention.py`` so that the Triton kernels'
-module (which falls back to it) and the ring (which calls it under transforms) do not import the dispatcher.
+module (which falls back to it) and the ring (which calls it under transforms) do not import the dispatcher;
+with :func:`needs_autograd_ring`, which both ask.
 """
 
 from __future__ import annotations
@@ -14,7 +15,24 @@ from .._errors import ShardingError
 from .._grad import has_tangent
 from .._vma import one_op
 
-__all__ = ["attention_torch", "sdpa_has_no_rule"]
+__all__ = ["attention_torch", "needs_autograd_ring", "sdpa_has_no_rule"]
+
+
+def needs_autograd_ring(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether a transform the :class:`RingAttention` Function has no rule for is active (``vmap``, ``jvp``,
+    functionalize, a forward-mode dual input): then the ring is differentiated by autograd instead.
+
+    Example:
+        >>> needs_autograd_ring(*(torch.zeros(1),) * 3)
+        False
+    """
+    if torch._C._are_functorch_transforms_active():
+        from torch._C._functorch import TransformType
+        from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
+
+        if not all(i.key() == TransformType.Grad for i in retrieve_all_functorch_interpreters()):
+            return True
+    return has_tangent((q, k, v))
 
 
 def sdpa_has_no_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:

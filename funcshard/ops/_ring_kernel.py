@@ -41,8 +41,8 @@ from typing import Any
 import torch
 
 from .. import _prims, lax
-from .._grad import has_tangent
 from ._attention_torch import attention_torch as attention
+from ._attention_torch import needs_autograd_ring
 
 __all__ = ["RingAttention", "block_plan", "needs_autograd_ring", "ring_through_autograd"]
 
@@ -73,23 +73,6 @@ def block_plan(i: int, j: int, causal: bool, layout: str, c: int) -> Plan | None
     if j < i:
         return _ALL, slice(0, c), False
     return slice(c, None), _ALL, False
-
-
-def needs_autograd_ring(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
-    """Whether a transform the :class:`RingAttention` Function has no rule for is active (``vmap``, ``jvp``,
-    functionalize, a forward-mode dual input): then the ring is differentiated by autograd instead.
-
-    Example:
-        >>> needs_autograd_ring(*(torch.zeros(1),) * 3)
-        False
-    """
-    if torch._C._are_functorch_transforms_active():
-        from torch._C._functorch import TransformType
-        from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
-
-        if not all(i.key() == TransformType.Grad for i in retrieve_all_functorch_interpreters()):
-            return True
-    return has_tangent((q, k, v))
 
 
 # --- one block, in the accumulation dtype, heads grouped ``[b, hkv, g, s, d]`` (g query heads per kv head) -------

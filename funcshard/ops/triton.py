@@ -43,7 +43,7 @@ import torch
 from .._errors import ConfigError, ShardingError
 from . import _triton_kernels as _kernels
 from ._attention_torch import attention_torch as attention
-from ._ring_kernel import needs_autograd_ring
+from ._attention_torch import needs_autograd_ring
 
 __all__ = ["MAX_HEAD_DIM", "flash_attention", "kernels_take", "uses_triton"]
 
