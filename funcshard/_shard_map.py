@@ -27,6 +27,7 @@ from ._context import maybe_current
 from ._errors import ShardingError
 from ._executor import DeviceBody, audit_env, executor_for, run_local
 from ._mesh import Mesh
+from ._replicas import maybe_check_replicas
 from ._shard_map_io import InputCache, Inputs, assemble_outputs, check_structures, donated_blocks
 from ._vma import clear_vma
 
@@ -180,6 +181,8 @@ def _run_local(
         out_leaves, out_def = result = run_local(body, executor, sig, leaves, cache)
         try:
             plan = cache.out_plan(name, mesh, out_specs, out_def, out_leaves)
+            if not check_vma:  # the outputs called replicated are: once per output signature (see _replicas)
+                maybe_check_replicas(name, mesh, check_vma, plan, out_leaves, executor.device)
             return assemble_outputs(name, mesh, plan, check_vma, executor.coords, [result])
         finally:
             clear_vma(out_leaves)
@@ -223,7 +226,10 @@ def _run(
 
     results = executor.run(body, plan)
     try:
-        return assemble_outputs(name, mesh, plan(results), check_vma, executor.coords, results)
+        out_plan = plan(results)
+        if not check_vma and mesh.backend == "dist":  # the outputs called replicated are (see _replicas)
+            maybe_check_replicas(name, mesh, check_vma, out_plan, results[0][0], executor.device)
+        return assemble_outputs(name, mesh, out_plan, check_vma, executor.coords, results)
     finally:  # tags are only meaningful during this call: none may leak into a later one
         clear_vma(body.tagged)
         clear_vma(leaf for leaves, _ in results for leaf in leaves)

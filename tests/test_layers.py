@@ -29,6 +29,7 @@ FLOORS = {
     "_shard_map_io": 4,
     "_sim_grad": 4,
     "_executor": 4,
+    "_replicas": 4,
     "_compile": 4,
     "_dtensor": 4,
     "_array": 4,
