@@ -146,6 +146,9 @@ class DeviceBody:
         self.audit = (not check_vma and (mesh.backend == "sim" or audit_env())) if audit is None else audit
         self.tagged: list[torch.Tensor] = []  # every tensor tagged during the call (cleared after it)
         self.compiled: Any = None  # under dist with shard_map(compile=...): its _compile.CompiledBody
+        # the outputs' plan :meth:`_vary_outputs` found, and the tree structure it is for (the caller assembles the
+        # outputs by it: the plan's key, structure and leaf shapes, is the same after the pvarys)
+        self.out_plan: tuple[Any, OutPlan] | None = None
 
     def __call__(self, dev: Any, leaves: list[list[Any]]) -> Result:
         return self.run(dev, self.own(leaves))
@@ -190,8 +193,11 @@ class DeviceBody:
             out_leaves, out_def, _ = flatten(out)  # (an Array is a leaf: no pytree node of optree's)
             # no pending collective leaves the call
             out_leaves = [t if type(t) is torch.Tensor else settle(t) for t in out_leaves]
-            with torch._C.DisableTorchFunction():  # a read the vma mode need not see
+            if mode is _NULL:  # (no mode on the stack: nothing to disable, ~2k instructions)
                 differentiable = _differentiable(out_leaves)
+            else:
+                with torch._C.DisableTorchFunction():  # a read the vma mode need not see
+                    differentiable = _differentiable(out_leaves)
             if differentiable:
                 out_leaves = self._vary_outputs(dev, out_leaves, out_def)
         return out_leaves, out_def
@@ -199,10 +205,13 @@ class DeviceBody:
     def _vary_outputs(self, dev: Any, leaves: list[Any], out_def: Any) -> list[Any]:
         """Each output made varying over the axes its spec names (``vary_output``)."""
         plan = self.plan(out_def, leaves)
+        self.out_plan = (out_def, plan)
         out = []
-        for t, (path, spec, _) in zip(leaves, plan, strict=True):
-            if isinstance(t, torch.Tensor) and spec.axes:
-                t = vary_output(t, frozenset(spec.axes), dev, self.check_vma, path)
+        for t, (path, _, _), axes in zip(leaves, plan, plan.allowed, strict=True):
+            if axes and isinstance(t, torch.Tensor):
+                have = getattr(t, TAG_ATTR, None)  # (its own tag: vary_output's first read, which it returns on)
+                if have is None or not axes <= have:
+                    t = vary_output(t, axes, dev, self.check_vma, path)
             out.append(t)
         return out
 

@@ -28,7 +28,7 @@ from ._errors import ShardingError
 from ._executor import DeviceBody, audit_env, executor_for, run_local
 from ._mesh import Mesh
 from ._replicas import maybe_check_replicas
-from ._shard_map_io import InputCache, Inputs, assemble_outputs, check_structures, donated_blocks
+from ._shard_map_io import InputCache, Inputs, assemble_one, assemble_outputs, check_structures, donated_blocks
 from ._vma import clear_vma
 
 __all__ = ["shard_map"]
@@ -178,14 +178,20 @@ def _run_local(
 
     body = DeviceBody(f, mesh, check_vma, None, device_plan, audit=False)  # type: ignore[arg-type]
     try:
-        out_leaves, out_def = result = run_local(body, executor, sig, leaves, cache)
+        out_leaves, out_def = run_local(body, executor, sig, leaves, cache)
         try:
-            plan = cache.out_plan(name, mesh, out_specs, out_def, out_leaves)
+            found = body.out_plan  # (the plan the outputs' pvarys were made by, where they were)
+            if found is not None and found[0] is out_def:
+                plan = found[1]
+            else:
+                plan = cache.out_plan(name, mesh, out_specs, out_def, out_leaves)
             if not check_vma:  # the outputs called replicated are: once per output signature (see _replicas)
                 maybe_check_replicas(name, mesh, check_vma, plan, out_leaves, executor.device)
-            return assemble_outputs(name, mesh, plan, check_vma, executor.coords, [result])
-        finally:
+            out = assemble_one(name, mesh, plan, check_vma, executor.coords[0], out_leaves)  # (tags cleared)
+            return optree.tree_unflatten(out_def, out)
+        except BaseException:
             clear_vma(out_leaves)
+            raise
     finally:  # tags are only meaningful during this call: none may leak into a later one
         clear_vma(body.tagged)
 

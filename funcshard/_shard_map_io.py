@@ -18,9 +18,9 @@ from ._errors import ShardingError
 from ._mesh import Mesh
 from ._reshard import Step, reshard_plan
 from ._spec import P, check_spec, format_mesh, is_spec
-from ._vma import EMPTY, get_vma
+from ._vma import EMPTY, TAG_ATTR, get_vma
 
-__all__ = ["InputCache", "Inputs", "OutPlan", "assemble_outputs", "device_args", "donated_blocks"]
+__all__ = ["InputCache", "Inputs", "OutPlan", "assemble_one", "assemble_outputs", "device_args", "donated_blocks"]
 
 
 class OutPlan(list):  # type: ignore[type-arg]
@@ -492,22 +492,37 @@ def _assemble_one(
 ) -> list[Any]:
     """:func:`assemble_outputs` of one device (``"dist"``, or a sim mesh of one): nothing to compare between
     devices; the leaf kinds and shapes are the plan's (its key), so only the vma tags and storages are read."""
+    return _assemble(name, mesh, plan, check_vma, coords, leaves, False)
+
+
+def assemble_one(name: str, mesh: Mesh, plan: OutPlan, check_vma: bool, coords: Coords, leaves: list[Any]) -> list[Any]:
+    """:func:`_assemble_one` that also clears each block's own vma tag as it reads it (``clear_vma`` of the
+    outputs, in the same pass; where it raises, the caller clears the rest)."""
+    return _assemble(name, mesh, plan, check_vma, coords, leaves, True)
+
+
+def _assemble(
+    name: str, mesh: Mesh, plan: OutPlan, check_vma: bool, coords: Coords, leaves: list[Any], clear: bool
+) -> list[Any]:
     out: list[Any] = []
     seen: set[int] = set()  # storages of the blocks assembled so far
     for v, (path, spec, gshape), allowed in zip(leaves, plan, plan.allowed, strict=True):
         if gshape is None:  # a non-tensor leaf (its spec checked P() with the plan): as it is
             out.append(v)
             continue
+        tag = v.__dict__.pop(TAG_ATTR, None) if clear else None
         if check_vma:
-            vma = get_vma(v)
+            vma = get_vma(v) if tag is None else tag  # (its own tag, else a view's base's or a wrapper's)
             if not vma <= allowed:
                 _vma_error(name, path, spec, sorted(vma - allowed))
-        owned = v._base is None and not _is_cow(v)  # _owned((v,))
-        if owned and v.numel():  # no storage shared with another output (returned twice)
-            # its storage's address, as untyped_storage().data_ptr() gives it (without making a storage object)
-            ptr = v.data_ptr() - v.storage_offset() * v.itemsize
-            owned = ptr not in seen
+        if v._base is None and not _is_cow(v):  # _owned((v,))
+            # no storage shared with another output (returned twice); a storage with no memory (no elements) is
+            # none's (its address is 0)
+            ptr = v.untyped_storage().data_ptr()
+            owned = not ptr or ptr not in seen
             seen.add(ptr)
+        else:
+            owned = False
         out.append(Array(mesh, spec, gshape, v.dtype, {coords: v}, owned))
     return out
 
