@@ -168,3 +168,54 @@ def test_equal_spec_objects_are_planned_apart_with_the_same_result() -> None:
     (cache,) = [c.cell_contents for c in f.__closure__ if isinstance(c.cell_contents, InputCache)]
     pins = [sig.pins for sig in cache.specs.values()]
     assert len(pins) == 2 and any(p[0] is a1.spec for p in pins) and any(p[0] is a2.spec for p in pins)
+
+
+def _plan_once_body(mesh: fs.Mesh) -> dict[str, Any]:
+    from funcshard._shard_map_io import InputCache
+    from funcshard._vma import TAG_ATTR
+
+    gen = torch.Generator().manual_seed(2)
+    w = fs.device_put(torch.randn(4, 3, generator=gen), mesh, P("tp"))
+    x = torch.randn(3, generator=gen)
+
+    def step(w: torch.Tensor, x: torch.Tensor) -> Any:
+        value, g = fs.value_and_grad(lambda w: fs.psum(((w @ x) ** 2).sum(), "tp"))(w)
+        fresh = g * 2
+        return value, g, fresh, fresh.detach()  # the last two share one storage: neither is the Array's alone
+
+    f = fs.shard_map(step, mesh=mesh, in_specs=(P("tp"), P()), out_specs=(P(), P("tp"), P("tp"), P("tp")))
+    bad = fs.shard_map(lambda w: w * 2, mesh=mesh, in_specs=(P("tp"),), out_specs=P())  # varies over tp: raises
+    f(w, x)  # (the signatures planned)
+    calls = {"n": 0}
+    real = InputCache.out_plan
+
+    def counted(self: Any, *a: Any) -> Any:
+        calls["n"] += 1
+        return real(self, *a)
+
+    with mock.patch.object(InputCache, "out_plan", counted):
+        value, g, fresh, alias = f(w, x)
+    try:
+        bad(w)
+        raised = False
+    except fs.ShardingError:
+        raised = True
+    blocks = [t for a in (value, g, fresh, alias) for t in a.shards.values()]
+    ref_w = fs.device_get(w).clone().requires_grad_()
+    ref = ((ref_w @ x) ** 2).sum()
+    (ref_g,) = torch.autograd.grad(ref, (ref_w,))
+    return {
+        "plans": calls["n"],
+        "owned": (value.owned, g.owned, fresh.owned, alias.owned),
+        "untagged": all(TAG_ATTR not in t.__dict__ for t in blocks),
+        "raised": raised,
+        "close": torch.allclose(fs.device_get(g), ref_g) and torch.allclose(fs.device_get(value), ref.detach()),
+    }
+
+
+def test_dist_fast_path_plans_outputs_once_and_clears_their_tags(run, backend) -> None:
+    for r in run(_plan_once_body, {"tp": 2}):
+        assert r["close"] and r["untagged"] and r["raised"], r
+        assert r["owned"][:2] == (True, True) and not (r["owned"][2] and r["owned"][3]), r
+        if backend == "dist":  # the plan the outputs' pvarys were made by is the one they are assembled by
+            assert r["plans"] == 1, r
