@@ -175,30 +175,25 @@ class _ValueAndGrad:
         # returns itself, and each read through the mode costs a Python dispatch
         with torch._C.DisableTorchFunction():
             plain = _plain_autograd_ok(args, kwargs, nums, (xs,) if flat is None else [lv for lv, _ in flat])
+            if plain:  # (the leaf copies made under the same switch)
+                copies = _leaf_copies(xs if flat is None else [x for lv, _ in flat for x in lv])
         if plain:
-            return self._plain(args, kwargs, xs if flat is None else [x for lv, _ in flat for x in lv], flat)
+            return self._plain(args, kwargs, copies, flat)
         _check_differentiable(self.__wrapped__, args, nums)
         return _GradCall(self.__wrapped__, self._argnums, nums, self._has_aux)._func(args, kwargs)
 
     def _plain(
-        self, args: tuple[Any, ...], kwargs: dict[str, Any], xs: list[Any], flat: list[tuple[list[Any], Any]] | None
+        self,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        copies: tuple[list[torch.Tensor], list[frozenset[str] | None]],
+        flat: list[tuple[list[Any], Any]] | None,
     ) -> tuple[Any, PyTree]:
-        """Gradients by ``torch.autograd.grad`` on detached leaf copies of the differentiated arguments (``xs``: their
-        leaves in order; ``flat``: each one's leaves and structure, or None where each is one tensor); the value
-        and ``aux`` tagged as they were inside ``f``, each gradient like its input."""
+        """Gradients by ``torch.autograd.grad`` on detached leaf copies of the differentiated arguments (``copies``:
+        :func:`_leaf_copies` of their leaves in order; ``flat``: each one's leaves and structure, or None where each
+        is one tensor); the value and ``aux`` tagged as they were inside ``f``, each gradient like its input."""
         nums, has_aux = self._nums, self._has_aux
-        leaves: list[torch.Tensor] = []
-        tags: list[frozenset[str] | None] = []  # each copy's tag, for its gradient
-        with torch._C.DisableTorchFunction():
-            for x in xs:
-                c = x.detach().requires_grad_()
-                v = getattr(x, TAG_ATTR, None)
-                if v is None:
-                    v = find_vma(x)  # (a view of a tagged tensor)
-                if v is not None:  # the tag the argument had (untagged stays untagged: check_vma=False)
-                    setattr(c, TAG_ATTR, v)  # set_vma (no torch.func transform is active on this path)
-                leaves.append(c)
-                tags.append(v)
+        leaves, tags = copies
         if flat is None and len(args) == len(nums) and nums == tuple(range(len(nums))):
             args = leaves  # (every argument differentiated, in order)
         else:
@@ -289,6 +284,23 @@ class _ValueAndGrad:
 
     def __repr__(self) -> str:
         return f"<value_and_grad of {self.__wrapped__!r}>"
+
+
+def _leaf_copies(xs: list[Any]) -> tuple[list[torch.Tensor], list[frozenset[str] | None]]:
+    """Detached copies of ``xs`` that require grad, each tagged as its tensor is (called with torch functions
+    disabled, no torch.func transform active), and each one's tag (None: untagged), for its gradient."""
+    leaves: list[torch.Tensor] = []
+    tags: list[frozenset[str] | None] = []
+    for x in xs:
+        c = x.detach().requires_grad_()
+        v = getattr(x, TAG_ATTR, None)
+        if v is None:
+            v = find_vma(x)  # (a view of a tagged tensor)
+        if v is not None:  # the tag the argument had (untagged stays untagged: check_vma=False)
+            setattr(c, TAG_ATTR, v)  # set_vma (no torch.func transform is active on this path)
+        leaves.append(c)
+        tags.append(v)
+    return leaves, tags
 
 
 def _name(f: Callable[..., Any]) -> str:
