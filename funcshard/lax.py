@@ -95,6 +95,8 @@ def _reduce(x: PyTree, axis: _Axis, op: str, name: str, prim: Any = _prims.AllRe
 def _reduce_tensor(t: torch.Tensor, ctx: DeviceContext, axes: tuple[str, ...], op: str, name: str, prim: Any) -> Any:
     """One tensor of :func:`_reduce`: made varying over ``axes`` where the vma rule asks, reduced, tagged."""
     with torch._C.DisableTorchFunction():
+        if prim is _TEMPORARY:  # (psum's temporary, asked here: one switch of torch functions for both)
+            prim = _prims.AllReduceOwned if _sole_holder_now(t) else _prims.AllReduce
         t, have = bind_operand(_prims.AllReduce, t, axes, ctx.device, ctx.check_vma, name)
         if op == "sum" and t.dtype == torch.bool:  # a count of the True copies, as JAX (not their logical or)
             t = t.to(torch.int32)
@@ -114,10 +116,11 @@ def psum(x: PyTree, axis: _Axis) -> PyTree:
     Example:
         >>> # inside shard_map over {"tp": 4}: y = fs.psum(x, "tp")  # [b, d] -> [b, d]
     """
-    if type(x) is torch.Tensor and _getrefcount(x) == _TEMP_REFS and _sole_holder(x):
-        # a temporary no one else can see (``psum(a @ b, "tp")``): summed in its own buffer, as psum_owned does
-        # (_sole_holder has asked for the transforms; the backend falls back to a copy in a compiled graph)
-        return _reduce(x, axis, "sum", "psum", _prims.AllReduceOwned)
+    if type(x) is torch.Tensor and _getrefcount(x) == _TEMP_REFS:
+        # a temporary no one else can see (``psum(a @ b, "tp")``): summed in its own buffer, as psum_owned does, where
+        # _sole_holder says so (asked by _reduce_tensor under its DisableTorchFunction; it asks for the transforms;
+        # the backend falls back to a copy in a compiled graph)
+        return _reduce(x, axis, "sum", "psum", _TEMPORARY)
     return _reduce(x, axis, "sum", "psum")
 
 
@@ -144,15 +147,24 @@ def _sole_holder(x: torch.Tensor) -> bool:
     (no backward saved it as an input, no view's base, no DLPack capsule), and its storage by nothing else (no view
     or ``detach`` of it, no backward saved it as an output, no copy-on-write clone shares it; the storage object
     made here to ask is the second holder)."""
+    with torch._C.DisableTorchFunction():  # metadata reads the vma mode need not see
+        return _sole_holder_now(x)
+
+
+def _sole_holder_now(x: torch.Tensor) -> bool:
+    """:func:`_sole_holder`, called with torch functions disabled."""
     if _transforms_active() or _is_wrapped(x):  # (a torch.func wrapper, live or dead: no storage of its own to ask)
         return False
-    with torch._C.DisableTorchFunction():  # metadata reads the vma mode need not see
-        return (
-            x.nbytes >= INPLACE_MIN_BYTES
-            and x._use_count() == 1
-            and x._base is None
-            and _storage_uses(x.untyped_storage()._cdata) == 2
-        )
+    return (
+        x.nbytes >= INPLACE_MIN_BYTES
+        and x._use_count() == 1
+        and x._base is None
+        and _storage_uses(x.untyped_storage()._cdata) == 2
+    )
+
+
+#: :func:`psum`'s mark of a temporary (for ``_reduce_tensor``: AllReduceOwned where :func:`_sole_holder` says so)
+_TEMPORARY = object()
 
 
 #: the smallest temporary :func:`psum` sums in place: below it the copy costs less than the checks and the backend's
