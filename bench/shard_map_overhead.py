@@ -20,9 +20,10 @@ Five variants, measured in the same job, interleaved step by step (the order rot
                  each call, ``w1`` / ``w2`` as the ``fs.Array``s a training loop keeps, ``fs.Array``s out
     (e) vag+vma: the same with ``check_vma=True`` (no ``fs.pvary`` written)
 
-All five make the same two all-reduces of a [batch, d] tensor per step. The script checks that they agree with
-each other and with the unsharded model before timing, then prints the median time per step and the ratios to
-(a), and the communication of one funcshard step as counted by ``fs.comm_stats()``.
+All five make the same two all-reduces of a [batch, d] tensor per step, on the same three blocks (one storage
+each: a matmul's speed here depends on where its operands lie, +-5% between two copies of one block). The script
+checks that they agree with each other and with the unsharded model before timing, then prints the median time
+per step and the ratios to (a), and the communication of one funcshard step as counted by ``fs.comm_stats()``.
 
 Measured (torch 2.13 CPU, 2 gloo processes on a 2-core host shared with 3 other jobs; ratios to (a), median
 wall clock (CPU of the calling thread); "before" = main at 2361aa9, "now" = this round's code; before and now
@@ -419,36 +420,43 @@ def run(args: argparse.Namespace) -> None:
     w1_full = torch.randn(h, d, generator=g) / d**0.5
     w2_full = torch.randn(d, h, generator=g) / h**0.5
 
-    # funcshard inputs: fs.Arrays in the in_specs' layout (no reshard per call) whose shards are leaves needing
-    # grad. device_put under "dist" keeps views of the full tensor (w2's block of P(None, "tp") is a strided
-    # column slice); give both variants the same compact blocks so only the code around the matmuls differs.
+    # Every variant computes on the same three blocks (one storage each): the matmuls' speed on this CPU depends on
+    # where their operands lie (alignment, cache sets; +-5% between two copies of one block), so separate copies
+    # per variant would add a per-launch bias that has nothing to do with the code around the matmuls.
+    # device_put under "dist" keeps views of the full tensor (w2's block of P(None, "tp") is a strided column slice):
+    # the blocks are made compact unless --view-shards asks for device_put's own.
     arrays = fs.device_put((x_full, w1_full, w2_full), mesh, IN_SPECS)
     if not args.view_shards:
         for a in arrays:
             for c, t in a.shards.items():
                 a.shards[c] = t.clone(memory_format=torch.contiguous_format)
-    for a in arrays:
-        for t in a.shards.values():
-            t.requires_grad_(True)
-    # the manual variant gets its own compact copies of the same blocks
-    local = tuple(a.local.detach().clone(memory_format=torch.contiguous_format).requires_grad_(True) for a in arrays)
+    blocks = tuple(a.local.detach() for a in arrays)
+    for a in arrays:  # (b), (c): the blocks as leaves needing grad (torch.autograd.grad inside)
+        for c, t in a.shards.items():
+            a.shards[c] = t.detach().requires_grad_(True)
+    # (a): the same storage as its own leaves (compact copies when --view-shards leaves funcshard device_put's views)
+    local = tuple(
+        (t.clone(memory_format=torch.contiguous_format) if args.view_shards else t.detach()).requires_grad_(True)
+        for t in blocks
+    )
 
     step_fs = fs.shard_map(fs_body(True), mesh=mesh, in_specs=IN_SPECS, out_specs=OUT_SPECS, check_vma=False)
     step_vma = fs.shard_map(fs_body(False), mesh=mesh, in_specs=IN_SPECS, out_specs=OUT_SPECS, check_vma=True)
     # (d), (e): params kept as Arrays (no autograd leaves: value_and_grad differentiates), x a plain full tensor
     params = fs.device_put((w1_full, w2_full), mesh, IN_SPECS[1:])
-    if not args.view_shards:  # the same compact blocks as (a)'s (w2's block of P(None, "tp") is a strided view)
-        for a in params:
-            for c, t in a.shards.items():
-                a.shards[c] = t.clone(memory_format=torch.contiguous_format)
+    if not args.view_shards:  # the same blocks (storage) as the other variants'
+        for a, blk in zip(params, blocks[1:], strict=True):
+            for c in a.shards:
+                a.shards[c] = blk
+    x_in = blocks[0]  # x is replicated: this process's block is the full x
     step_vag = fs.shard_map(vag_body(True), mesh=mesh, in_specs=IN_SPECS, out_specs=OUT_SPECS, check_vma=False)
     step_vag_vma = fs.shard_map(vag_body(False), mesh=mesh, in_specs=IN_SPECS, out_specs=OUT_SPECS, check_vma=True)
     variants: dict[str, Callable[[], Any]] = {
         "manual": lambda: manual_step(*local),
         "fs": lambda: step_fs(*arrays),
         "fs+vma": lambda: step_vma(*arrays),
-        "vag": lambda: step_vag(x_full, *params),
-        "vag+vma": lambda: step_vag_vma(x_full, *params),
+        "vag": lambda: step_vag(x_in, *params),
+        "vag+vma": lambda: step_vag_vma(x_in, *params),
     }
     fs_names = ("fs", "fs+vma", "vag", "vag+vma")
 
