@@ -26,6 +26,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 import traceback
@@ -40,7 +41,7 @@ from ._errors import ShardingError
 from ._stats import capture, record
 from ._vma import set_vma, tags_of
 
-__all__ = ["CompiledBody", "compile_options", "warn_sim"]
+__all__ = ["CompiledBody", "compile_options", "eager_body", "opaque_to_dynamo", "warn_sim"]
 
 _COMPILE_KEYS = ("backend", "mode", "options", "fullgraph", "dynamic")
 
@@ -86,6 +87,69 @@ def warn_sim(name: str, key: int) -> None:
         UserWarning,
         stacklevel=3,
     )
+
+
+def eager_body(f: Callable[..., Any], name: str, check_vma: bool) -> Callable[..., Any]:
+    """``f``, or where ``f`` is ``torch.compile``'d and ``check_vma`` is on, the function it wraps (one warning).
+
+    Dynamo cannot trace a body under the varying-axes tracking (the tags it keeps on tensors and the mode that
+    reads them: an ``InternalTorchDynamoError`` at the first op), so such a body runs eagerly; the warning names
+    ``shard_map(..., compile=...)``, which compiles a device's body with its collectives and tracking.
+
+    Example:
+        >>> body = lambda x: x + 1
+        >>> eager_body(body, "shard_map(f)", True) is body
+        True
+    """
+    inner = f
+    while True:
+        if isinstance(inner, torch.nn.Module) and hasattr(inner, "_orig_mod"):  # torch.compile(module)
+            inner = inner._orig_mod
+        elif callable(getattr(inner, "_torchdynamo_orig_callable", None)):  # torch.compile(function)
+            inner = inner._torchdynamo_orig_callable  # type: ignore[union-attr]
+        else:
+            break
+    if inner is f or not check_vma:
+        return f
+    warnings.warn(
+        f"{name}: its function is torch.compile'd, which cannot trace check_vma's tracking of the varying axes "
+        f"(tags on the tensors), so it runs eagerly. To compile a device's body, pass "
+        f"shard_map(..., compile=True) (or a dict of torch.compile options): under torchrun it is recorded with "
+        f"its collectives and tracking into one graph and compiled; or pass check_vma=False (write fs.pvary).",
+        UserWarning,
+        stacklevel=3,
+    )
+    return inner
+
+
+def opaque_to_dynamo(mapped: Callable[..., Any], name: str) -> Callable[..., Any]:
+    """``mapped`` (a shard_map'd function) run eagerly where ``torch.compile`` meets it: a graph break there
+    (``fullgraph=True`` raises, naming ``compile=``) instead of dynamo tracing the devices' threads, pytrees and
+    tags, which it cannot (an internal error). ~0.5 us a call.
+
+    Example:
+        >>> g = opaque_to_dynamo(lambda x: x, "shard_map(f)")
+        >>> g(3)
+        3
+    """
+    disable = getattr(torch.compiler, "disable", None)
+    if disable is None:  # (an old torch: no torch.compiler)
+        return mapped
+    reason = (
+        f"{name} runs eagerly under torch.compile (its devices, pytrees and tags are not traceable); "
+        f"shard_map(..., compile=True) compiles a device's body"
+    )
+    try:
+        off = disable(mapped, reason=reason)
+    except TypeError:  # (a torch whose disable takes no reason)
+        off = disable(mapped)
+
+    @functools.wraps(mapped)
+    def call(*args: Any) -> Any:  # (torch.compile(off) itself would unwrap off to mapped and trace it)
+        return off(*args)
+
+    call.__wrapped__ = getattr(mapped, "__wrapped__", mapped)  # type: ignore[attr-defined]  # (the user's f)
+    return call
 
 
 def _hashable(v: Any) -> Any:

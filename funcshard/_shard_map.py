@@ -22,7 +22,7 @@ import optree
 import torch
 
 from ._arraytype import Array, is_array
-from ._compile import CompiledBody, compile_options, warn_sim
+from ._compile import CompiledBody, compile_options, eager_body, opaque_to_dynamo, warn_sim
 from ._context import maybe_current
 from ._errors import ShardingError
 from ._executor import DeviceBody, audit_env, executor_for, run_local
@@ -69,7 +69,9 @@ def shard_map(
             ``jax.jit``, Python values the body closes over are frozen at the first call; reading a tensor's
             value in Python (``int(x)``) raises. Not differentiable from outside (take the gradients inside,
             as a train step does). Under ``"sim"`` ignored with a warning: simulated devices are threads
-            that meet in Python, which a compiled graph cannot hold.
+            that meet in Python, which a compiled graph cannot hold. (``torch.compile`` around the returned
+            function runs it eagerly, a graph break; a ``torch.compile``'d ``f`` under ``check_vma`` runs
+            eagerly with a warning: dynamo cannot trace the tracking.)
 
     Returns:
         A function of global values (``fs.Array``s, or plain tensors taken as the full value) returning
@@ -96,6 +98,7 @@ def shard_map(
     options = compile_options(compile)
     compiled = None
     name = f"shard_map({getattr(f, '__name__', 'f')})"
+    f = eager_body(f, name, bool(check_vma))
     if options is not None and mesh.backend != "sim":  # one device per process: its body compiles
         compiled = CompiledBody(name, options)
     check = bool(check_vma)
@@ -106,7 +109,7 @@ def shard_map(
             warn_sim(name, id(mapped))
         return _call(f, mesh, in_specs, out_specs, check, args, cache, donated, compiled, name)
 
-    return mapped
+    return opaque_to_dynamo(mapped, name)
 
 
 _transforms_active = torch._C._are_functorch_transforms_active

@@ -187,3 +187,86 @@ def test_recorded_step_writes_no_kept_buffer() -> None:
     # scatter): inductor's kernel for the 17.9M Llama's layer gradients took 405-440 ms a step (bench/compile.py)
     for r in run_body("dist", _recorded_writes, {"dp": 2}):
         assert r["close"] and r["writes"] == [], r
+
+
+# ---------------------------------------------------------------- torch.compile meeting shard_map
+
+
+def _tp_step(mesh: fs.Mesh, wrap_body: bool) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """A TP MLP's loss and gradients by ``fs.value_and_grad`` in a check_vma shard_map: x replicated meets the
+    column-parallel w1, so its gradient needs the pvary that check_vma inserts (a psum over tp backward)."""
+
+    def loss_fn(x, w1, w2):
+        return (fs.psum(torch.tanh(x @ w1.T) @ w2.T, "tp") ** 2).mean()  # [b, d] @ [d, h/tp] @ [h/tp, d]
+
+    def body(x, w1, w2):
+        return fs.value_and_grad(loss_fn, argnums=(0, 1, 2))(x, w1, w2)
+
+    if wrap_body:
+        body = torch.compile(body, backend="aot_eager")
+    specs = (P(), P("tp", None), P(None, "tp"))
+    step = fs.shard_map(body, mesh=mesh, in_specs=specs, out_specs=(P(), specs))
+    gen = torch.Generator().manual_seed(1)
+    x, w1, w2 = torch.randn(4, 6, generator=gen), torch.randn(8, 6, generator=gen), torch.randn(6, 8, generator=gen)
+
+    def train(x, w1, w2):  # torch ops around the shard_map'd call, as a train step has
+        loss, grads = step(x * 1.0, w1, w2)
+        return loss, grads
+
+    if not wrap_body:
+        train = torch.compile(train, backend="aot_eager")
+    loss, grads = train(x, w1, w2)
+    return fs.device_get(loss), [fs.device_get(g) for g in grads]
+
+
+def _reference() -> tuple[torch.Tensor, list[torch.Tensor]]:
+    gen = torch.Generator().manual_seed(1)
+    ts = [t.requires_grad_(True) for t in (torch.randn(4, 6, generator=gen), torch.randn(8, 6, generator=gen))]
+    ts.append(torch.randn(6, 8, generator=gen).requires_grad_(True))
+    x, w1, w2 = ts
+    loss = ((torch.tanh(x @ w1.T) @ w2.T) ** 2).mean()
+    return loss.detach(), list(torch.autograd.grad(loss, ts))
+
+
+def _compile_around(mesh: fs.Mesh) -> tuple[torch.Tensor, list[torch.Tensor], str]:
+    loss, grads = _tp_step(mesh, wrap_body=False)
+    f = fs.shard_map(lambda x: fs.psum(x, "tp"), mesh=mesh, in_specs=(P("tp"),), out_specs=P())
+    try:  # fullgraph: the graph break at the shard_map'd call is refused, naming the way to compile its body
+        torch.compile(lambda x: f(x + 1), backend="aot_eager", fullgraph=True)(torch.ones(4))
+        message = ""
+    except torch._dynamo.exc.Unsupported as e:
+        message = str(e)
+    return loss, grads, message
+
+
+def test_torch_compile_around_a_shard_map_runs_it_eagerly(backend: str) -> None:
+    """``torch.compile(train_step)`` around a shard_map'd call: the call is a graph break that runs eagerly (no
+    internal dynamo error tracing the devices and tags), the numbers those of the unsharded model;
+    ``fullgraph=True`` raises naming ``shard_map(..., compile=True)``."""
+    ref_loss, ref_grads = _reference()
+    results = run_body(backend, _compile_around, {"tp": 2})
+    for loss, grads, message in results:
+        torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
+        for g, r in zip(grads, ref_grads, strict=True):
+            torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-6)
+        assert "shard_map" in message and "compile=True" in message, message
+
+
+def _compiled_body(mesh: fs.Mesh) -> tuple[torch.Tensor, list[torch.Tensor], list[str]]:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        loss, grads = _tp_step(mesh, wrap_body=True)
+    return loss, grads, [str(w.message) for w in caught if "torch.compile'd" in str(w.message)]
+
+
+def test_torch_compiled_body_under_check_vma_runs_eagerly_with_one_warning(backend: str) -> None:
+    """``shard_map(torch.compile(body))`` with check_vma on: dynamo cannot trace the tracking's tags, so the body
+    runs eagerly with one warning naming ``compile=``; the gradient of the replicated x (which needs check_vma's
+    pvary) equals the unsharded model's."""
+    ref_loss, ref_grads = _reference()
+    results = run_body(backend, _compiled_body, {"tp": 2})
+    for loss, grads, warned in results:
+        torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
+        for g, r in zip(grads, ref_grads, strict=True):
+            torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-6)
+        assert len(warned) == 1 and "compile=True" in warned[0], warned
