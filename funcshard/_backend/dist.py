@@ -764,6 +764,15 @@ def broadcast_object(obj: Any, src: int = 0) -> Any:
     return box[0]
 
 
+def all_gather_object(obj: Any) -> list[Any]:
+    """Every process's ``obj``, in rank order, on every process (pickled; a collective): how the processes
+    of a checkpoint load agree that one of them found the checkpoint damaged before any starts reading."""
+    box: list[Any] = [None] * dist.get_world_size()
+    with _waiting("all_gather_object", (), list(range(dist.get_world_size()))):
+        dist.all_gather_object(box, obj)
+    return box
+
+
 def any_process(flag: bool) -> bool:
     """True on every process when ``flag`` is True on any process (a collective over the default group): how
     the processes of a job agree, at the same step, to stop after Ctrl-C.
