@@ -221,6 +221,37 @@ def _check_ids(ids: torch.Tensor, vocab: int, what: str, fn: str, ignore: int | 
     )
 
 
+def _check_replicated(t: torch.Tensor, axis: str | tuple[str, ...], what: str, fn: str) -> None:
+    """ShardingError where ``t`` is known to vary over ``axis`` (check_vma's tag, or an argument's spec): every
+    device of the axis must look up the same ids, or the reduction over the axis mixes different tokens."""
+    ctx = current(fn)
+    axes = axes_of(axis, ctx.mesh, fn)
+    with torch._C.DisableTorchFunction():  # a tag read: no result is kept
+        have = known_vma(t, ctx.check_vma)
+        shape = tuple(t.shape)
+    bad = [a for a in axes if have is not None and a in have]
+    if bad:
+        raise ShardingError(
+            f"{fn}: the {what} (shape {shape}) vary over axis {bad[0]!r}, the axis the vocabulary is split over; "
+            f"every device of {bad[0]!r} must hold the same {what}, or the sum over it mixes different tokens. "
+            f"Give the {what} an in_spec that does not name {bad[0]!r}, or gather them with fs.all_gather_invariant."
+        )
+
+
+def _check_labels(logits: torch.Tensor, labels: torch.Tensor) -> None:
+    """ShardingError unless ``labels`` are int64 / int32 ids (as ``F.embedding`` takes), ``logits.shape[:-1]``."""
+    with torch._C.DisableTorchFunction():  # shape and dtype reads only
+        lshape, shape = tuple(logits.shape), tuple(labels.shape)
+        ok = len(lshape) >= 1 and shape == lshape[:-1] and labels.dtype in (torch.int64, torch.int32)
+        dtype = labels.dtype
+    if not ok:
+        raise ShardingError(
+            f"vocab_parallel_cross_entropy: logits of shape {lshape} need int64 or int32 labels of shape {lshape[:-1]} "
+            f"(one id per row of logits, the vocabulary last), but the labels have shape {shape} and dtype {dtype}; "
+            f"reshape or cast them (labels.long())."
+        )
+
+
 def vocab_parallel_embedding(
     ids: torch.Tensor, table: torch.Tensor, *, axis: str | None = "tp", scatter_dim: int | None = None
 ) -> torch.Tensor:
@@ -238,7 +269,7 @@ def vocab_parallel_embedding(
         ``[..., dim]`` (invariant over ``axis``; or sharded along ``scatter_dim``).
 
     Raises:
-        ShardingError: an id outside the vocabulary.
+        ShardingError: an id outside the vocabulary, or ids varying over ``axis``.
 
     Example:
         >>> # h = vocab_parallel_embedding(tokens, emb)  # [b, s] -> [b, s, d]
@@ -249,6 +280,7 @@ def vocab_parallel_embedding(
     """
     if axis is None:
         return _embedding(ids, table)  # [...] -> [..., dim]
+    _check_replicated(ids, axis, "ids", "vocab_parallel_embedding")
     n = lax.axis_size(axis)
     with torch._C.DisableTorchFunction():
         rows = table.shape[0]
@@ -305,7 +337,8 @@ def vocab_parallel_cross_entropy(
         The loss, invariant over ``axis``.
 
     Raises:
-        ShardingError: labels outside the vocabulary (other than ``ignore_index``), or a bad reduction.
+        ShardingError: labels outside the vocabulary (other than ``ignore_index``), labels not int64 / int32 ids of
+            shape ``logits.shape[:-1]``, labels varying over ``axis``, or a bad reduction.
 
     Example:
         >>> # loss = vocab_parallel_cross_entropy(logits, targets)  # [b, s, V/tp], [b, s] -> []
@@ -319,8 +352,10 @@ def vocab_parallel_cross_entropy(
         raise ShardingError(
             f"vocab_parallel_cross_entropy: reduction must be 'mean', 'sum' or 'none', not {reduction!r}."
         )
+    _check_labels(logits, labels)
     if axis is None:
         return _local_cross_entropy(logits, labels, ignore_index, reduction)
+    _check_replicated(labels, axis, "labels", "vocab_parallel_cross_entropy")
     n = lax.axis_size(axis)
     v_local = logits.shape[-1]
     _check_ids(labels, v_local * n, "labels", "vocab_parallel_cross_entropy", ignore=ignore_index)
@@ -352,7 +387,10 @@ def _exp_sum_and_target(x: torch.Tensor, gmax: torch.Tensor, labels: torch.Tenso
     local = labels - index * v_local
     mine = (local >= 0) & (local < v_local)
     picked = shifted.gather(-1, torch.where(mine, local, 0).unsqueeze(-1)).squeeze(-1)  # [..., V/n] -> [...]
-    return torch.stack([shifted.exp().sum(-1), picked * mine.to(x.dtype)], dim=-1)  # [..., 2]
+    # 0 where the label is another device's: selected, not multiplied by 0 (a masked -inf logit in the column
+    # picked in its place would make -inf * 0 = NaN, and the psum would spread it to every device)
+    picked = torch.where(mine, picked, torch.zeros((), dtype=x.dtype, device=x.device))
+    return torch.stack([shifted.exp().sum(-1), picked], dim=-1)  # [..., 2]
 
 
 @one_op
