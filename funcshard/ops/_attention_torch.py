@@ -71,9 +71,14 @@ def attention_torch(
         >>> out.shape, lse.shape
         (torch.Size([1, 4, 8, 16]), torch.Size([1, 4, 8]))
     """
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise ShardingError(
+            f"attention: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}: need 4-d "
+            f"[batch, heads, seq, head_dim] tensors (move the heads to dim 1: x.transpose(1, 2))."
+        )
     b, hq, sq, d = q.shape
     hkv = k.shape[1]
-    if hq % hkv or k.shape != v.shape or k.shape[0] != b or k.shape[-1] != d:
+    if hkv == 0 or hq % hkv or k.shape != v.shape or k.shape[0] != b or k.shape[-1] != d:
         raise ShardingError(
             f"attention: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} do not fit: need "
             f"[b, hq, s, d] and [b, hkv, s, d] with hq divisible by hkv."

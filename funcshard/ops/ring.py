@@ -207,7 +207,7 @@ def _check_shapes(
             f"{fn}: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} do not fit: need local sequence "
             f"shards [b, h, s/n, d] for q and [b, hkv, s/n, d] for k and v."
         )
-    if q.shape[1] % k.shape[1]:
+    if k.shape[1] == 0 or q.shape[1] % k.shape[1]:
         raise ShardingError(
             f"{fn}: q has {q.shape[1]} heads and k/v {k.shape[1]}; q heads must be a multiple of k/v heads (GQA)."
         )

@@ -81,7 +81,7 @@ def ulysses_attention(
             f"sequence shards [b, h, s/n, d] for q and [b, hkv, s/n, d] for k and v."
         )
     h, hkv = q.shape[1], k.shape[1]
-    if h % hkv:
+    if hkv == 0 or h % hkv:
         raise ShardingError(
             f"ulysses_attention: q has {h} heads and k/v {hkv}; q heads must be a multiple of k/v heads (GQA)."
         )
