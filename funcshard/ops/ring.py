@@ -113,16 +113,36 @@ def zigzag_inverse_indices(seq_len: int, n: int) -> torch.Tensor:
     return torch.argsort(zigzag_indices(seq_len, n))
 
 
-def zigzag_positions(seq_len: int, n: int, index: int) -> torch.Tensor:
+def zigzag_positions(seq_len: int, n: int, index: int | torch.Tensor) -> torch.Tensor:
     """The global positions device ``index`` holds under the zigzag layout (e.g. for rotary embeddings).
+
+    Args:
+        seq_len: the full sequence length, a multiple of ``2n``.
+        n: the number of devices on the context-parallel axis.
+        index: the device's index on the axis, in ``[0, n)``: an int, or the 0-dim tensor of
+            :func:`funcshard.axis_index` (the positions then vary over its axis, as check_vma tracks).
+
+    Returns:
+        ``[seq_len / n]`` int64 positions.
+
+    Raises:
+        ShardingError: ``seq_len`` not divisible by ``2n``, or ``index`` outside ``[0, n)``.
 
     Example:
         >>> zigzag_positions(8, 2, 1)
         tensor([2, 3, 4, 5])
         >>> # inside shard_map: pos = zigzag_positions(s, fs.axis_size("cp"), fs.axis_index("cp"))
     """
-    block = seq_len // n
-    return zigzag_indices(seq_len, n)[index * block : (index + 1) * block]
+    table = zigzag_indices(seq_len, n).view(n, seq_len // n)  # [s] -> [n, s/n]: row i, device i's positions
+    i = int(index)
+    if not 0 <= i < n:
+        raise ShardingError(
+            f"zigzag_positions: device index {i} is outside [0, {n}) for n = {n} devices; pass "
+            f"fs.axis_index(axis) of the context-parallel axis, and its size as n."
+        )
+    if isinstance(index, torch.Tensor):  # indexed by the tensor itself: its varying axes pass to the result
+        return table[index.to(table.device)]  # [n, s/n] -> [s/n]
+    return table[i]  # [n, s/n] -> [s/n]
 
 
 def zigzag_split(x: torch.Tensor, axis: str | None, dim: int) -> torch.Tensor:
