@@ -164,6 +164,7 @@ def _check(
                 f"[n_stages * n_virtual, ...] = [{schedule.n_stages * schedule.n_virtual}, ...] with spec "
                 f"P('{axis}', ...) (see stage_order)."
             )
+        _differentiable("stage_params", where, leaf)
     _leading("microbatches", microbatches, schedule.n_microbatches, "n_microbatches")
     if targets is not None:
         _leading("targets", targets, schedule.n_microbatches, "n_microbatches")
@@ -198,11 +199,12 @@ def run(
     Each device runs its own stage's list (no lock-step): activations and their gradients travel between
     stages on ``axis`` as point-to-point messages of detached tensors, received where they are needed and
     sent as soon as they are made; the gradients are accumulated here (no autograd across stages), so call
-    ``run`` directly, not under ``torch.autograd.grad``. Other mesh axes (dp, fsdp, tp, cp) work inside
-    ``stage_fn``, ``first_fn`` and ``loss_fn`` as usual (the devices of one stage run the same actions in
-    the same order, so their collectives match). With ``check_vma=True``, ``stage_fn``, ``first_fn`` and
-    ``loss_fn`` are tracked on the first microbatch (of each chunk) and replayed untracked on the others where
-    that is exact (see the module's docstring): they must run the same ops on every microbatch.
+    ``run`` directly, not under ``torch.autograd.grad`` (differentiating its loss raises). Other mesh axes
+    (dp, fsdp, tp, cp) work inside ``stage_fn``, ``first_fn`` and ``loss_fn`` as usual (the devices of one
+    stage run the same actions in the same order, so their collectives match). With ``check_vma=True``,
+    ``stage_fn``, ``first_fn`` and ``loss_fn`` are tracked on the first microbatch (of each chunk) and
+    replayed untracked on the others where that is exact (see the module's docstring): they must run the
+    same ops on every microbatch.
 
     Args:
         schedule: a validated ``Schedule`` (any of ``by_name``'s, V-shaped and overlapped ones included).
@@ -239,7 +241,10 @@ def run(
         ShardingError: the size of ``axis`` differs from ``n_stages``, a parameter leaf's leading dim from
             ``n_virtual``, ``microbatches`` / ``targets``' leading dim from ``n_microbatches``,
             ``stage_fn`` changes the activation's shape or dtype, a shared parameter varies over ``axis``,
-            or ``input_grad`` with integer microbatches.
+            ``input_grad`` with integer microbatches, an integer leaf in ``stage_params`` or
+            ``shared_params``, ``loss_fn`` returning no floating-point scalar, or ``run`` called under a
+            ``torch.func`` transform or its loss differentiated (its backward raises: ``run`` returns the
+            gradients itself). A chunk or loss with no gradient path to a parameter gives it zero gradients.
 
     Example:
         >>> # layers[i] = (w1, w2): stack in pipeline order, shard over pp
@@ -250,6 +255,8 @@ def run(
         >>> # loss, (g_stage, g_shared, _) = fs.shard_map(step, mesh=mesh, in_specs=(P("pp"), P(), P(), P()),
         >>> #                                             out_specs=(P(), (P("pp"), P(), None)))(...)
     """
+    if torch._C._are_functorch_transforms_active():
+        raise ShardingError(_THROUGH.format(how="called under a torch.func transform (grad, vjp, vmap)"))
     _check(schedule, stage_params, microbatches, targets, axis, input_grad)
     plan = plans(schedule)  # validated
     # The runtime's own tensor work (slicing, detaching, receive buffers, the backward's autograd.grad, gradient
@@ -262,7 +269,8 @@ def run(
         stage.set_shared(shared_params)
         stage.execute(plan[stage.me])
         stage_grads = stage.stage_grads()
-    return stage.result(stage_grads)
+    loss, grads = stage.result(stage_grads)
+    return _not_differentiable(loss, [*stage.leaves, *stage.shared_orig, microbatches]), grads
 
 
 @dataclass
@@ -338,6 +346,7 @@ class _Stage:
         self.has_shared = shared is not None
         self.shared_orig, self.shared_def = optree.tree_flatten(shared) if shared is not None else ([], None)
         for path, leaf in zip(optree.tree_paths(shared), self.shared_orig, strict=True):
+            _differentiable("shared_params", "/".join(map(str, path)) or "<root>", leaf)
             if self.vma and self.axis in get_vma(leaf):
                 raise ShardingError(
                     f"pipeline.run: shared_params leaf {'/'.join(map(str, path)) or '<root>'} varies over "
@@ -543,6 +552,7 @@ class _Stage:
         if not isinstance(raw, torch.Tensor) or raw.dim() != 0:
             found = tuple(raw.shape) if isinstance(raw, torch.Tensor) else type(raw).__name__
             raise ShardingError(f"pipeline.run: loss_fn returned {found}; return a 0-dim tensor (the mean loss).")
+        _float_dtype_index(raw.dtype)  # a float, checked before any backward needs its gradient
         value = loss.detach().to(torch.float64)
         self.loss_sum = value if self.loss_sum is None else self.loss_sum + value
         self.loss_dtype = loss.dtype
@@ -602,14 +612,18 @@ class _Stage:
         split = (a.microbatch, a.chunk) in self.split  # a W follows: input gradient only
         want_x = vs > 0 or self.input_grad
         gx = None
+        # an output that needs no gradient depends on no parameter and on no input that needs one (a chunk that
+        # passes its input through on virtual stage 0, a constant loss): every gradient from it is zero
+        path = out.requires_grad
         if split:
-            if want_x:
+            if want_x and path:
                 (gx,) = torch.autograd.grad(out, [x], g_out, retain_graph=True, allow_unused=True)
             self.pending_w[key] = g_out if g_out is not None else torch.ones_like(out)
         else:
             del self.saved[key]
             wrt = ([x] if want_x else []) + self.params_of(vs, a.chunk)
-            torch.autograd.backward(out, g_out, inputs=wrt)  # accumulates into each leaf's .grad
+            if path:
+                torch.autograd.backward(out, g_out, inputs=wrt)  # accumulates into each leaf's .grad
             gx = x.grad if want_x else None
         if vs == 0:
             if self.input_grad:
@@ -621,7 +635,9 @@ class _Stage:
         """``W``: the parameter gradients from the graph ``B`` kept, added into the leaves' ``.grad``."""
         key = (a.microbatch, vs)
         _, out = self.saved.pop(key)
-        torch.autograd.backward(out, self.pending_w.pop(key), inputs=self.params_of(vs, a.chunk))
+        g_out = self.pending_w.pop(key)
+        if out.requires_grad:  # (else: no gradient path, zero gradients; see backward)
+            torch.autograd.backward(out, g_out, inputs=self.params_of(vs, a.chunk))
 
     def loss_result(self) -> torch.Tensor:
         """The mean loss, invariant over the axis: the last stage's sum, its dtype and varying axes, from the
@@ -685,6 +701,50 @@ class _Stage:
 
 _FLOATS = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 _NOTE_BYTES = 24  # the loss note: 3 float64
+_THROUGH = (
+    "pipeline.run: {how}. run computes the gradients itself and returns them: its loss has no graph back to "
+    "stage_params, shared_params or microbatches, so differentiating it would give zero gradients. Call run "
+    "directly and use what it returns, loss, grads = run(...), not under fs.value_and_grad, torch.func.grad "
+    "or torch.autograd.grad."
+)
+
+
+def _differentiable(what: str, where: str, leaf: Any) -> None:
+    if isinstance(leaf, torch.Tensor) and not (leaf.is_floating_point() or leaf.is_complex()):
+        raise ShardingError(
+            f"pipeline.run: {what} leaf {where} is a {leaf.dtype} tensor of local shape {tuple(leaf.shape)}; run "
+            f"differentiates every leaf of {what}, and only floating-point tensors have gradients. Keep integer "
+            f"buffers (indices, counters) out of {what}: close over them in the function that uses them."
+        )
+
+
+class _Undifferentiable(torch.autograd.Function):
+    """``run``'s loss where its inputs require grad: the value, whose backward raises (see ``_THROUGH``)."""
+
+    @staticmethod
+    def forward(ctx: Any, value: torch.Tensor, *inputs: torch.Tensor) -> torch.Tensor:
+        return value.clone()
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> Any:
+        raise ShardingError(
+            _THROUGH.format(how="its loss was differentiated (backward, autograd.grad, value_and_grad)")
+        )
+
+
+def _not_differentiable(loss: torch.Tensor, inputs: list[torch.Tensor]) -> torch.Tensor:
+    """``loss``, or, when autograd records and one of ``run``'s ``inputs`` requires grad (``run`` called under
+    ``fs.value_and_grad`` or ``torch.autograd.grad`` of its inputs), a copy whose backward raises: differentiating
+    it would otherwise find no path to the inputs and give zero gradients without a word."""
+    if not torch.is_grad_enabled():
+        return loss
+    with torch._C.DisableTorchFunction():
+        needs = [t for t in inputs if t.requires_grad]
+        if not needs:
+            return loss
+        out = _Undifferentiable.apply(loss, *needs)
+    axes = find_vma(loss)
+    return out if axes is None else set_vma(out, axes)
 
 
 def _detached(t: torch.Tensor) -> torch.Tensor:
