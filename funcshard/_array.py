@@ -94,7 +94,10 @@ def _assemble(a: Array) -> torch.Tensor:
 def device_get(x: PyTree) -> PyTree:
     """The whole value of each ``fs.Array`` in ``x``, as a torch.Tensor, on every process.
 
-    Under ``"dist"`` this gathers (a collective: every process must call it). Differentiable.
+    Under ``"dist"`` this gathers (a collective: every process must call it). Differentiable. The result is
+    the caller's own tensor, as JAX's ``device_get`` gives a host copy: it shares no memory with the Array's
+    device blocks, so a later call that writes them in place (one the Array is donated to) leaves it as it
+    was, and writing into it leaves the Array as it was.
 
     Example:
         >>> full = device_get(w)  # doctest: +SKIP
@@ -103,9 +106,12 @@ def device_get(x: PyTree) -> PyTree:
     def one(a: Any) -> Any:
         if not isinstance(a, Array):
             return a
-        if a.mesh.backend == "sim":
-            return _assemble(a)
-        return reshard(a, P()).local
+        full = _assemble(a) if a.mesh.backend == "sim" else reshard(a, P()).local
+        if math.prod(a.mesh.shape[n] for n in a.spec.axes) == 1:
+            # one block is the whole value (a replicated Array, or axes of size 1): that device's own buffer,
+            # so copy it; more blocks were concatenated or gathered into a new tensor already
+            full = full.clone()
+        return full
 
     return optree.tree_map(one, x, is_leaf=is_array)
 
