@@ -140,7 +140,34 @@ def _request(name: str, leaf: Any, entry: dict[str, Any], where: str) -> dict[tu
 
 def _read(ckpt: Path, requests: dict[str, Any], saved: dict[str, Any], where: str, *, distributed: bool) -> None:
     """Fill the requested blocks from the checkpoint at ``ckpt``, after checking its data files and checksums."""
-    dcp, _, load_planner, index_cls = dcp_api()
+    dcp, _, load_planner, _ = dcp_api()
+    err = None
+    try:
+        _check_files(ckpt, requests, saved, where)
+    except CheckpointError as e:
+        if not distributed:
+            raise
+        err = e
+    if distributed:
+        _agree(err, where)  # every process raises, or none: DCP's read below is a collective
+    try:
+        with quiet():
+            reader = dcp.FileSystemReader(str(ckpt))
+            dcp.load(requests, storage_reader=reader, planner=load_planner(), no_dist=not distributed)
+    except (Exception, dcp.CheckpointException) as e:  # DCP wraps a failed read in CheckpointException
+        raise CheckpointError(
+            f"{where}: reading the tensor data failed ({cause_of(e)}); the checkpoint is damaged."
+        ) from e
+
+
+def _check_files(ckpt: Path, requests: dict[str, Any], saved: dict[str, Any], where: str) -> None:
+    """The DCP metadata reads, every requested leaf's data is on disk, and the saved blocks this process
+    reads pass their checksums.
+
+    Raises:
+        CheckpointError: the first damage found, naming the file and the leaf.
+    """
+    dcp, _, _, index_cls = dcp_api()
     try:
         meta = dcp.FileSystemReader(str(ckpt)).read_metadata()
     except Exception as e:  # noqa: BLE001 - any failure to read the metadata means a damaged checkpoint
@@ -152,14 +179,24 @@ def _read(ckpt: Path, requests: dict[str, Any], saved: dict[str, Any], where: st
         check_data(ckpt, meta, name, saved[name], where, index_cls)
         wanted = [(off, tuple(t.shape)) for off, t in blocks.items()]
         verify_checksums(ckpt, meta, index_cls, name, saved[name], wanted, where)
-    try:
-        with quiet():
-            reader = dcp.FileSystemReader(str(ckpt))
-            dcp.load(requests, storage_reader=reader, planner=load_planner(), no_dist=not distributed)
-    except (Exception, dcp.CheckpointException) as e:  # DCP wraps a failed read in CheckpointException
-        raise CheckpointError(
-            f"{where}: reading the tensor data failed ({cause_of(e)}); the checkpoint is damaged."
-        ) from e
+
+
+def _agree(err: CheckpointError | None, where: str) -> None:
+    """Under ``"dist"``, before any process starts DCP's collective read: raise on every process when any
+    found damage. Each process checks only the saved blocks it reads, so a damaged block may be seen by one
+    rank alone; the others would wait in the read until the collective timeout, then report that timeout.
+
+    Raises:
+        CheckpointError: this process's own error, or the first other rank's, named.
+    """
+    from .._backend import dist as dist_backend
+
+    found = dist_backend.all_gather_object(None if err is None else str(err))
+    if err is not None:
+        raise err
+    for rank, msg in enumerate(found):
+        if msg is not None:
+            raise CheckpointError(f"{where}: rank {rank} found the checkpoint damaged, so no process reads it: {msg}")
 
 
 def _real(dev: torch.device, a: Array | None) -> torch.device:
