@@ -9,10 +9,13 @@ sees the whole step (``fullgraph=True``: no graph break at all) and inductor may
 compute. Later calls with the same signature run the compiled graph; the vma tags and communication counts
 of the traced call are put back on its outputs and into open ``fs.comm_stats`` blocks.
 
-The recorded graph is a pure function of the tensor arguments: a Python value the body closes over, or
-reads from a constant tensor, is frozen at the trace (JAX's rule). A read of a value that depends on the
-arguments (``int(x)``, ``x.item()``, ``if x.any():``) would be frozen wrongly, so it is refused with an error
-naming the line; value checks that cannot be held in a graph (the token ids' range) are skipped.
+The recorded graph is a pure function of the tensor arguments: Python state the body reads, or a constant
+tensor's value, is frozen at the trace (JAX's rule), except the numbers, strings and flags it reads from
+closures and module globals (and those of the user functions it reaches): those are read again at each call,
+and a changed one records the body again for the new value (one graph per value; one warning), as dynamo's
+guards would. A read of a value that depends on the arguments (``int(x)``, ``x.item()``, ``if x.any():``)
+would be frozen wrongly, so it is refused with an error naming the line; value checks that cannot be held in a
+graph (the token ids' range) are skipped.
 
 Only the ``"dist"`` backend compiles: simulated devices are threads of one process that meet in Python
 (conditions and shared buffers), which a graph of tensor ops cannot hold; under ``"sim"`` the body runs
@@ -197,6 +200,107 @@ def _mutated_inputs(gm: torch.fx.GraphModule) -> set[int]:
     return written
 
 
+_SCALARS = (bool, int, float, complex, str, type(None))
+_LIBRARY_DIRS: list[str] = []  # torch's, optree's, the standard library's and funcshard's own folders
+
+
+def _library(code: Any) -> bool:
+    """Whether ``code`` is a library's (whose globals are its own business, not the user's values)."""
+    if not _LIBRARY_DIRS:
+        import sysconfig
+
+        import optree
+
+        dirs = [_HERE, os.path.dirname(torch.__file__), os.path.dirname(optree.__file__)]
+        dirs.append(sysconfig.get_paths()["stdlib"])
+        _LIBRARY_DIRS.extend(os.path.join(d, "") for d in dirs)
+    return code.co_filename.startswith(tuple(_LIBRARY_DIRS))
+
+
+_EMPTY = object()  # an empty closure cell / a global gone
+
+
+def _scalar(v: Any) -> bool:
+    return isinstance(v, _SCALARS) or (
+        isinstance(v, tuple) and len(v) <= 16 and all(isinstance(x, _SCALARS) for x in v)
+    )
+
+
+def _codes(code: Any) -> Any:
+    """``code`` and the code objects nested in it (comprehensions, inner functions): the names they read."""
+    yield code
+    for c in code.co_consts:
+        if hasattr(c, "co_names"):
+            yield from _codes(c)
+
+
+def _cell_reader(cell: Any) -> Callable[[], Any]:
+    def read() -> Any:
+        try:
+            return cell.cell_contents
+        except ValueError:
+            return _EMPTY
+
+    return read
+
+
+def python_values(fn: Any, depth: int = 4) -> list[tuple[str, Callable[[], Any]]]:
+    """The Python values ``fn`` reads that a recording would freeze: the numbers, strings, None (and tuples of
+    them) in its closure cells and in the module globals it names, and in those of the functions it reaches
+    the same way (``depth`` deep; library functions not entered). Each as ``(name, read)``: ``read()`` gives
+    the value now, so a later call can tell that one changed (``dynamo``'s guards, for the common case of a
+    learning rate or a flag reassigned between steps).
+
+    Example:
+        >>> lr = 0.1
+        >>> [name.split()[0] for name, _ in python_values(lambda g: g * lr)]
+        ['lr']
+    """
+    found: list[tuple[str, Callable[[], Any]]] = []
+    seen: set[int] = set()
+    todo: list[tuple[Any, int]] = [(fn, depth)]
+    while todo:
+        g, left = todo.pop()
+        if isinstance(g, functools.partial):
+            todo.extend((a, left) for a in (g.func, *g.args, *g.keywords.values()) if callable(a))
+            for i, a in enumerate(g.args):
+                if _scalar(a):
+                    found.append((f"{getattr(g.func, '__name__', 'partial')} argument {i}", lambda a=a: a))
+            continue
+        code = getattr(g, "__code__", None)
+        if code is None:  # fs.value_and_grad's and functools.wraps' wrappers, bound methods: what they call
+            inner = getattr(g, "__wrapped__", None) or getattr(g, "__func__", None)
+            if inner is not None and left > 0:
+                todo.append((inner, left))
+            continue
+        if id(g) in seen or left <= 0:
+            continue
+        seen.add(id(g))
+        if _library(code):
+            continue
+        where = getattr(g, "__qualname__", "f")
+        for name, cell in zip(code.co_freevars, getattr(g, "__closure__", None) or (), strict=False):
+            read = _cell_reader(cell)
+            v = read()
+            if _scalar(v):
+                found.append((f"{name} (closed over by {where})", read))
+            elif callable(v):
+                todo.append((v, left - 1))
+        space = getattr(g, "__globals__", {})
+        for c in _codes(code):
+            for name in c.co_names:
+                v = space.get(name, _EMPTY)
+                if v is _EMPTY:
+                    continue
+                if _scalar(v):
+                    found.append(
+                        (f"{name} (a global of {where})", lambda space=space, name=name: space.get(name, _EMPTY))
+                    )
+                elif callable(v) and not isinstance(v, type):
+                    todo.append((v, left - 1))
+    return found
+
+
 #: called with each recorded graph (after :func:`sink_waits`), before it is compiled (a test's window; None: nothing)
 recorded_hook: Callable[[torch.fx.GraphModule], None] | None = None
 
@@ -298,6 +402,8 @@ class CompiledBody:
     def __init__(self, name: str, options: dict[str, Any]) -> None:
         self.name, self.options = name, options
         self.graphs: dict[tuple[Any, ...], _Graph] = {}
+        self.values: list[tuple[str, Callable[[], Any]]] | None = None  # the Python values a recording freezes
+        self.warned = False
 
     def run(self, body: Any, dev: Any, leaves: list[list[Any]]) -> tuple[list[Any], Any]:
         """``body`` on this device's ``leaves``: recorded (and run) at a new signature, else the compiled graph."""
@@ -309,12 +415,31 @@ class CompiledBody:
                 f"from outside the shard_map. Take the gradients inside the body (fs.value_and_grad, as a train "
                 f"step does), pass detached values, or drop compile=."
             )
-        key = _signature(body, leaves)
+        if self.values is None:
+            self.values = python_values(body.f)
+        frozen = tuple(_hashable(read()) for _, read in self.values)
+        key = (_signature(body, leaves), frozen)
         graph = self.graphs.get(key)
         if graph is None:
+            self._changed(key)
             result, self.graphs[key] = self._trace(body, dev, leaves)
             return result
         return graph([t for arg in leaves for t in arg if isinstance(t, torch.Tensor)])
+
+    def _changed(self, key: tuple[Any, ...]) -> None:
+        """Warn once when a graph is recorded again only because a Python value the body reads has changed."""
+        same = [k[1] for k in self.graphs if k[0] == key[0]]
+        if not same or self.warned or self.values is None:
+            return
+        names = [name for (name, _), now, was in zip(self.values, key[1], same[0], strict=True) if now != was]
+        self.warned = True
+        warnings.warn(
+            f"{self.name} (compile=...): the body reads {', '.join(names)}, whose value changed since it was "
+            f"recorded, so it is recorded (and compiled) again, once per value; a value that changes every step "
+            f"is better passed as a tensor argument (recorded once).",
+            UserWarning,
+            stacklevel=6,
+        )
 
     def _trace(self, body: Any, dev: Any, leaves: list[list[Any]]) -> tuple[tuple[list[Any], Any], _Graph]:
         from torch.fx.experimental.proxy_tensor import make_fx

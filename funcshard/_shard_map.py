@@ -62,16 +62,17 @@ def shard_map(
             (``fs.optim``'s updates do: a step then holds one copy of the params and moments), and the Arrays
             are deleted after the call (using one again raises). Blocks that are views or shared (the first
             ``device_put`` of a tensor) are copied on write instead; plain tensors are never written.
-        compile: under ``"dist"``, record each device's body once per input signature into one graph of torch
-            ops (the vma tracking, pytrees and checks run then, once; the collectives are ops of the graph)
-            and run it through ``torch.compile`` with no graph break; ``True``, or a dict of
-            ``torch.compile`` options (``backend``, ``mode``, ``options``, ``fullgraph``, ``dynamic``). As
-            ``jax.jit``, Python values the body closes over are frozen at the first call; reading a tensor's
-            value in Python (``int(x)``) raises. Not differentiable from outside (take the gradients inside,
-            as a train step does). Under ``"sim"`` ignored with a warning: simulated devices are threads
-            that meet in Python, which a compiled graph cannot hold. (``torch.compile`` around the returned
-            function runs it eagerly, a graph break; a ``torch.compile``'d ``f`` under ``check_vma`` runs
-            eagerly with a warning: dynamo cannot trace the tracking.)
+        compile: under ``"dist"``, record each device's body once per input signature into one graph of torch ops
+            (the vma tracking, pytrees and checks run then, once; the collectives are ops of the graph) and run it
+            through ``torch.compile`` with no graph break; ``True``, or a dict of ``torch.compile`` options
+            (``backend``, ``mode``, ``options``, ``fullgraph``, ``dynamic``). As ``jax.jit``, Python state is frozen
+            at the recording, except the numbers, strings and flags the body reads from closures and module globals:
+            a changed one records it again (one warning); reading a tensor's value in Python (``int(x)``) raises.
+            Not differentiable from outside (take the gradients inside, as a train step does). Under ``"sim"``
+            ignored with a warning: simulated devices are threads that meet in Python, which a compiled graph cannot
+            hold. (``torch.compile`` around the returned function runs it eagerly, a graph break; a
+            ``torch.compile``'d ``f`` under ``check_vma`` runs eagerly with a warning: dynamo cannot trace the
+            tracking.)
 
     Returns:
         A function of global values (``fs.Array``s, or plain tensors taken as the full value) returning

@@ -11,6 +11,7 @@ import contextlib
 import dataclasses
 import warnings
 from collections.abc import Iterator
+from typing import Any
 
 import optree
 import pytest
@@ -270,3 +271,49 @@ def test_torch_compiled_body_under_check_vma_runs_eagerly_with_one_warning(backe
         for g, r in zip(grads, ref_grads, strict=True):
             torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-6)
         assert len(warned) == 1 and "compile=True" in warned[0], warned
+
+
+SCALE = 1.0  # a module global the compiled body below reads
+
+
+def _changing_values(mesh: fs.Mesh) -> dict[str, Any]:
+    global SCALE
+    from funcshard import _compile
+
+    recorded: list[int] = []
+    _compile.recorded_hook = lambda gm: recorded.append(1)
+    k = 2.0
+
+    def body(x):
+        return fs.psum(x * k * SCALE, "dp")  # [n/dp] -> [n/dp], summed over dp
+
+    step = fs.shard_map(body, mesh=mesh, in_specs=(P("dp"),), out_specs=P(), compile=COMPILE)
+    x = torch.arange(4.0)
+    outs = []
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            outs.append(fs.device_get(step(x)))
+            k = 3.0  # the closure cell changes
+            outs.append(fs.device_get(step(x)))
+            SCALE = 5.0  # the global changes
+            outs.append(fs.device_get(step(x)))
+            k, SCALE = 2.0, 1.0  # back to the first values: the first graph again
+            outs.append(fs.device_get(step(x)))
+    finally:
+        _compile.recorded_hook = None
+        SCALE = 1.0
+    warned = [str(w.message) for w in caught if "changed since it was recorded" in str(w.message)]
+    return {"outs": outs, "recorded": len(recorded), "warned": warned}
+
+
+def test_compiled_body_is_recorded_again_when_a_python_value_it_reads_changes() -> None:
+    """A number the compiled body reads from its closure or a module global (a learning rate, a flag) is not
+    frozen silently: a changed value records the body again (one graph per value, reused when the value comes
+    back), with one warning naming the variable; the results are the eager ones."""
+    base = torch.tensor([2.0, 4.0])  # the two dp blocks of arange(4) summed
+    for r in run_body("dist", _changing_values, {"dp": 2}):
+        for out, want in zip(r["outs"], (2.0, 3.0, 15.0, 2.0), strict=True):
+            assert torch.equal(out, base * want), r["outs"]
+        assert r["recorded"] == 3, r
+        assert len(r["warned"]) == 1 and "k (closed over by" in r["warned"][0], r["warned"]
