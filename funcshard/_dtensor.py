@@ -64,8 +64,8 @@ def from_dtensor(dt: Any, mesh: Mesh | None = None) -> Array:
     all-reduce); the mesh is ``mesh`` or one made from ``dt``'s ``DeviceMesh`` (its dim names and sizes).
 
     Raises:
-        ShardingError: not a DTensor, a DeviceMesh without dim names, a mesh that does not match it, or a
-            placement with no spec equivalent (a strided or uneven split).
+        ShardingError: not a DTensor, a DeviceMesh without dim names, a ``mesh`` that is not a ``"dist"``
+            fs.Mesh or does not match it, or a placement with no spec equivalent (a strided or uneven split).
 
     Example:
         >>> # a = fs.from_dtensor(dt); a.spec  # P(None, 'tp')
@@ -81,6 +81,12 @@ def from_dtensor(dt: Any, mesh: Mesh | None = None) -> Array:
             "init_device_mesh(..., mesh_dim_names=(...)) so that its dims are named mesh axes."
         )
     want = dict(zip(names, sizes, strict=True))
+    if mesh is not None and (not isinstance(mesh, Mesh) or mesh.backend != "dist"):
+        found = f"a '{mesh.backend}' fs.Mesh" if isinstance(mesh, Mesh) else f"a {type(mesh).__name__}"
+        raise ShardingError(
+            f"from_dtensor: mesh must be a 'dist' fs.Mesh of the DTensor's axes {want}, found {found}; pass "
+            f"fs.make_mesh({want}, backend='dist'), or omit mesh= to make it from the DTensor's DeviceMesh."
+        )
     mesh = make_mesh(want, backend="dist") if mesh is None else mesh
     if dict(mesh.shape) != want:
         raise ShardingError(f"from_dtensor: the DTensor's DeviceMesh is {want} but mesh is {dict(mesh.shape)}.")

@@ -411,6 +411,28 @@ def _dtensor_body(mesh: fs.Mesh) -> int:
     return n
 
 
+def _dtensor_mesh_arg_body(mesh: fs.Mesh) -> list[str]:
+    dt = fs.to_dtensor(fs.device_put(torch.arange(8.0), mesh, P("tp")))
+    msgs = []
+    for wrong in (fs.make_mesh(MESH, backend="sim"), dt.device_mesh):
+        with pytest.raises(fs.ShardingError) as e:
+            fs.from_dtensor(dt, wrong)
+        msgs.append(str(e.value))
+    assert torch.equal(fs.device_get(fs.from_dtensor(dt, mesh)), torch.arange(8.0))
+    return msgs
+
+
+def test_from_dtensor_mesh_argument_checked() -> None:
+    """``from_dtensor(dt, mesh)`` with a 'sim' mesh of the right shape built an Array holding one device's
+    shard on a mesh whose Arrays hold every device's (device_get: KeyError (1,)); with torch's DeviceMesh it
+    raised TypeError 'cannot convert dictionary update sequence element #0'. Both are ShardingErrors now."""
+    from _dist_pool import run_body
+
+    for sim_msg, dm_msg in run_body("dist", _dtensor_mesh_arg_body, MESH):
+        assert "mesh must be a 'dist' fs.Mesh" in sim_msg and "found a 'sim' fs.Mesh" in sim_msg, sim_msg
+        assert "found a DeviceMesh" in dm_msg and "omit mesh=" in dm_msg, dm_msg
+
+
 def test_dtensor_edge_values_dist() -> None:
     """to_dtensor / from_dtensor of 0-dim, empty, bool, int8, bfloat16, complex and non-contiguous values:
     DTensor's full_tensor is the value, and a DTensor redistributed by torch comes back as its slices."""
