@@ -252,6 +252,34 @@ def test_validate_agrees_with_torchs_checker() -> None:
     assert min(verdicts.values()) > 30  # both verdicts well represented
 
 
+@pytest.mark.parametrize(("p", "m"), [(2, 2), (3, 4), (4, 8), (4, 5)])
+def test_1f1b_where_torchs_picture_differs_ours_is_right(p: int, m: int) -> None:
+    """``Schedule1F1B._get_pipeline_order`` (torch's picture of its 1F1B, which its runtime does not execute)
+    numbers the last rank's forwards 1..m instead of 0..m-1: it bumps the microbatch before the first steady-state
+    forward even when there was no warmup. Torch's own ``_validate_schedule`` rejects that picture (a backward
+    of microbatch 0 before its forward), accepts ours, and with the last rank's forwards renumbered the two
+    orders are equal: ours is the 1F1B torch means."""
+    ts = pytest.importorskip("torch.distributed.pipelining.schedules")
+    o = ts.Schedule1F1B.__new__(ts.Schedule1F1B)
+    o._num_stages, o._n_microbatches = p, m
+    theirs = {
+        r: [a for a in acts if a is not None and a.computation_type.value in "FB"]
+        for r, acts in o._get_pipeline_order().items()
+    }
+    with pytest.raises(AssertionError, match="without first running Forward"):
+        ts._validate_schedule(theirs, p, p, m)
+    ours = one_f_one_b(p, m)
+    assert _torch_verdict(ours)
+    fixed = [
+        [
+            Action(a.computation_type.value, a.microbatch_index - (r == p - 1 and a.computation_type.value == "F"))
+            for a in acts
+        ]
+        for r, acts in sorted(theirs.items())
+    ]
+    assert fixed == ours.actions
+
+
 @pytest.mark.parametrize("p", [2, 3, 4, 5])
 def test_zero_bubble_h1_bubble_is_the_papers(p: int) -> None:
     """ZB-H1 with F = B = W = 1 (Qi et al. 2023, section 3): each stage idles (p-1)(F + B - W) = p-1 units,
@@ -433,6 +461,9 @@ def _dist_body(mesh: fs.Mesh) -> str:
     for i, sched in enumerate(cases):
         _check_run(mesh, sched, seed=10 + i, check_vma=i != 1)
     _check_run(mesh, zero_bubble_h1(p, 3), seed=20, identity=(0,), input_grad=False)  # no gradient path
+    with pytest.raises(fs.ShardingError, match="computes the gradients itself"):  # on every process, no hang
+        _through_run(mesh, "fs.value_and_grad")
+    _check_run(mesh, one_f_one_b(p, 2), seed=21)  # and the next step runs
     return "ok"
 
 
