@@ -297,13 +297,29 @@ def uniform(
     dtype = _float_dtype(dtype, "uniform")
     low = _bound("uniform", "minval", minval, "low", low, 0.0)
     high = _bound("uniform", "maxval", maxval, "high", high, 1.0)
-    if not float(low) < float(high):
+    fix = "for bounds that vary by element, draw u = uniform(key, shape) and use low + u * (high - low)"
+    low, high = _number("uniform", "minval", low, fix), _number("uniform", "maxval", high, fix)
+    if not low < high:
         raise ConfigError(f"uniform: need low < high, found low={low}, high={high}.")
     x0, x1, axes = _words(key, shape, spec, "uniform")
     u = _unit(x0, x1, dtype)
     if (low, high) != (0.0, 1.0):
-        u = _scale(u, float(low), float(high), dtype)
+        u = _scale(u, low, high, dtype)
     return _finish(u, axes)
+
+
+def _number(fn: str, name: str, v: Any, fix: str) -> float:
+    """``v`` (a real number or a one-element tensor) as a float; anything else is a ConfigError, not torch's
+    "only one element tensors can be converted to Python scalars"."""
+    if isinstance(v, torch.Tensor) and v.numel() == 1 and not v.is_complex():
+        return float(v)
+    if isinstance(v, (int, float)) or (not isinstance(v, torch.Tensor) and hasattr(v, "__float__")):
+        try:
+            return float(v)
+        except (TypeError, ValueError):
+            pass
+    found = f"a tensor of shape {tuple(v.shape)}" if isinstance(v, torch.Tensor) else repr(v)
+    raise ConfigError(f"{fn}: {name} must be a number (or a one-element tensor), found {found}; {fix}.")
 
 
 def _bound(fn: str, jax_name: str, jax_value: Any, name: str, value: Any, default: Any) -> Any:
@@ -464,7 +480,7 @@ def bernoulli(
         tensor([False,  True])
     """
     if not isinstance(p, torch.Tensor) or (p.dim() == 0 and not p.is_floating_point()):
-        p = float(p)
+        p = _number("bernoulli", "p", p, "for a p per element pass a floating tensor, torch.tensor(p)")
         if not 0.0 <= p <= 1.0:
             raise ConfigError(f"bernoulli: p must lie in [0, 1], found {p}.")
         x0, x1, axes = _words(key, () if shape is None else shape, spec, "bernoulli")

@@ -250,6 +250,22 @@ def test_fold_in_out_of_range_is_a_clear_error() -> None:
         fsr.fold_in(fsr.key(0), torch.tensor(1.0))
 
 
+def test_bounds_that_are_not_numbers_are_clear_errors() -> None:
+    """JAX takes array bounds (broadcast); ours are numbers. A vector minval raised torch's ValueError 'only one
+    element tensors can be converted to Python scalars', a list p a TypeError from float(); now ConfigErrors
+    with the fix. One-element tensors and numpy scalars are numbers and draw as JAX does."""
+    k = fsr.key(0)
+    with pytest.raises(fs.ConfigError, match=r"uniform: minval must be a number.*shape \(2,\).*low \+ u \*"):
+        fsr.uniform(k, (2,), torch.float32, torch.tensor([0.0, 1.0]), 2.0)
+    with pytest.raises(fs.ConfigError, match=r"uniform: maxval must be a number.*'2'"):
+        fsr.uniform(k, (2,), torch.float32, 0.0, "2")
+    with pytest.raises(fs.ConfigError, match=r"bernoulli: p must be a number.*\[0.1, 0.2\].*torch.tensor\(p\)"):
+        fsr.bernoulli(k, [0.1, 0.2], (2,))
+    want = fsr.uniform(k, (5,), torch.float32, 0.5, 2.0)
+    assert torch.equal(fsr.uniform(k, (5,), torch.float32, torch.tensor([0.5]), np.float32(2.0)), want)
+    assert torch.equal(fsr.bernoulli(k, np.float64(0.3), (9,)), fsr.bernoulli(k, 0.3, (9,)))
+
+
 def test_sharded_draws_are_slices_of_jax_draws(jax_x64) -> None:
     """Inside shard_map, ``spec=`` blocks over two axes (in and out of mesh order) of 3-dim draws are the
     slices of JAX's unsharded draw: uniform and normal (float32, bfloat16), bernoulli with a tensor p."""
