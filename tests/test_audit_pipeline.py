@@ -294,6 +294,14 @@ def test_zero_bubble_h1_bubble_is_the_papers(p: int) -> None:
         assert base.bubble_fraction == pytest.approx((p - 1) / (m + p - 1))
 
 
+def test_by_name_suggests_the_lowercase_name() -> None:
+    """The papers write 1F1B, ZB-V, DualPipeV, GPipe; ``by_name`` names are lowercase. The hint compared
+    case-sensitively, so ``"1F1B"`` got none; now it names ``'1f1b'``."""
+    for typed, meant in [("1F1B", "1f1b"), ("ZB-V", "zbv"), ("DualPipeV", "dualpipev")]:
+        with pytest.raises(ScheduleError, match=f"unknown schedule '{typed}'.*Did you mean '{meant}'"):
+            by_name(typed, 2, 4)
+
+
 # -- stages with no gradient path ---------------------------------------------------------------------------
 
 

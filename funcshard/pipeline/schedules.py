@@ -888,7 +888,7 @@ def by_name(name: str, n_stages: int, n_microbatches: int, n_virtual: int | None
         (2, (0, 7))
     """
     if name not in _BUILDERS:
-        close = difflib.get_close_matches(str(name), SCHEDULE_NAMES, n=1)
+        close = difflib.get_close_matches(str(name).lower(), SCHEDULE_NAMES, n=1)  # 1F1B, ZB-V, GPipe
         hint = f" Did you mean {close[0]!r}?" if close else ""
         raise ScheduleError(f"by_name: unknown schedule {name!r}; expected one of {SCHEDULE_NAMES}.{hint}")
     build, fixed = _BUILDERS[name]
