@@ -367,6 +367,37 @@ def test_save_dying_while_checksumming_keeps_previous(tmp_path: Path, monkeypatc
     assert checkpoint.info(tmp_path / "ck")["step"] == 1
 
 
+def _one_rank_dies_body(mesh: fs.Mesh, path: str) -> tuple[str, float, int]:
+    import torch.distributed as dist
+
+    checkpoint.save(path, {"w": fs.device_put(torch.ones(8, 8), mesh, P("dp", "tp"))}, step=1)
+    planner = checkpoint._dcp()[1]
+    real = planner.resolve_data
+
+    def dies(self: Any, item: Any) -> Any:
+        if dist.get_rank() == 1:
+            raise RuntimeError("rank 1 died mid-write (injected)")
+        return real(self, item)
+
+    planner.resolve_data = dies
+    try:
+        with pytest.raises(CheckpointError, match=r"rank 1: RuntimeError: rank 1 died mid-write.*previous checkpoint"):
+            checkpoint.save(path, {"w": fs.device_put(torch.zeros(8, 8), mesh, P("tp"))}, step=2)
+    finally:
+        planner.resolve_data = real
+    out = checkpoint.load(path, {"w": fs.device_put(torch.zeros(8, 8), mesh, P(None, "dp"))})
+    return sorted(os.listdir(Path(path).parent)), float(fs.device_get(out["w"]).sum()), checkpoint.info(path)["step"]
+
+
+def test_dist_save_dying_on_one_rank_keeps_previous(tmp_path: Path) -> None:
+    """One process's write raising mid-save: every process raises (naming that rank and the cause), the
+    previous checkpoint loads on every process, no temp directory is left."""
+    from _dist_pool import run_body
+
+    for names, total, step in run_body("dist", _one_rank_dies_body, MESH, str(tmp_path / "ck")):
+        assert names == ["ck"] and total == 64.0 and step == 1
+
+
 def _damaged_load_body(mesh: fs.Mesh, path: str) -> tuple[str, str]:
     like = {"w": fs.device_put(torch.zeros(8), mesh, P("tp"))}
     try:
