@@ -302,6 +302,40 @@ def test_by_name_suggests_the_lowercase_name() -> None:
             by_name(typed, 2, 4)
 
 
+@pytest.mark.parametrize(("p", "m"), [(3, 6), (3, 7), (4, 8)])
+def test_the_runtime_holds_what_simulate_promises(monkeypatch: pytest.MonkeyPatch, p: int, m: int) -> None:
+    """``simulate().peak_in_flight`` is the activation-memory claim of a schedule; the runtime's graphs kept
+    for a later ``B`` / ``W`` (one per (microbatch, chunk)) must peak at exactly that on every stage, for every
+    named schedule: no graph kept longer than the schedule says (memory), none freed early (it would raise).
+    Held."""
+    from funcshard.pipeline import runtime
+
+    peaks: dict[int, int] = {}
+    step = runtime._Stage.run_step
+
+    def spy(self, s):
+        out = step(self, s)
+        peaks[self.me] = max(peaks.get(self.me, 0), len(self.saved))
+        return out
+
+    monkeypatch.setattr(runtime._Stage, "run_step", spy)
+    mesh = fs.make_mesh({"pp": p}, backend="sim")
+    for name in SCHEDULE_NAMES:
+        try:
+            sched = by_name(name, p, m)
+        except ScheduleError:
+            continue  # interleaved at m = 7
+        peaks.clear()
+        f = fs.shard_map(
+            lambda w, x, sched=sched: run(sched, lambda q, y: y + y @ q, w, x, loss_fn=lambda y: (y**2).mean()),
+            mesh=mesh,
+            in_specs=(P("pp"), P()),
+            out_specs=(P(), P("pp")),
+        )
+        f(torch.randn(sched.n_virtual_stages, D, D) * 0.1, torch.randn(m, MB, D))
+        assert [peaks[s] for s in range(p)] == sched.simulate().peak_in_flight, name
+
+
 # -- stages with no gradient path ---------------------------------------------------------------------------
 
 
