@@ -138,6 +138,9 @@ def _as_ints(argnums: Any) -> Any:
     return one(argnums)
 
 
+_compiling = getattr(torch.compiler, "is_compiling", lambda: False)  # (True while dynamo traces the call)
+
+
 class _ValueAndGrad:
     # The function value_and_grad returns: a callable object carrying ``f``'s name and docstring (and
     # ``__wrapped__``) as ``functools.wraps`` would, at a tenth of its cost; the README's step makes one on
@@ -163,6 +166,9 @@ class _ValueAndGrad:
                     f"{_name(self.__wrapped__)}: argnums={self._argnums!r} names one positional argument twice "
                     f"(called with {n} positional arguments, so {[i % n for i in nums]}); name each once."
                 )
+        if _compiling():  # torch.compile traces this call: torch.func's transform, which dynamo traces whole
+            _check_differentiable(self.__wrapped__, args, nums)
+            return _GradCall(self.__wrapped__, self._argnums, nums, self._has_aux)._func(args, kwargs)
         xs = [args[i] for i in nums]
         # each differentiated argument flattened once, for the check and for the plain path; None: every one is
         # a tensor (the common step's arguments), its own leaf
@@ -329,6 +335,7 @@ class _GradCall:
         self.f, self.argnums, self.nums, self.has_aux = f, argnums, nums, has_aux
         self.tags: dict[str, list[frozenset[str] | None]] = {}
         self.aux: tuple[Any, list[Any]] | None = None
+        self.traced = _compiling()  # dynamo traces the call: outside any shard_map (opaque to it), no tags to keep
 
     @property
     def name(self) -> str:
@@ -338,12 +345,15 @@ class _GradCall:
     def inner(self, *a: Any, **kw: Any) -> Any:
         out = self.f(*a, **kw)
         # torch.func returns fresh tensors without our tags: remember the vma they had in here
+        if self.traced and not self.has_aux:
+            return out
         if not self.has_aux:
             with torch._C.DisableTorchFunction():  # reads (a view's base) that need no vma mode
                 self.tags["value"] = [get_vma(out)] if isinstance(out, torch.Tensor) else tags_of(out)
             return out
         _aux_pair(out, self.f)
-        self.tags["value"], self.tags["aux"] = tags_of(out[0]), tags_of(out[1])
+        if not self.traced:
+            self.tags["value"], self.tags["aux"] = tags_of(out[0]), tags_of(out[1])
         # torch.func only passes tensors through aux (JAX passes anything): carry the rest aside
         leaves, treedef = optree.tree_flatten(out[1])
         self.aux = (treedef, leaves)
@@ -367,6 +377,8 @@ class _GradCall:
 
     def _finish(self, args: Any, value: Any, aux: Any, grads: PyTree) -> tuple[Any, PyTree]:
         """The tags put back (value and aux as inside ``f``, gradients like their inputs); JAX's order."""
+        if self.traced:
+            return ((value, aux), grads) if self.has_aux else (value, grads)
         tags = self.tags.get("value", [])
         if isinstance(value, torch.Tensor) and len(tags) == 1:  # the common value: one tensor
             if tags[0] is not None:
