@@ -28,6 +28,7 @@ from funcshard.pipeline import (
     Schedule,
     ScheduleError,
     by_name,
+    gpipe,
     one_f_one_b,
     run,
     stage_order,
@@ -284,7 +285,8 @@ def test_1f1b_where_torchs_picture_differs_ours_is_right(p: int, m: int) -> None
 def test_zero_bubble_h1_bubble_is_the_papers(p: int) -> None:
     """ZB-H1 with F = B = W = 1 (Qi et al. 2023, section 3): each stage idles (p-1)(F + B - W) = p-1 units,
     a third of 1F1B's 3(p-1), so the bubble fraction is (p-1) / (3m + p-1), at 1F1B's peak of p microbatches
-    in flight; 1F1B with F = 1, B = 2 stays at (p-1) / (m + p-1). Held."""
+    in flight (for m >= p: with fewer microbatches there are not enough W to fill the cooldown); GPipe and
+    1F1B with F = 1, B = 2 stay at (p-1) / (m + p-1), for m < p too. Held."""
     for m in (p, p + 1, 2 * p, 3 * p + 1):
         zb = zero_bubble_h1(p, m).simulate({"F": 1, "B": 1, "W": 1})
         assert zb.bubble_fraction == pytest.approx((p - 1) / (3 * m + p - 1))
@@ -292,6 +294,9 @@ def test_zero_bubble_h1_bubble_is_the_papers(p: int) -> None:
         assert zb.peak_in_flight == [p] * p
         base = one_f_one_b(p, m).simulate({"F": 1, "B": 2})
         assert base.bubble_fraction == pytest.approx((p - 1) / (m + p - 1))
+    for m in range(1, p):  # fewer microbatches than stages: GPipe's and 1F1B's formula still holds
+        for sched in (gpipe(p, m), one_f_one_b(p, m)):
+            assert sched.simulate({"F": 1, "B": 2}).bubble_fraction == pytest.approx((p - 1) / (m + p - 1))
 
 
 def test_by_name_suggests_the_lowercase_name() -> None:
