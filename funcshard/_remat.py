@@ -211,7 +211,12 @@ def _is_view_or_inplace(func: Any) -> bool:
 
 class _Record(TorchDispatchMode):
     """The forward's op log: numbers every aten op (outside the collectives' own work) and keeps the outputs of
-    those the policy saves, as detached aliases."""
+    those the policy saves, as detached aliases, unless they were written in place after they were saved.
+
+    Until :meth:`result` the outputs are held themselves, not detached aliases: a tensor detached inside
+    ``__torch_dispatch__`` (below autograd) gets a version counter of its own, which a later in-place write to
+    the output does not move. Tensors sharing a storage under counters of their own (``_unsafe_view``: matmul's
+    reshape of a batched product) are grouped: a write through any drops what was saved of all."""
 
     def __init__(self, policy: Policy) -> None:
         super().__init__()
@@ -221,6 +226,9 @@ class _Record(TorchDispatchMode):
         self.saved: dict[int, torch.Tensor] = {}
         self.versions: dict[int, int] = {}
         self.producer: dict[int, tuple[int, weakref.ref[torch.Tensor]]] = {}
+        self.groups: list[list[tuple[torch.Tensor, int]]] = []  # (tensor, its version when grouped)
+        self.group_of: dict[int, tuple[int, weakref.ref[torch.Tensor]]] = {}  # id(tensor) -> (group, ref)
+        self.key_group: dict[int, int] = {}  # op number -> the group of its output
         self.paused = 0
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
@@ -232,12 +240,35 @@ class _Record(TorchDispatchMode):
         self.funcs.append(func)
         if isinstance(out, torch.Tensor) and not _is_view_or_inplace(func):
             self.producer[id(out)] = (k, weakref.ref(out))
+            if func is _aten._unsafe_view.default:
+                self.alias(args[0], out, k, self.policy.saves_op(func))
             if self.policy.saves_op(func):
                 self.keep(k, out)
         return out
 
+    def alias(self, src: torch.Tensor, out: torch.Tensor, k: int, saving: bool) -> None:
+        """Group ``out`` (op ``k``) with ``src``, whose storage it shares under a version counter of its own,
+        where either one's value is (or will be) saved: both are held until :meth:`result`, at no memory (the
+        storage is saved)."""
+        hit = self.group_of.get(id(src))
+        if hit is not None and hit[1]() is src:
+            g = hit[0]
+        else:
+            p = self.producer.get(id(src))
+            kp = p[0] if p is not None and p[1]() is src else None
+            if not saving and kp not in self.saved:
+                return
+            g = len(self.groups)
+            self.groups.append([(src, src._version)])
+            self.group_of[id(src)] = (g, weakref.ref(src))
+            if kp is not None:
+                self.key_group[kp] = g
+        self.groups[g].append((out, out._version))
+        self.group_of[id(out)] = (g, weakref.ref(out))
+        self.key_group[k] = g
+
     def keep(self, k: int, out: torch.Tensor) -> None:
-        self.saved[k] = out.detach()
+        self.saved[k] = out  # the tensor itself: its version moves with every in-place write (see the class)
         self.versions[k] = out._version
 
     def mark(self, x: torch.Tensor, name: str) -> None:
@@ -253,9 +284,25 @@ class _Record(TorchDispatchMode):
             self.saved.pop(k, None)
 
     def result(self) -> tuple[list[int], list[torch.Tensor]]:
-        """The op numbers and tensors to keep: those not written in place after they were saved."""
-        keys = [k for k in sorted(self.saved) if self.saved[k]._version == self.versions[k]]
-        return keys, [self.saved[k] for k in keys]
+        """The op numbers and detached tensors to keep: those not written in place after they were saved (through
+        no alias of their storage either). Lets go of the tensors held (and the forward graph they reach)."""
+        written = {g for g, members in enumerate(self.groups) if any(t._version != v for t, v in members)}
+        keys = [
+            k
+            for k in sorted(self.saved)
+            if self.saved[k]._version == self.versions[k] and self.key_group.get(k) not in written
+        ]
+        with torch._C.DisableTorchFunction():
+            kept = [self.saved[k].detach() for k in keys]
+        self.release()
+        return keys, kept
+
+    def release(self) -> None:
+        """Drop every tensor held (a graph node's context may hold the device handle, which holds this log)."""
+        self.saved.clear()
+        self.groups.clear()
+        self.group_of.clear()
+        self.key_group.clear()
 
 
 class _Replay(TorchDispatchMode):
@@ -428,6 +475,9 @@ class _Remat(torch.autograd.Function):
             # (a graph dropped at once: a user's saved-tensor hooks, such as CPU offloading, are not run for it)
             with torch.enable_grad(), device_scope(call.dctx, devices, call.vma_mode), _save_nothing(), rec:
                 out = call.f(*args, **kwargs)
+        except BaseException:
+            rec.release()
+            raise
         finally:
             _local.recorder = prev
         if devices is not None:
