@@ -40,6 +40,7 @@ import torch
 from torch.autograd.graph import _engine_run_backward
 
 from ._backend.base import Overlap, settle
+from ._backend.base import dynamo_tracing as _compiling
 from ._errors import ConfigError
 from ._vma import EMPTY, TAG_ATTR, active_mode, find_vma, get_vma, tag_leaves, tag_like, tag_through, tags_of
 
@@ -136,9 +137,6 @@ def _as_ints(argnums: Any) -> Any:
     if type(argnums) in (tuple, list):  # a list too, as JAX takes it
         return tuple(one(i) for i in argnums)
     return one(argnums)
-
-
-_compiling = getattr(torch.compiler, "is_compiling", lambda: False)  # (True while dynamo traces the call)
 
 
 class _ValueAndGrad:

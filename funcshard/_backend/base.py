@@ -6,7 +6,7 @@ import contextlib
 import math
 import os
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -21,6 +21,7 @@ __all__ = [
     "PeerError",
     "check_p2p",
     "default_timeout",
+    "dynamo_tracing",
     "from_order_key",
     "group_members",
     "order_key",
@@ -376,3 +377,8 @@ def trace_scope() -> contextlib.AbstractContextManager[None]:
 def tracing() -> bool:
     """Whether this thread records a body into a graph (:func:`trace_scope`)."""
     return getattr(_scope, "trace", False)
+
+
+#: whether ``torch.compile``'s dynamo is tracing the calling code (then a value read or an in-place write into
+#: a buffer made outside the graph is not what it can hold: the functional paths are taken)
+dynamo_tracing: Callable[[], bool] = getattr(torch.compiler, "is_compiling", lambda: False)

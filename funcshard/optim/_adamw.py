@@ -10,7 +10,7 @@ import optree
 import torch
 
 from .. import pytree
-from .._backend.base import tracing
+from .._backend.base import dynamo_tracing, tracing
 from .._context import is_donated
 from .._errors import ConfigError
 from .._spec import P
@@ -385,7 +385,7 @@ class _AdamW:
         ):
             return self._apply_in_place(grads, state, params)
         checked = None
-        if not tracing() and _FUSED is not None:
+        if not tracing() and not dynamo_tracing() and _FUSED is not None:
             # the donated step's arithmetic on copies (the fused kernel's numbers, donated or not)
             checked = self._checked(grads, state, params, "adamw.update")
             g_leaves, m_leaves, v_leaves, p_leaves = checked[:4]
