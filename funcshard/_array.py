@@ -37,7 +37,8 @@ def device_put(x: PyTree, mesh: Mesh, spec: PyTree = None) -> PyTree:
     """Lay out ``x`` (a tensor or a tree of them) over ``mesh`` by ``spec`` (a spec or a spec-tree prefix).
 
     Every process keeps only the blocks it owns. Under ``"dist"`` every process passes the same full value.
-    An ``fs.Array`` on the same mesh is resharded.
+    An ``fs.Array`` on the same mesh is resharded. The blocks share no memory with ``x`` (under ``"sim"`` they
+    are views of one copy of it), so writing into ``x`` afterwards leaves the Array as it was.
 
     Raises:
         ShardingError: a spec that does not fit its leaf (the message names the leaf path).
@@ -65,8 +66,17 @@ def device_put(x: PyTree, mesh: Mesh, spec: PyTree = None) -> PyTree:
                 f"convert with torch.as_tensor first."
             )
         check_spec(s, leaf.shape, mesh, path=path, fn="device_put")
-        out.append(Array(mesh, s, tuple(leaf.shape), leaf.dtype, local_shards(leaf, mesh, s)))
+        shards = local_shards(leaf, mesh, s)
+        if any(_shares_storage(t, leaf) for t in shards.values()):
+            # blocks that are views of the caller's tensor would follow its later in-place writes (a batch
+            # buffer refilled each step): cut them from one private copy instead, as JAX's device_put copies
+            shards = local_shards(leaf.clone(), mesh, s)
+        out.append(Array(mesh, s, tuple(leaf.shape), leaf.dtype, shards))
     return optree.tree_unflatten(treedef, out)
+
+
+def _shares_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
 
 
 def _assemble(a: Array) -> torch.Tensor:
