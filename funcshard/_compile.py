@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 
-from ._backend.base import trace_scope
+from ._backend.base import dynamo_tracing, trace_scope
 from ._errors import ShardingError
 from ._stats import capture, record
 from ._vma import set_vma, tags_of
@@ -125,10 +125,11 @@ def eager_body(f: Callable[..., Any], name: str, check_vma: bool) -> Callable[..
     return inner
 
 
-def opaque_to_dynamo(mapped: Callable[..., Any], name: str) -> Callable[..., Any]:
+def opaque_to_dynamo(mapped: Callable[..., Any], name: str, tell: bool = False) -> Callable[..., Any]:
     """``mapped`` (a shard_map'd function) run eagerly where ``torch.compile`` meets it: a graph break there
     (``fullgraph=True`` raises, naming ``compile=``) instead of dynamo tracing the devices' threads, pytrees and
-    tags, which it cannot (an internal error). ~0.5 us a call.
+    tags, which it cannot (an internal error). ~0.5 us a call. ``tell``: the first time ``torch.compile`` meets
+    it, warn that its body runs eagerly and that ``compile=True`` compiles it (a dist mesh without ``compile=``).
 
     Example:
         >>> g = opaque_to_dynamo(lambda x: x, "shard_map(f)")
@@ -142,13 +143,27 @@ def opaque_to_dynamo(mapped: Callable[..., Any], name: str) -> Callable[..., Any
         f"{name} runs eagerly under torch.compile (its devices, pytrees and tags are not traceable); "
         f"shard_map(..., compile=True) compiles a device's body"
     )
+    told: list[bool] = [] if tell else [True]
+
+    def say() -> None:
+        told.append(True)
+        warnings.warn(
+            f"{name}: torch.compile runs it eagerly (a graph break: its devices, pytrees and tags are not "
+            f"traceable by dynamo). shard_map(..., compile=True) records and compiles its body, collectives "
+            f"included.",
+            UserWarning,
+            stacklevel=4,
+        )
+
     try:
-        off = disable(mapped, reason=reason)
+        off, say = disable(mapped, reason=reason), disable(say, reason=reason)
     except TypeError:  # (a torch whose disable takes no reason)
-        off = disable(mapped)
+        off, say = disable(mapped), disable(say)
 
     @functools.wraps(mapped)
     def call(*args: Any) -> Any:  # (torch.compile(off) itself would unwrap off to mapped and trace it)
+        if not told and dynamo_tracing():
+            say()
         return off(*args)
 
     call.__wrapped__ = getattr(mapped, "__wrapped__", mapped)  # type: ignore[attr-defined]  # (the user's f)

@@ -110,7 +110,7 @@ def shard_map(
             warn_sim(name, id(mapped))
         return _call(f, mesh, in_specs, out_specs, check, args, cache, donated, compiled, name)
 
-    return opaque_to_dynamo(mapped, name)
+    return opaque_to_dynamo(mapped, name, tell=options is None and mesh.backend != "sim")
 
 
 _transforms_active = torch._C._are_functorch_transforms_active

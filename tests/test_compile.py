@@ -229,24 +229,30 @@ def _reference() -> tuple[torch.Tensor, list[torch.Tensor]]:
     return loss.detach(), list(torch.autograd.grad(loss, ts))
 
 
-def _compile_around(mesh: fs.Mesh) -> tuple[torch.Tensor, list[torch.Tensor], str]:
-    loss, grads = _tp_step(mesh, wrap_body=False)
+def _compile_around(mesh: fs.Mesh) -> tuple[torch.Tensor, list[torch.Tensor], str, int]:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        loss, grads = _tp_step(mesh, wrap_body=False)
+        loss, grads = _tp_step(mesh, wrap_body=False)  # (another shard_map: told again, once)
+    told = sum("torch.compile runs it eagerly" in str(w.message) for w in caught)
     f = fs.shard_map(lambda x: fs.psum(x, "tp"), mesh=mesh, in_specs=(P("tp"),), out_specs=P())
     try:  # fullgraph: the graph break at the shard_map'd call is refused, naming the way to compile its body
         torch.compile(lambda x: f(x + 1), backend="aot_eager", fullgraph=True)(torch.ones(4))
         message = ""
     except torch._dynamo.exc.Unsupported as e:
         message = str(e)
-    return loss, grads, message
+    return loss, grads, message, told
 
 
 def test_torch_compile_around_a_shard_map_runs_it_eagerly(backend: str) -> None:
     """``torch.compile(train_step)`` around a shard_map'd call: the call is a graph break that runs eagerly (no
     internal dynamo error tracing the devices and tags), the numbers those of the unsharded model;
-    ``fullgraph=True`` raises naming ``shard_map(..., compile=True)``."""
+    ``fullgraph=True`` raises naming ``shard_map(..., compile=True)``; under dist (where ``compile=`` compiles the
+    body) one warning per shard_map'd function says so."""
     ref_loss, ref_grads = _reference()
     results = run_body(backend, _compile_around, {"tp": 2})
-    for loss, grads, message in results:
+    for loss, grads, message, told in results:
+        assert told == (2 if backend == "dist" else 0), told
         torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
         for g, r in zip(grads, ref_grads, strict=True):
             torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-6)
