@@ -493,6 +493,13 @@ def bernoulli(
     except RuntimeError:
         raise ConfigError(f"bernoulli: p of shape {tuple(p.shape)} does not broadcast to shape {shape}.") from None
     x0, x1, axes = _words(key, shape, spec, "bernoulli")
+    if spec is not None and get_vma(p):
+        raise ShardingError(
+            f"bernoulli: with spec={spec!r}, p is the global probabilities (shape {tuple(p.shape)} broadcast to "
+            f"{shape}), the same on every device, but this p varies over {sorted(get_vma(p))}: a device's own "
+            f"block of p would be broadcast as if it were the whole. Pass the whole p into shard_map with spec P(), "
+            f"or draw the block itself: bernoulli(key_of_this_device, p_block) without spec=."
+        )
     if spec is not None:  # this device's block of p (spec checked by _words)
         ctx = maybe_current()
         full = full[tuple(shard_slices(shape, spec, ctx.mesh.shape, ctx.device.coords))]

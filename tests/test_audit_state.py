@@ -298,6 +298,24 @@ def test_bounds_that_are_not_numbers_are_clear_errors() -> None:
     assert torch.equal(fsr.bernoulli(k, np.float64(0.3), (9,)), fsr.bernoulli(k, 0.3, (9,)))
 
 
+def test_bernoulli_spec_refuses_a_local_block_of_p() -> None:
+    """With ``spec=``, p is the global probabilities. A device's own block of p (an input sharded P('tp'),
+    shape (1, 4) of a global (4, 4)) was broadcast to the global shape (8, 4) as if it were the whole p, and
+    each device drew with its own row, silently; now a ShardingError naming the axis. A replicated p still
+    gives the slices of the unsharded draw."""
+    mesh = fs.make_mesh({"tp": 4}, backend="sim")
+    k, p = fsr.key(0), torch.linspace(0.05, 0.95, 16).reshape(4, 4)
+
+    def draw(key: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+        return fsr.bernoulli(key, q, (8, 4), spec=P("tp"))
+
+    local = fs.shard_map(draw, mesh=mesh, in_specs=(P(), P("tp")), out_specs=P("tp"))
+    with pytest.raises(fs.ShardingError, match=r"bernoulli: with spec=P\('tp'\).*varies over \['tp'\].*spec P\(\)"):
+        local(k, p)
+    whole = fs.shard_map(draw, mesh=mesh, in_specs=(P(), P()), out_specs=P("tp"))
+    assert torch.equal(fs.device_get(whole(k, p[:1])), fsr.bernoulli(k, p[:1], (8, 4)))
+
+
 def test_sharded_draws_are_slices_of_jax_draws(jax_x64) -> None:
     """Inside shard_map, ``spec=`` blocks over two axes (in and out of mesh order) of 3-dim draws are the
     slices of JAX's unsharded draw: uniform and normal (float32, bfloat16), bernoulli with a tensor p."""
