@@ -417,6 +417,22 @@ def test_save_dying_while_checksumming_keeps_previous(tmp_path: Path, monkeypatc
     assert checkpoint.info(tmp_path / "ck")["step"] == 1
 
 
+def test_latest_finds_a_step_left_at_old(tmp_path: Path) -> None:
+    """A re-save of step 8 killed between its two renames leaves step 8's previous checkpoint at
+    ``step_00000008.old``, where ``load(step_path(root, 8))`` finds it; ``list_steps`` / ``latest`` left it
+    out, so a resume went back to step 4 (or, with no older step, started over)."""
+    mesh = fs.make_mesh(MESH, backend="sim")
+    for step in (4, 8):
+        tree = {"w": fs.device_put(torch.full((4, 4), float(step)), mesh, P("dp", "tp")), "step": step}
+        checkpoint.save(checkpoint.step_path(tmp_path, step), tree, step=step)
+    eight = Path(checkpoint.step_path(tmp_path, 8))
+    os.rename(eight, eight.with_name(eight.name + ".old"))  # the state a kill between the renames leaves
+    assert checkpoint.list_steps(tmp_path) == [4, 8]
+    assert checkpoint.latest(tmp_path) == str(eight)
+    out = checkpoint.load(checkpoint.latest(tmp_path), {"w": fs.device_put(torch.zeros(4, 4), mesh, P()), "step": 0})
+    assert out["step"] == 8 and torch.equal(fs.device_get(out["w"]), torch.full((4, 4), 8.0))
+
+
 def _one_rank_dies_body(mesh: fs.Mesh, path: str) -> tuple[str, float, int]:
     import torch.distributed as dist
 

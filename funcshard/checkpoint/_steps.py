@@ -8,7 +8,7 @@ from pathlib import Path
 
 from ._files import is_checkpoint
 
-_STEP = re.compile(r"step_(\d+)")
+_STEP = re.compile(r"step_(\d+)(\.old)?")
 
 
 def step_path(root: str | os.PathLike[str], step: int) -> str:
@@ -28,7 +28,9 @@ def list_steps(root: str | os.PathLike[str]) -> list[int]:
         root: the folder holding the ``step_N`` folders (it need not exist).
 
     Returns:
-        The step numbers, ascending; incomplete checkpoints are left out.
+        The step numbers, ascending; incomplete checkpoints are left out. A step whose re-save was killed
+        between its two renames is listed: its previous checkpoint is at ``step_N.old``, where ``load``
+        finds it.
 
     Example:
         >>> import tempfile, torch
@@ -44,11 +46,11 @@ def list_steps(root: str | os.PathLike[str]) -> list[int]:
     root = Path(os.fspath(root))
     if not root.is_dir():
         return []
-    found = []
+    found = set()
     for d in root.iterdir():
         m = _STEP.fullmatch(d.name)
         if m and is_checkpoint(d):
-            found.append(int(m.group(1)))
+            found.add(int(m.group(1)))
     return sorted(found)
 
 
