@@ -222,14 +222,17 @@ def _check_ids(ids: torch.Tensor, vocab: int, what: str, fn: str, ignore: int | 
 
 
 def _check_replicated(t: torch.Tensor, axis: str | tuple[str, ...], what: str, fn: str) -> None:
-    """ShardingError where ``t`` is known to vary over ``axis`` (check_vma's tag, or an argument's spec): every
-    device of the axis must look up the same ids, or the reduction over the axis mixes different tokens."""
+    """ShardingError where ``t`` is known to vary over ``axis`` (check_vma's tag, or, untracked, an argument's spec
+    or a collective's result; not the sim audit's tags, which dist has not): every device of the axis must look up
+    the same ids, or the reduction over the axis mixes different tokens."""
     ctx = current(fn)
     axes = axes_of(axis, ctx.mesh, fn)
     with torch._C.DisableTorchFunction():  # a tag read: no result is kept
         have = known_vma(t, ctx.check_vma)
         shape = tuple(t.shape)
-    bad = [a for a in axes if have is not None and a in have]
+    if have is None or isinstance(have, Audited):
+        return
+    bad = [a for a in axes if a in have]
     if bad:
         raise ShardingError(
             f"{fn}: the {what} (shape {shape}) vary over axis {bad[0]!r}, the axis the vocabulary is split over; "
