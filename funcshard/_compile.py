@@ -235,10 +235,19 @@ def _library(code: Any) -> bool:
 _EMPTY = object()  # an empty closure cell / a global gone
 
 
-def _scalar(v: Any) -> bool:
-    return isinstance(v, _SCALARS) or (
-        isinstance(v, tuple) and len(v) <= 16 and all(isinstance(x, _SCALARS) for x in v)
+def _watched(v: Any) -> bool:
+    """A value a recording would freeze that is cheap to compare: a number, string, flag or None, a short tuple of
+    them, or a tensor (by identity: one rebound to another tensor is a new constant of the graph)."""
+    return (
+        isinstance(v, _SCALARS)
+        or isinstance(v, torch.Tensor)
+        or (isinstance(v, tuple) and len(v) <= 16 and all(isinstance(x, _SCALARS) for x in v))
     )
+
+
+def _frozen(v: Any) -> Any:
+    """``v`` as a part of a signature (a tensor by identity: its ``==`` is elementwise)."""
+    return ("tensor", id(v)) if isinstance(v, torch.Tensor) else _hashable(v)
 
 
 def _codes(code: Any) -> Any:
@@ -261,7 +270,7 @@ def _cell_reader(cell: Any) -> Callable[[], Any]:
 
 def python_values(fn: Any, depth: int = 4) -> list[tuple[str, Callable[[], Any]]]:
     """The Python values ``fn`` reads that a recording would freeze: the numbers, strings, None (and tuples of
-    them) in its closure cells and in the module globals it names, and in those of the functions it reaches
+    them) and tensors (by identity) in its closure cells and in the module globals it names, and in those of the functions it reaches
     the same way (``depth`` deep; library functions not entered). Each as ``(name, read)``: ``read()`` gives
     the value now, so a later call can tell that one changed (``dynamo``'s guards, for the common case of a
     learning rate or a flag reassigned between steps).
@@ -279,7 +288,7 @@ def python_values(fn: Any, depth: int = 4) -> list[tuple[str, Callable[[], Any]]
         if isinstance(g, functools.partial):
             todo.extend((a, left) for a in (g.func, *g.args, *g.keywords.values()) if callable(a))
             for i, a in enumerate(g.args):
-                if _scalar(a):
+                if _watched(a):
                     found.append((f"{getattr(g.func, '__name__', 'partial')} argument {i}", lambda a=a: a))
             continue
         code = getattr(g, "__code__", None)
@@ -297,7 +306,7 @@ def python_values(fn: Any, depth: int = 4) -> list[tuple[str, Callable[[], Any]]
         for name, cell in zip(code.co_freevars, getattr(g, "__closure__", None) or (), strict=False):
             read = _cell_reader(cell)
             v = read()
-            if _scalar(v):
+            if _watched(v):
                 found.append((f"{name} (closed over by {where})", read))
             elif callable(v):
                 todo.append((v, left - 1))
@@ -307,7 +316,7 @@ def python_values(fn: Any, depth: int = 4) -> list[tuple[str, Callable[[], Any]]
                 v = space.get(name, _EMPTY)
                 if v is _EMPTY:
                     continue
-                if _scalar(v):
+                if _watched(v):
                     found.append(
                         (f"{name} (a global of {where})", lambda space=space, name=name: space.get(name, _EMPTY))
                     )
@@ -432,7 +441,7 @@ class CompiledBody:
             )
         if self.values is None:
             self.values = python_values(body.f)
-        frozen = tuple(_hashable(read()) for _, read in self.values)
+        frozen = tuple(_frozen(read()) for _, read in self.values)
         key = (_signature(body, leaves), frozen)
         graph = self.graphs.get(key)
         if graph is None:

@@ -280,10 +280,11 @@ def test_torch_compiled_body_under_check_vma_runs_eagerly_with_one_warning(backe
 
 
 SCALE = 1.0  # a module global the compiled body below reads
+OFFSET = torch.zeros(2)  # a module global tensor it reads (a constant of the recorded graph)
 
 
 def _changing_values(mesh: fs.Mesh) -> dict[str, Any]:
-    global SCALE
+    global SCALE, OFFSET
     from funcshard import _compile
 
     recorded: list[int] = []
@@ -291,37 +292,44 @@ def _changing_values(mesh: fs.Mesh) -> dict[str, Any]:
     k = 2.0
 
     def body(x):
-        return fs.psum(x * k * SCALE, "dp")  # [n/dp] -> [n/dp], summed over dp
+        return fs.psum(x * k * SCALE + OFFSET, "dp")  # [n/dp] -> [n/dp], summed over dp
 
     step = fs.shard_map(body, mesh=mesh, in_specs=(P("dp"),), out_specs=P(), compile=COMPILE)
     x = torch.arange(4.0)
-    outs = []
+    outs, wants = [], []
+
+    def call() -> None:
+        outs.append(fs.device_get(step(x)))
+        wants.append((x[:2] + x[2:]) * k * SCALE + 2 * OFFSET)  # the eager value of the values now
+
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            outs.append(fs.device_get(step(x)))
+            call()
             k = 3.0  # the closure cell changes
-            outs.append(fs.device_get(step(x)))
-            SCALE = 5.0  # the global changes
-            outs.append(fs.device_get(step(x)))
-            k, SCALE = 2.0, 1.0  # back to the first values: the first graph again
-            outs.append(fs.device_get(step(x)))
+            call()
+            SCALE = 5.0  # the global number changes
+            call()
+            OFFSET = torch.ones(2)  # the global tensor is rebound
+            call()
+            k, SCALE, OFFSET = 2.0, 1.0, torch.zeros(2)  # the first numbers, a new tensor: recorded again
+            call()
+            call()  # nothing changed: the last graph
     finally:
         _compile.recorded_hook = None
-        SCALE = 1.0
+        SCALE, OFFSET = 1.0, torch.zeros(2)
     warned = [str(w.message) for w in caught if "changed since it was recorded" in str(w.message)]
-    return {"outs": outs, "recorded": len(recorded), "warned": warned}
+    return {"outs": outs, "wants": wants, "recorded": len(recorded), "warned": warned}
 
 
 def test_compiled_body_is_recorded_again_when_a_python_value_it_reads_changes() -> None:
-    """A number the compiled body reads from its closure or a module global (a learning rate, a flag) is not
-    frozen silently: a changed value records the body again (one graph per value, reused when the value comes
-    back), with one warning naming the variable; the results are the eager ones."""
-    base = torch.tensor([2.0, 4.0])  # the two dp blocks of arange(4) summed
+    """A number the compiled body reads from its closure or a module global (a learning rate, a flag), or a global
+    tensor rebound to another, is not frozen silently: a changed value records the body again (one graph per
+    value), with one warning naming the variable; the results are the eager ones."""
     for r in run_body("dist", _changing_values, {"dp": 2}):
-        for out, want in zip(r["outs"], (2.0, 3.0, 15.0, 2.0), strict=True):
-            assert torch.equal(out, base * want), r["outs"]
-        assert r["recorded"] == 3, r
+        for out, want in zip(r["outs"], r["wants"], strict=True):
+            assert torch.equal(out, want), (r["outs"], r["wants"])
+        assert r["recorded"] == 5, r
         assert len(r["warned"]) == 1 and "k (closed over by" in r["warned"][0], r["warned"]
 
 
