@@ -269,10 +269,10 @@ def _cell_reader(cell: Any) -> Callable[[], Any]:
 
 
 def python_values(fn: Any, depth: int = 4) -> list[tuple[str, Callable[[], Any]]]:
-    """The Python values ``fn`` reads that a recording would freeze: the numbers, strings, None (and tuples of
-    them) and tensors (by identity) in its closure cells and in the module globals it names, and in those of the functions it reaches
-    the same way (``depth`` deep; library functions not entered). Each as ``(name, read)``: ``read()`` gives
-    the value now, so a later call can tell that one changed (``dynamo``'s guards, for the common case of a
+    """The Python values ``fn`` reads that a recording would freeze: the numbers, strings, None (and tuples of them)
+    and tensors (by identity) in its closure cells and in the module globals it names, and in those of the functions
+    it reaches the same way (``depth`` deep; library functions not entered). Each as ``(name, read)``: ``read()``
+    gives the value now, so a later call can tell that one changed (``dynamo``'s guards, for the common case of a
     learning rate or a flag reassigned between steps).
 
     Example:
