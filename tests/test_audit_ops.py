@@ -1,6 +1,7 @@
 """Audit of ``funcshard.ops`` (tensor, sequence and context parallelism, attention, the Triton kernels) on what
 the op tests do not cover: masked (``-inf``) and huge logits, labels and ids that do not fit, misshapen
-attention inputs, the tracked positions of the zigzag layout, and edge shapes of the kernels.
+attention inputs, context parallelism under ``fs.remat`` (and remat of in-place-written matmul products), the
+tracked positions of the zigzag layout, and edge shapes of the kernels.
 
 Oracles: the unsharded single-device computation (``F.cross_entropy``, ``F.embedding``, ``F.linear``, softmax
 attention written out in float64), optax's ``softmax_cross_entropy_with_integer_labels`` and
