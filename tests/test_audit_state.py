@@ -433,6 +433,37 @@ def test_latest_finds_a_step_left_at_old(tmp_path: Path) -> None:
     assert out["step"] == 8 and torch.equal(fs.device_get(out["w"]), torch.full((4, 4), 8.0))
 
 
+def test_empty_directory_over_a_half_swapped_save_keeps_the_previous(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A save killed between its renames leaves the previous checkpoint at ``ck.old``; a script that then makes
+    ``ck`` (``os.makedirs(path, exist_ok=True)``) hid it: load said "no funcshard.json", and the next save took
+    ``ck`` for the newer one and deleted ``ck.old`` before its own swap, so a save failing there lost every
+    copy. Now load finds ``ck.old`` and a failed save keeps it."""
+    mesh = fs.make_mesh(MESH, backend="sim")
+    ck = tmp_path / "ck"
+    checkpoint.save(ck, {"w": fs.device_put(torch.ones(4, 4), mesh, P("tp"))}, step=1)
+    os.rename(ck, tmp_path / "ck.old")  # killed between the renames
+    ck.mkdir()
+    like = {"w": fs.device_put(torch.zeros(4, 4), mesh, P())}
+    assert torch.equal(fs.device_get(checkpoint.load(ck, like)["w"]), torch.ones(4, 4))
+    real = os.rename
+
+    def rename(src: Any, dst: Any) -> None:
+        if ".tmp-" in Path(src).name:
+            raise OSError("killed during the swap (injected)")
+        real(src, dst)
+
+    monkeypatch.setattr(os, "rename", rename)
+    with pytest.raises(OSError, match="injected"):
+        checkpoint.save(ck, {"w": fs.device_put(torch.zeros(4, 4), mesh, P("tp"))}, step=2)
+    monkeypatch.undo()
+    assert checkpoint.info(ck)["step"] == 1
+    assert torch.equal(fs.device_get(checkpoint.load(ck, like)["w"]), torch.ones(4, 4))
+    checkpoint.save(ck, {"w": fs.device_put(torch.full((4, 4), 3.0), mesh, P("tp"))}, step=3)
+    assert sorted(os.listdir(tmp_path)) == ["ck"] and checkpoint.info(ck)["step"] == 3
+
+
 def _one_rank_dies_body(mesh: fs.Mesh, path: str) -> tuple[str, float, int]:
     import torch.distributed as dist
 

@@ -47,7 +47,10 @@ def swap_in(tmp: Path, path: Path) -> None:
     """Make the finished ``tmp`` the checkpoint at ``path``; the previous one stays readable throughout."""
     old = _old(path)
     if old.exists() and path.exists():
-        shutil.rmtree(old)  # left by an earlier save that died after its swap: ``path`` is newer
+        if is_checkpoint(path):
+            shutil.rmtree(old)  # left by an earlier save that died after its swap: ``path`` is newer
+        else:  # an empty directory made after a save died between its renames: ``old`` is the previous one
+            shutil.rmtree(path)
     moved = path.exists()
     if moved:
         os.rename(path, old)
@@ -63,7 +66,7 @@ def swap_in(tmp: Path, path: Path) -> None:
 
 
 def resolve(path: Path, where: str) -> Path:
-    if path.is_dir():
+    if path.is_dir() and (is_checkpoint(path) or not is_checkpoint(_old(path))):
         return path
     if is_checkpoint(_old(path)):
         return _old(path)  # a save died between its two renames: the previous checkpoint is here
