@@ -33,7 +33,9 @@ from funcshard.ops import (
     vocab_parallel_embedding,
     zigzag_indices,
     zigzag_inverse_indices,
+    zigzag_merge,
     zigzag_positions,
+    zigzag_split,
 )
 
 
@@ -508,6 +510,44 @@ def test_zigzag_positions_vary_over_the_axis(run) -> None:
         with pytest.raises(fs.ShardingError, match=rf"zigzag_positions: device index {bad} is outside \[0, 2\)"):
             zigzag_positions(8, 2, bad)
     assert torch.equal(zigzag_inverse_indices(8, 2)[zigzag_indices(8, 2)], torch.arange(8))
+
+
+def _zigzag_body(mesh: fs.Mesh) -> list[list[torch.Tensor]]:
+    """zigzag_split of a replicated value, then zigzag_merge back; the gradients of both (dim -2, check_vma on
+    and off); a length not divisible by 2n: the error."""
+    n = mesh.shape["cp"]
+    x, r = _rand(2, 4 * n, 3, seed=1, dtype=torch.float64), _rand(2, 4 * n, 3, seed=2, dtype=torch.float64)
+    out = []
+    for check_vma in (True, False):
+
+        def inner(x, r):
+            x = x.detach().requires_grad_(True)
+            y = zigzag_split(x, "cp", dim=-2)  # [2, 4n, 3] -> [2, 4, 3]
+            z = zigzag_merge(y * 2, "cp", dim=-2)  # [2, 4, 3] -> [2, 4n, 3], invariant
+            (g,) = torch.autograd.grad((z * r).sum(), x)
+            return y, z, g
+
+        f = fs.shard_map(inner, mesh=mesh, in_specs=(P(), P()), out_specs=(P(None, "cp"), P(), P()),
+                         check_vma=check_vma)  # fmt: skip
+        out.append([fs.device_get(t).detach() for t in f(x, r)])
+    bad = fs.shard_map(lambda x: zigzag_split(x, "cp", dim=1), mesh=mesh, in_specs=(P(),), out_specs=P(None, "cp"))
+    try:
+        bad(torch.zeros(2, 2 * n + 2, 3))
+        out.append(["no error"])
+    except fs.ShardingError as e:
+        out.append([str(e)])
+    return out
+
+
+def test_zigzag_split_merge_round_trip(run) -> None:
+    """split then merge is the identity (times 2 here), its gradient 2r, the split in zigzag order; sim and dist."""
+    n = 2
+    x, r = _rand(2, 4 * n, 3, seed=1, dtype=torch.float64), _rand(2, 4 * n, 3, seed=2, dtype=torch.float64)
+    for got in run(_zigzag_body, {"cp": n}):
+        for y, z, g in got[:2]:
+            assert torch.equal(y, x[:, zigzag_indices(4 * n, n)])
+            assert torch.equal(z, 2 * x) and torch.equal(g, 2 * r)
+        assert f"length {2 * n + 2}, not divisible by {2 * n}" in got[2][0], got[2][0]
 
 
 # --- the Triton kernels, interpreted ----------------------------------------------------------------------------
