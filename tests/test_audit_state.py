@@ -92,6 +92,10 @@ def _copy_body(mesh: fs.Mesh) -> list[list[float]]:
     w = fs.device_put(torch.arange(4.0), mesh, P())
     got = fs.device_get(w)
     got.zero_()  # the caller's own tensor: the Array keeps its value
+    y2 = make(torch.arange(4.0))
+    moved = fs.reshard(y2, P("tp"))  # (held) a resharded copy is not written by a step y2 is donated to
+    step(y2)
+    assert fs.device_get(moved).tolist() == [0.0, 1.0, 2.0, 3.0]
     return [snap.tolist(), fs.device_get(z).tolist(), fs.device_get(w).tolist()]
 
 
