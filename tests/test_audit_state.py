@@ -53,11 +53,18 @@ def jax_x64():
     jax.config.update("jax_enable_x64", prev)
 
 
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Same dtype, shape and bytes (torch.equal has no complex32 kernel)."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    return torch.equal(a.reshape(-1).contiguous().view(torch.uint8), b.reshape(-1).contiguous().view(torch.uint8))
+
+
 def _check_shards(a: fs.Array, full: torch.Tensor, what: object = "") -> None:
     """Every shard this process holds is exactly its block of ``full`` (dtype and bits)."""
     for c, t in a.shards.items():
         sl = shard_slices(a.shape, a.spec, a.mesh.shape, dict(zip(a.mesh.axis_names, c, strict=True)))
-        assert t.dtype == full.dtype and torch.equal(t, full[sl]), (what, c, a.spec)
+        assert _same_bits(t, full[sl]), (what, c, a.spec)
 
 
 # -- Arrays: device_put / device_get / reshard ---------------------------------------------------------------
@@ -172,9 +179,20 @@ def _values() -> dict[str, torch.Tensor]:
 SPECS_2D = [P(), P("dp", "tp"), P("tp", "dp"), P(("dp", "tp")), P(None, ("tp", "dp")), P("tp")]
 
 
+def _wire_values() -> dict[str, torch.Tensor]:
+    """Dtypes gloo does not move (int16 / uint16 token ids, uint32, uint64): moved as their bytes."""
+    base = torch.arange(64).reshape(8, 8)
+    return {
+        "i16": (base * 517 - 9000).to(torch.int16),
+        "u16": (base * 1021).to(torch.uint16),
+        "u32": (base * 2**25 + 7).to(torch.uint32),
+        "u64": (base * 2**57 + 3).to(torch.uint64),
+    }
+
+
 def _reshard_body(mesh: fs.Mesh) -> int:
     n = 0
-    for name, x in _values().items():
+    for name, x in {**_values(), **_wire_values()}.items():
         specs = [P()] if x.dim() == 0 else SPECS_2D
         for src in specs:
             a = fs.device_put(x, mesh, src)
@@ -183,17 +201,18 @@ def _reshard_body(mesh: fs.Mesh) -> int:
                 b = fs.reshard(a, dst)
                 assert b.spec == dst and b.shape == tuple(x.shape) and b.dtype == x.dtype
                 _check_shards(b, x, (name, src, dst))
-                g = fs.device_get(b)
-                assert g.dtype == x.dtype and torch.equal(g, x), (name, src, dst)
+                assert _same_bits(fs.device_get(b), x), (name, src, dst)
                 n += 1
     return n
 
 
 def test_reshard_edge_values(run) -> None:
     """0-dim, empty, bool, int8, bfloat16, complex and non-contiguous values through every pair of layouts
-    (specs over two axes, in and out of mesh order): every shard is bitwise its slice, under sim and dist."""
+    (specs over two axes, in and out of mesh order): every shard is bitwise its slice, under sim and dist.
+    int16 and uint16 / 32 / 64 raised gloo's "RuntimeError: Invalid scalar type" under dist (sim moved them):
+    a batch of uint16 token ids could not be resharded or device_get; they move as bytes now."""
     counts = run(_reshard_body, MESH)
-    assert len(set(counts)) == 1 and counts[0] == 6 * 36 + 1
+    assert len(set(counts)) == 1 and counts[0] == 10 * 36 + 1
 
 
 @pytest.mark.parametrize(
