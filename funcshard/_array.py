@@ -76,7 +76,10 @@ def device_put(x: PyTree, mesh: Mesh, spec: PyTree = None) -> PyTree:
 
 
 def _shares_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+    try:
+        return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+    except (NotImplementedError, RuntimeError):  # a torch.func wrapper has no storage to ask: copy to be sure
+        return True
 
 
 def _assemble(a: Array) -> torch.Tensor:

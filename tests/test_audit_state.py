@@ -146,6 +146,9 @@ def test_device_put_still_differentiable() -> None:
     x = torch.arange(8.0, requires_grad=True)
     (fs.device_get(fs.device_put(x, mesh, P("tp"))) * torch.arange(8.0)).sum().backward()
     assert torch.equal(x.grad, torch.arange(8.0))
+    # under torch.func (wrappers without a storage to compare), too
+    g = torch.func.grad(lambda v: fs.device_get(fs.device_put(v, mesh, P("tp"))).pow(2).sum())(torch.arange(8.0))
+    assert torch.equal(g, 2 * torch.arange(8.0))
 
 
 def test_device_get_is_a_copy_over_axes_of_size_one() -> None:
