@@ -24,6 +24,7 @@ import torch
 from ._errors import ShardingError
 from ._executor import audit_env
 from ._mesh import Mesh
+from ._reshard import comparable
 
 __all__ = ["check_replicas", "extremes", "fingerprint", "maybe_check_replicas"]
 
@@ -42,7 +43,7 @@ def fingerprint(t: torch.Tensor) -> torch.Tensor:
         >>> bool((fingerprint(a) != fingerprint(a.flip(0))).any())
         True
     """
-    x = t.detach()
+    x = comparable(t.detach())
     if x.is_complex():
         x = torch.view_as_real(x)
     x = x.contiguous().reshape(-1)

@@ -17,7 +17,7 @@ import torch
 from . import lax
 from ._spec import P
 
-__all__ = ["apply_reshard", "reshard_plan"]
+__all__ = ["apply_reshard", "comparable", "reshard_plan"]
 
 Step = tuple[Any, ...]
 
@@ -100,3 +100,19 @@ def apply_reshard(x: torch.Tensor, steps: list[Step]) -> torch.Tensor:
             size = x.shape[d] // lax.axis_size(axes)
             x = x.narrow(d, lax.axis_index_int(axes) * size, size)  # [.., s_d, ..] -> [.., s_d/n, ..]
     return x
+
+
+def comparable(t: torch.Tensor) -> torch.Tensor:
+    """``t`` in a dtype that torch's comparisons and arithmetic take, holding the same values exactly: float8 as
+    float16, complex32 as complex64 (neither has ``torch.equal`` nor, float8, an add); other tensors as they are.
+
+    Example:
+        >>> import torch
+        >>> comparable(torch.ones(2, dtype=torch.float8_e4m3fn)).dtype
+        torch.float16
+    """
+    if t.dtype == torch.complex32:
+        return t.to(torch.complex64)
+    if t.is_floating_point() and t.element_size() == 1:
+        return t.to(torch.float16)
+    return t

@@ -16,7 +16,7 @@ from . import pytree
 from ._arraytype import Array, Coords, is_array, local_coords, local_shards
 from ._errors import ShardingError
 from ._mesh import Mesh
-from ._reshard import Step, reshard_plan
+from ._reshard import Step, comparable, reshard_plan
 from ._spec import P, check_spec, format_mesh, is_spec
 from ._vma import EMPTY, TAG_ATTR, get_vma
 
@@ -557,9 +557,10 @@ def _check_replicated(
                 continue
             for j in range(1, mesh.shape[axis]):
                 c2 = (*c[:ai], j, *c[ai + 1 :])
-                w = by[c2]
-                if not torch.equal(v.detach(), w.detach()):
-                    diff = (v.detach().double() - w.detach().double()).abs().max().item()
+                a, b = comparable(v.detach()), comparable(by[c2].detach())
+                if not torch.equal(a, b):
+                    wide = torch.complex128 if a.is_complex() else torch.float64
+                    diff = (a.to(wide) - b.to(wide)).abs().max().item()
                     raise ShardingError(
                         f"{name} at '{path}': out_specs gives {spec!r}, which says the output is the same on "
                         f"every device of axis '{axis}', but device {dict(zip(names, c, strict=True))} and device "

@@ -70,3 +70,33 @@ def test_audit_off_and_on_under_dist(run, backend: str) -> None:
         assert seen == ["raised 'dp'"] * 3, seen
     for seen in off:
         assert seen == (["raised 'dp'"] * 3 if backend == "sim" else ["partial"] * 3), seen
+
+
+def _odd_dtypes_body(mesh: fs.Mesh) -> dict[str, str]:
+    """Replicated outputs of dtypes without torch.equal (float8, complex32) under check_vma=False: equal ones pass
+    the replicas check, ones that differ over dp are refused with the check's ShardingError (not a torch error)."""
+    out = {}
+    for dt in (torch.float8_e4m3fn, torch.float8_e5m2, torch.complex32):
+        x = torch.arange(4.0).to(torch.complex64 if dt == torch.complex32 else torch.float32).to(dt)
+        same = fs.shard_map(lambda v: v, mesh=mesh, in_specs=(P(),), out_specs=P(), check_vma=False)
+        out[f"{dt} same"] = "ok" if fs.device_get(same(x)).view(torch.uint8).equal(x.view(torch.uint8)) else "bad"
+        differ = fs.shard_map(
+            lambda v, dt=dt: (
+                v.to(torch.complex64 if dt == torch.complex32 else torch.float32) + fs.axis_index("dp")
+            ).to(dt),
+            mesh=mesh,
+            in_specs=(P(),),
+            out_specs=P(),
+            check_vma=False,
+        )
+        try:
+            differ(x)
+            out[f"{dt} differ"] = "no error"
+        except fs.ShardingError as e:
+            out[f"{dt} differ"] = "ok" if "differ" in str(e) or "same on every device" in str(e) else str(e)
+    return out
+
+
+def test_replicas_check_takes_float8_and_complex32(run) -> None:
+    for r in run(_odd_dtypes_body, {"dp": 2}):
+        assert all(v == "ok" for v in r.values()), r
