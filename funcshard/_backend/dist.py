@@ -515,6 +515,9 @@ class DistDevice(DeviceHandle):
         return _cut(buf, shapes)
 
     def all_gather(self, x: torch.Tensor, axes: tuple[str, ...]) -> torch.Tensor:
+        if x.dtype in _BYTES_ONLY:  # a dtype gloo does not gather: its bytes are gathered
+            got = self.all_gather(x.detach().reshape(-1).contiguous().view(torch.uint8), axes)  # [n, |s| * size]
+            return got.view(x.dtype).view(got.shape[0], *x.shape)
         g, members, gr, _ = self._group(axes)
         n = len(members)
         if _functional(prefetching()):
@@ -544,6 +547,9 @@ class DistDevice(DeviceHandle):
         return out.view(x.shape[1:])
 
     def all_to_all(self, x: torch.Tensor, axes: tuple[str, ...]) -> torch.Tensor:
+        if x.dtype in _BYTES_ONLY:  # a dtype gloo does not move: its bytes are moved
+            flat = x.detach().reshape(x.shape[0], -1).contiguous().view(torch.uint8)  # [n, |s| * size]
+            return self.all_to_all(flat, axes).view(x.dtype).view(x.shape)
         g, members, gr, _ = self._group(axes)
         inp = x.detach()
         reorder = gr != sorted(gr)
@@ -701,6 +707,22 @@ def _traced_ppermute(
 
 
 _EVERY_WORK: list[bool] = []
+
+#: dtypes gloo's all-gather and all-to-all refuse ("Invalid scalar type"; point-to-point takes them): moved as bytes
+_BYTES_ONLY = frozenset(
+    getattr(torch, name)
+    for name in (
+        "int16",
+        "uint16",
+        "uint32",
+        "uint64",
+        "float8_e4m3fn",
+        "float8_e5m2",
+        "float8_e4m3fnuz",
+        "float8_e5m2fnuz",
+    )
+    if hasattr(torch, name)
+)
 
 
 def _reduce_now(buf: torch.Tensor, op: str, g: Any, what: str, axes: tuple[str, ...], members: list[int]) -> None:
