@@ -609,3 +609,19 @@ def test_dtensor_edge_values_dist() -> None:
     from _dist_pool import run_body
 
     assert set(run_body("dist", _dtensor_body, MESH)) == {6 * 4 + 1}
+
+
+def test_saving_a_meta_leaf_names_it(tmp_path: Path) -> None:
+    """A leaf on the meta device (shapes only) is refused before anything is written, naming the leaf (DCP's
+    own error, 'Cannot copy out of meta tensor', named none); a previous checkpoint stays readable."""
+    mesh = fs.make_mesh({"dp": 2}, backend="sim")
+    good = {"w": fs.device_put(torch.arange(4.0), mesh, P("dp"))}
+    checkpoint.save(tmp_path / "ck", good)
+    for bad in (
+        {"w": fs.device_put(torch.empty(4, device="meta"), mesh, P("dp"))},
+        {"w": torch.empty(4, device="meta")},
+    ):
+        with pytest.raises(checkpoint.CheckpointError, match=r"leaf .*w.* lives on the meta device"):
+            checkpoint.save(tmp_path / "ck", bad)
+    back = checkpoint.load(tmp_path / "ck", good)
+    assert torch.equal(fs.device_get(back["w"]), torch.arange(4.0))

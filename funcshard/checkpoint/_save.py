@@ -98,12 +98,24 @@ def save(path: str | os.PathLike[str], tree: PyTree, *, step: int | None = None,
 _Blocks = dict[str, tuple[tuple[int, ...], dict[tuple[int, ...], torch.Tensor]]]
 
 
+def _is_meta(leaf: Any) -> bool:
+    """Whether a tensor leaf, or any block of an ``fs.Array`` leaf, is on the meta device."""
+    if isinstance(leaf, torch.Tensor):
+        return leaf.is_meta
+    return any(t.is_meta for t in leaf.shards.values())
+
+
 def _entries_and_blocks(leaves: list[tuple[str, Any]], where: str, *, rank0: bool) -> tuple[dict[str, Any], _Blocks]:
     """Per leaf path, its manifest entry, and the distinct blocks this process writes (its global shape and
     ``{offsets: block}``); a plain tensor is written by rank 0 only, a Python scalar lives in the manifest."""
     entries: dict[str, dict[str, Any]] = {}
     state: _Blocks = {}
     for name, leaf in leaves:
+        if isinstance(leaf, (Array, torch.Tensor)) and _is_meta(leaf):
+            raise CheckpointError(
+                f"{where}: leaf '{name}' lives on the meta device (a shape without values); initialise it on a real "
+                f"device before saving (e.g. the model's init inside fs.shard_map)."
+            )
         if isinstance(leaf, Array):
             blocks: dict[tuple[int, ...], torch.Tensor] = {}
             for c, t in leaf.shards.items():
