@@ -21,13 +21,6 @@ __all__ = ["apply_reshard", "comparable", "reshard_plan"]
 
 Step = tuple[Any, ...]
 
-# the dtypes gloo and NCCL both move; a block of another (int16, uint16 / 32 / 64, float8, complex32) moves as
-# its bytes: gloo refused them ("RuntimeError: Invalid scalar type") where sim moved them
-_WIRE_DTYPES = frozenset(
-    {torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.complex64, torch.complex128}
-    | {torch.int8, torch.uint8, torch.int32, torch.int64, torch.bool}
-)
-
 
 def _is_prefix(a: tuple[str, ...], b: tuple[str, ...]) -> bool:
     return b[: len(a)] == a
@@ -83,9 +76,6 @@ def apply_reshard(x: torch.Tensor, steps: list[Step]) -> torch.Tensor:
     Example:
         >>> # inside shard_map: y = apply_reshard(x, reshard_plan(P("a"), P(None, "a"), 2))
     """
-    if steps and x.dtype not in _WIRE_DTYPES and not x.requires_grad:
-        # [*s] -> [*s, k] bytes (every step acts on the dims before the last) -> [*s]
-        return apply_reshard(x.unsqueeze(-1).view(torch.uint8), steps).view(x.dtype).squeeze(-1)
     for step in steps:
         if step[0] == "all_to_all":
             _, axis, split_dim, concat_dim = step
