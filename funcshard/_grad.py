@@ -39,8 +39,7 @@ import optree
 import torch
 from torch.autograd.graph import _engine_run_backward
 
-from ._backend.base import Overlap, settle
-from ._backend.base import dynamo_tracing as _compiling
+from ._backend.base import Overlap, dynamo_tracing, settle
 from ._errors import ConfigError
 from ._vma import EMPTY, TAG_ATTR, active_mode, find_vma, get_vma, tag_leaves, tag_like, tag_through, tags_of
 
@@ -164,7 +163,7 @@ class _ValueAndGrad:
                     f"{_name(self.__wrapped__)}: argnums={self._argnums!r} names one positional argument twice "
                     f"(called with {n} positional arguments, so {[i % n for i in nums]}); name each once."
                 )
-        if _compiling():  # torch.compile traces this call: torch.func's transform, which dynamo traces whole
+        if dynamo_tracing():  # torch.compile traces this call: torch.func's transform, which dynamo traces whole
             _check_differentiable(self.__wrapped__, args, nums)
             return _GradCall(self.__wrapped__, self._argnums, nums, self._has_aux)._func(args, kwargs)
         xs = [args[i] for i in nums]
@@ -333,7 +332,7 @@ class _GradCall:
         self.f, self.argnums, self.nums, self.has_aux = f, argnums, nums, has_aux
         self.tags: dict[str, list[frozenset[str] | None]] = {}
         self.aux: tuple[Any, list[Any]] | None = None
-        self.traced = _compiling()  # dynamo traces the call: outside any shard_map (opaque to it), no tags to keep
+        self.traced = dynamo_tracing()  # dynamo traces the call: outside any shard_map (opaque to it), no tags to keep
 
     @property
     def name(self) -> str:

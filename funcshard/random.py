@@ -313,7 +313,7 @@ def _number(fn: str, name: str, v: Any, fix: str) -> float:
     "only one element tensors can be converted to Python scalars"."""
     if isinstance(v, torch.Tensor) and v.numel() == 1 and not v.is_complex():
         return float(v)
-    if isinstance(v, (int, float)) or (not isinstance(v, torch.Tensor) and hasattr(v, "__float__")):
+    if not isinstance(v, torch.Tensor) and hasattr(v, "__float__"):  # int, float, bool, numpy scalars
         try:
             return float(v)
         except (TypeError, ValueError):
