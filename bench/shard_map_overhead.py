@@ -256,6 +256,19 @@ instructions a step, (d) 103.94M (1.0033x), (e) 104.05M (1.0044x); at tp=2 the p
 time equal and every variant waiting ~4.6 ms a step in the all-reduces; page faults ~0 for all. The library's own
 work at that size is ~0.4%; the rest of the measured gap is where the two processes are scheduled.
 
+Issue #11, round 7: a one-shot all-reduce for small sums. Under ``"dist"`` a synchronous all-reduce whose
+gathered copies take at most 256 KiB (``FUNCSHARD_ONE_SHOT_BYTES``) gathers every process's copy and sums them on
+each process, in the group's logical order (the sim backend's order: the same bits): one ring pass instead of gloo's
+reduce-scatter plus all-gather, half the wake-ups of a latency-bound sum (as NCCL picks an algorithm by size, and
+torch's symmetric-memory ``one_shot_all_reduce`` does on GPUs). One sum alone (gloo, 2 processes, median wall): 1-64
+KiB 480-940 -> 385-810 us; 4 processes 4.7-5.0 -> 3.5-3.8 ms; 1 MiB 1.48 -> 1.77 ms (hence the limit). Its CPU is
+higher (+30-60 us a sum: the gather buffer and the adds). (a) keeps ``dist.all_reduce`` (what a hand-written step
+calls), so at the small size the wall ratios now include the algorithm's gain: three launches, 1000 steps, load
+1.7-2.1: (d) 0.742, 0.798, 0.835 (intervals 0.68-0.89), (e) 0.793, 0.808, 0.856, (b) 0.84-0.90; the CPU ratios
+(d) 1.25, (e) 1.31-1.34 show the per-call work is unchanged. ``FUNCSHARD_ONE_SHOT_BYTES=0`` times funcshard on
+gloo's ring, as (a): (d) 1.002-1.117 in the launches before this change. At the large size the [64, 512] sum
+(128 KiB, 256 KiB gathered) goes one-shot too: (d) 1.008, 1.011, (e) 1.012, 1.032 (two launches, 400 steps).
+
 Usage:
     python bench/shard_map_overhead.py            # spawns 2 gloo processes itself
     torchrun --nproc-per-node 2 bench/shard_map_overhead.py
@@ -568,6 +581,12 @@ def run(args: argparse.Namespace) -> None:
             )
         )
         print("(cpu = CPU time of the calling thread, which leaves out waiting for the peer: steadier on a busy host)")
+        from funcshard._backend import dist as dist_backend
+
+        print(
+            f"funcshard's all-reduces whose gathered copies take <= {dist_backend._ONE_SHOT_BYTES:,} bytes are one-shot"
+            " (gather, then sum in order); FUNCSHARD_ONE_SHOT_BYTES=0 runs gloo's ring all-reduce, as (a) does"
+        )
         print()
         print("communication of one funcshard step (rank 0; the same for every funcshard variant):")
         print(stats.table())

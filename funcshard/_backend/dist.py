@@ -11,6 +11,9 @@ raises :class:`~funcshard._backend.base.PeerError` on each surviving process, na
 the rank(s) it waited for; the processes that saw the failure tell each other through the default store, so
 a process waiting on a live peer that itself waits names the rank that never answered.
 
+A synchronous all-reduce small enough (``FUNCSHARD_ONE_SHOT_BYTES``, 256 KiB gathered) is one-shot on CPU: every
+process gathers every copy and reduces them in the logical order (the sim backend's bits, half gloo's exchanges).
+
 Point-to-point operations (:meth:`DistDevice.p2p`) are ``send`` / ``recv`` calls on the group's process group
 (as ``isend`` / ``irecv``; under NCCL one coalesced ``batch_isend_irecv``); each work's ``wait()`` has the same
 timeout and the same :class:`~funcshard._backend.base.PeerError` (naming the operation and the peer) as a
@@ -456,6 +459,9 @@ class DistDevice(DeviceHandle):
             # a gradient's sum (or any, in a compiled graph): issued now, waited for at its first use
             with _waiting(what, axes, members):
                 return _issued(_funcol.all_reduce(x.detach().contiguous(), op, g))  # [*s] -> [*s] (pending)
+        n = len(members)
+        if 1 < n and x.nbytes * n <= _ONE_SHOT_BYTES and x.dtype in _ONE_SHOT_DTYPES and x.device.type == "cpu":
+            return _one_shot(x, op, g, what, axes, members, self._group(axes)[2])  # [*s] -> [*s]
         out = x.detach().clone(memory_format=torch.contiguous_format)
         _reduce_now(out, op, g, what, axes, members)  # [*s] -> [*s]
         return out
@@ -738,6 +744,44 @@ def _reduce_now(buf: torch.Tensor, op: str, g: Any, what: str, axes: tuple[str, 
         if not _peer_trouble(e):
             raise
         raise peer_error(what, axes, members, e) from e
+
+
+#: a synchronous all-reduce whose gathered copies take at most this many bytes is a one-shot all-reduce (every
+#: member gathers every copy, then sums them itself): one ring pass (n - 1 exchanges) instead of gloo's reduce-scatter
+#: plus all-gather (2 (n - 1)), i.e. half the wake-ups for a latency-bound sum (activations of a small batch, a loss, a
+#: token count); as NCCL picks an algorithm by size. Measured (gloo, 2 cores, median wall clock of one sum): 1-64 KiB
+#: over 2 processes 480-940 -> 385-810 us, over 4 processes 4.7-5.0 -> 3.5-3.8 ms; 1 MiB over 2: 1.48 -> 1.77 ms (so
+#: not above). ``FUNCSHARD_ONE_SHOT_BYTES`` sets it (0: never).
+_ONE_SHOT_BYTES = int(os.environ.get("FUNCSHARD_ONE_SHOT_BYTES", str(256 << 10)))
+_ONE_SHOT_DTYPES = frozenset((torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int32, torch.int64))
+
+
+def _one_shot(
+    x: torch.Tensor, op: str, g: Any, what: str, axes: tuple[str, ...], members: list[int], row_of: list[int]
+) -> torch.Tensor:
+    """``x`` reduced by ``op`` over the group ``g`` by gathering every member's copy and reducing them here, in the
+    group's logical order (``row_of``: the gathered row of each logical member): the same bits on every member, and
+    the sim backend's (it reduces in that order too). A peer's trouble raised as :func:`_reduce_now` raises it."""
+    src = x.detach().reshape(-1)  # [|s|] (a copy only where x is not contiguous)
+    flat = torch.empty(len(members) * src.numel(), dtype=src.dtype)  # [n |s|]
+    try:
+        g._allgather_base(flat, src).wait()  # [|s|] -> [n |s|], rows in group-rank order
+    except RuntimeError as e:
+        if not _peer_trouble(e):
+            raise
+        raise peer_error(what, axes, members, e) from e
+    rows = flat.view(len(members), *x.shape)  # [n, *s]
+    first, second = rows[row_of[0]], rows[row_of[1]]
+    if op == "sum":
+        out = torch.add(first, second)  # [*s] + [*s] -> [*s]
+        for r in row_of[2:]:
+            out.add_(rows[r])
+        return out
+    fn = torch.maximum if op == "max" else torch.minimum  # (integers: floats come as their order keys)
+    out = fn(first, second)
+    for r in row_of[2:]:
+        fn(out, rows[r], out=out)
+    return out
 
 
 def _registry_keeps_every_work() -> bool:
