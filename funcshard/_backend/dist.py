@@ -39,7 +39,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .._errors import MeshError, ShardingError
+from .._errors import ConfigError, MeshError, ShardingError
 from .base import (
     DeviceHandle,
     P2POp,
@@ -752,7 +752,24 @@ def _reduce_now(buf: torch.Tensor, op: str, g: Any, what: str, axes: tuple[str, 
 #: token count); as NCCL picks an algorithm by size. Measured (gloo, 2 cores, median wall clock of one sum): 1-64 KiB
 #: over 2 processes 480-940 -> 385-810 us, over 4 processes 4.7-5.0 -> 3.5-3.8 ms; 1 MiB over 2: 1.48 -> 1.77 ms (so
 #: not above). ``FUNCSHARD_ONE_SHOT_BYTES`` sets it (0: never).
-_ONE_SHOT_BYTES = int(os.environ.get("FUNCSHARD_ONE_SHOT_BYTES", str(256 << 10)))
+def _one_shot_bytes() -> int:
+    """``FUNCSHARD_ONE_SHOT_BYTES`` (default 256 KiB), checked."""
+    text = os.environ.get("FUNCSHARD_ONE_SHOT_BYTES")
+    if text is None:
+        return 256 << 10
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise ConfigError(
+            f"FUNCSHARD_ONE_SHOT_BYTES={text!r}: expected a number of bytes, an integer >= 0 (default 262144; 0: "
+            f"never one-shot), e.g. FUNCSHARD_ONE_SHOT_BYTES=65536."
+        )
+    return value
+
+
+_ONE_SHOT_BYTES = _one_shot_bytes()
 _ONE_SHOT_DTYPES = frozenset((torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int32, torch.int64))
 
 

@@ -156,6 +156,10 @@ ENVIRONMENT = """environment:
   FUNCSHARD_BUCKET_MB
                      the largest gradient bucket of fs.pvary in MiB (default 25,
                      DDP's bucket_cap_mb; 0: one bucket per pvary call)
+  FUNCSHARD_ONE_SHOT_BYTES
+                     under torchrun on CPU, an all-reduce whose gathered copies
+                     take at most this many bytes gathers them and sums here
+                     (default 262144; 0: always gloo's all-reduce)
   TRITON_INTERPRET   Triton's own: 1 runs funcshard.ops.triton's kernels on CPU
                      with Triton's interpreter (set it before triton is
                      imported); unset, they run on CUDA only
