@@ -583,9 +583,12 @@ def run(args: argparse.Namespace) -> None:
         print("(cpu = CPU time of the calling thread, which leaves out waiting for the peer: steadier on a busy host)")
         from funcshard._backend import dist as dist_backend
 
+        limit = dist_backend._ONE_SHOT_BYTES
         print(
-            f"funcshard's all-reduces whose gathered copies take <= {dist_backend._ONE_SHOT_BYTES:,} bytes are one-shot"
-            " (gather, then sum in order); FUNCSHARD_ONE_SHOT_BYTES=0 runs gloo's ring all-reduce, as (a) does"
+            f"funcshard's all-reduces whose gathered copies take <= {limit:,} bytes are one-shot (gather, then sum in"
+            " order); FUNCSHARD_ONE_SHOT_BYTES=0 runs gloo's ring all-reduce, as (a) does"
+            if limit
+            else "funcshard's all-reduces: gloo's ring all-reduce, as (a)'s (FUNCSHARD_ONE_SHOT_BYTES=0)"
         )
         print()
         print("communication of one funcshard step (rank 0; the same for every funcshard variant):")

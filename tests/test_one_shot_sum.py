@@ -51,10 +51,13 @@ def _body(mesh: fs.Mesh, limit: int | None) -> dict[str, Any]:
                 "int_sum": fs.psum(n, ("b", "a")),
                 "int_max": fs.pmax(n, ("b", "a")),
                 "sum_a": fs.psum(x, "a"),  # a group of two
+                "empty": fs.psum(x[:0].reshape(0, 3), ("b", "a")),  # [0, 3]: nothing to gather
+                "scalar": fs.psum(x.sum(), ("b", "a")),  # [] -> []
             }
 
         specs = {
-            k: P("b") if k == "sum_a" else P() for k in ("sum", "sum_wide", "max", "min", "int_sum", "int_max", "sum_a")
+            k: P("b") if k == "sum_a" else P()
+            for k in ("sum", "sum_wide", "max", "min", "int_sum", "int_max", "sum_a", "empty", "scalar")
         }
         out = fs.shard_map(f, mesh=mesh, in_specs=P(), out_specs=specs, check_vma=False)(v)
         got = {k: fs.device_get(t) for k, t in out.items()}
@@ -87,7 +90,12 @@ def test_ring_above_the_limit_agrees_to_rounding(limit: int) -> None:
     for r in results:
         assert r["one_shot_calls"] == 0
         for k, w in want.items():
-            if k in ("sum", "sum_wide", "sum_a"):  # the ring's own order: the order-dependent entries may differ
+            if k in (
+                "sum",
+                "sum_wide",
+                "sum_a",
+                "scalar",
+            ):  # the ring's own order: the order-dependent entries may differ
                 torch.testing.assert_close(r["got"][k], w, atol=2.0, rtol=1e-6)
             else:
                 assert torch.equal(r["got"][k], w), k

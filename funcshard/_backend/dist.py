@@ -460,7 +460,7 @@ class DistDevice(DeviceHandle):
             with _waiting(what, axes, members):
                 return _issued(_funcol.all_reduce(x.detach().contiguous(), op, g))  # [*s] -> [*s] (pending)
         n = len(members)
-        if 1 < n and x.nbytes * n <= _ONE_SHOT_BYTES and x.dtype in _ONE_SHOT_DTYPES and x.device.type == "cpu":
+        if 1 < n and 0 < x.nbytes * n <= _ONE_SHOT_BYTES and x.dtype in _ONE_SHOT_DTYPES and x.device.type == "cpu":
             return _one_shot(x, op, g, what, axes, members, self._group(axes)[2])  # [*s] -> [*s]
         out = x.detach().clone(memory_format=torch.contiguous_format)
         _reduce_now(out, op, g, what, axes, members)  # [*s] -> [*s]
