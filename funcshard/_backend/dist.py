@@ -451,7 +451,7 @@ class DistDevice(DeviceHandle):
         return hit
 
     def all_reduce(self, x: torch.Tensor, axes: tuple[str, ...], op: str) -> torch.Tensor:
-        g, members, _, _ = self._group(axes)
+        g, members, row_of, _ = self._group(axes)
         what = _REDUCE_NAMES[op]
         if op != "sum" and x.is_floating_point():  # max / min of floats: NaN wins, as torch.maximum and sim
             return from_order_key(self.all_reduce(order_key(x.detach(), op), axes, op), x.dtype)
@@ -461,7 +461,7 @@ class DistDevice(DeviceHandle):
                 return _issued(_funcol.all_reduce(x.detach().contiguous(), op, g))  # [*s] -> [*s] (pending)
         n = len(members)
         if 1 < n and 0 < x.nbytes * n <= _ONE_SHOT_BYTES and x.dtype in _ONE_SHOT_DTYPES and x.device.type == "cpu":
-            return _one_shot(x, op, g, what, axes, members, self._group(axes)[2])  # [*s] -> [*s]
+            return _one_shot(x, op, g, what, axes, members, row_of)  # [*s] -> [*s]
         out = x.detach().clone(memory_format=torch.contiguous_format)
         _reduce_now(out, op, g, what, axes, members)  # [*s] -> [*s]
         return out
