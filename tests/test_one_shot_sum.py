@@ -53,11 +53,13 @@ def _body(mesh: fs.Mesh, limit: int | None) -> dict[str, Any]:
                 "sum_a": fs.psum(x, "a"),  # a group of two
                 "empty": fs.psum(x[:0].reshape(0, 3), ("b", "a")),  # [0, 3]: nothing to gather
                 "scalar": fs.psum(x.sum(), ("b", "a")),  # [] -> []
+                "bf16": fs.psum(x.to(torch.bfloat16), ("b", "a")),  # summed in bfloat16, as sim does
+                "f16": fs.psum((x / 1e8).to(torch.float16), ("b", "a")),
             }
 
         specs = {
             k: P("b") if k == "sum_a" else P()
-            for k in ("sum", "sum_wide", "max", "min", "int_sum", "int_max", "sum_a", "empty", "scalar")
+            for k in ("sum", "sum_wide", "max", "min", "int_sum", "int_max", "sum_a", "empty", "scalar", "bf16", "f16")
         }
         out = fs.shard_map(f, mesh=mesh, in_specs=P(), out_specs=specs, check_vma=False)(v)
         got = {k: fs.device_get(t) for k, t in out.items()}
@@ -73,8 +75,8 @@ def test_one_shot_sum_gives_the_sim_bits_on_every_process() -> None:
     assert want["sum"][0].item() == 1.0  # (the logical order's value: the check below can tell orders apart)
     results = run_body("dist", _body, {"a": 2, "b": 2}, None)
     for r in results:
-        # each of the 7 small reductions went one-shot (and the check of the replicated outputs' fingerprints)
-        assert r["one_shot_calls"] >= 7
+        # each of the 10 small reductions went one-shot (and the check of the replicated outputs' fingerprints)
+        assert r["one_shot_calls"] >= 10
         for k, w in want.items():
             assert torch.equal(r["got"][k], w), k
             assert r["got"][k].dtype == w.dtype, k
@@ -90,12 +92,7 @@ def test_ring_above_the_limit_agrees_to_rounding(limit: int) -> None:
     for r in results:
         assert r["one_shot_calls"] == 0
         for k, w in want.items():
-            if k in (
-                "sum",
-                "sum_wide",
-                "sum_a",
-                "scalar",
-            ):  # the ring's own order: the order-dependent entries may differ
-                torch.testing.assert_close(r["got"][k], w, atol=2.0, rtol=1e-6)
+            if k not in ("max", "min", "int_sum", "int_max", "empty"):  # float sums: the ring's own order
+                torch.testing.assert_close(r["got"][k], w, atol=2.0, rtol=1e-2)
             else:
                 assert torch.equal(r["got"][k], w), k
