@@ -166,17 +166,19 @@ def run_body(backend: str, body: Any, shape: dict[str, int], *args: Any) -> list
     if backend == "sim":
         return [body(fs.make_mesh(shape, backend="sim"), *args)]
     n = math.prod(shape.values())
-    for attempt in range(2):
-        pool = _POOLS.get(n)
-        if pool is None:
-            pool = _POOLS[n] = Pool(n)
-        try:
-            return pool.run(body, shape, args)
-        except WorkerDied as e:
-            # A process that ends without raising (once in a few thousand bodies on an oversubscribed host, inside
-            # gloo) is not an answer of the body: run it again once on a fresh pool, loudly. A body that kills its
-            # worker every time still fails.
-            if attempt:
-                raise
-            warnings.warn(f"{e}; running {body.__name__} again on a fresh pool", stacklevel=2)
-    raise AssertionError("unreachable")
+    try:
+        return _pool(n).run(body, shape, args)
+    except WorkerDied as e:
+        # A process that ends without raising (once in a few thousand bodies on an oversubscribed host, inside
+        # gloo) is not an answer of the body: run it again once on a fresh pool, loudly. A body that kills its
+        # worker every time still fails.
+        warnings.warn(f"{e}; running {body.__name__} again on a fresh pool", stacklevel=2)
+    return _pool(n).run(body, shape, args)
+
+
+def _pool(n: int) -> Pool:
+    """The pool of ``n`` workers, started if there is none (a pool that lost a worker has removed itself)."""
+    pool = _POOLS.get(n)
+    if pool is None:
+        pool = _POOLS[n] = Pool(n)
+    return pool

@@ -746,12 +746,6 @@ def _reduce_now(buf: torch.Tensor, op: str, g: Any, what: str, axes: tuple[str, 
         raise peer_error(what, axes, members, e) from e
 
 
-#: a synchronous all-reduce whose gathered copies take at most this many bytes is a one-shot all-reduce (every
-#: member gathers every copy, then sums them itself): one ring pass (n - 1 exchanges) instead of gloo's reduce-scatter
-#: plus all-gather (2 (n - 1)), i.e. half the wake-ups for a latency-bound sum (activations of a small batch, a loss, a
-#: token count); as NCCL picks an algorithm by size. Measured (gloo, 2 cores, median wall clock of one sum): 1-64 KiB
-#: over 2 processes 480-940 -> 385-810 us, over 4 processes 4.7-5.0 -> 3.5-3.8 ms; 1 MiB over 2: 1.48 -> 1.77 ms (so
-#: not above). ``FUNCSHARD_ONE_SHOT_BYTES`` sets it (0: never).
 def _one_shot_bytes() -> int:
     """``FUNCSHARD_ONE_SHOT_BYTES`` (default 256 KiB), checked."""
     text = os.environ.get("FUNCSHARD_ONE_SHOT_BYTES")
@@ -769,6 +763,12 @@ def _one_shot_bytes() -> int:
     return value
 
 
+#: a synchronous all-reduce whose gathered copies take at most this many bytes is a one-shot all-reduce (every
+#: member gathers every copy, then sums them itself): one ring pass (n - 1 exchanges) instead of gloo's reduce-scatter
+#: plus all-gather (2 (n - 1)), i.e. half the wake-ups for a latency-bound sum (activations of a small batch, a loss, a
+#: token count); as NCCL picks an algorithm by size. Measured (gloo, 2 cores, median wall clock of one sum): 1-64 KiB
+#: over 2 processes 480-940 -> 385-810 us, over 4 processes 4.7-5.0 -> 3.5-3.8 ms; 1 MiB over 2: 1.48 -> 1.77 ms (so
+#: not above). ``FUNCSHARD_ONE_SHOT_BYTES`` sets it (0: never).
 _ONE_SHOT_BYTES = _one_shot_bytes()
 _ONE_SHOT_DTYPES = frozenset((torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int32, torch.int64))
 
@@ -788,17 +788,14 @@ def _one_shot(
             raise
         raise peer_error(what, axes, members, e) from e
     rows = flat.view(len(members), *x.shape)  # [n, *s]
-    first, second = rows[row_of[0]], rows[row_of[1]]
-    if op == "sum":
-        out = torch.add(first, second)  # [*s] + [*s] -> [*s]
-        for r in row_of[2:]:
-            out.add_(rows[r])
-        return out
-    fn = torch.maximum if op == "max" else torch.minimum  # (integers: floats come as their order keys)
-    out = fn(first, second)
+    fn = _ONE_SHOT_OPS[op]  # (max / min: integers; floats come as their order keys)
+    out = fn(rows[row_of[0]], rows[row_of[1]])  # [*s] op [*s] -> [*s]
     for r in row_of[2:]:
         fn(out, rows[r], out=out)
     return out
+
+
+_ONE_SHOT_OPS = {"sum": torch.add, "max": torch.maximum, "min": torch.minimum}
 
 
 def _registry_keeps_every_work() -> bool:
