@@ -581,7 +581,7 @@ def run(args: argparse.Namespace) -> None:
             )
         )
         print("(cpu = CPU time of the calling thread, which leaves out waiting for the peer: steadier on a busy host)")
-        from funcshard._backend import dist as dist_backend
+        from funcshard._src.runtime.backends import dist as dist_backend
 
         limit = dist_backend._ONE_SHOT_BYTES
         print(

@@ -15,66 +15,10 @@ Example:
     True
 """
 
-from __future__ import annotations
-
-import threading
-
-from ._backend.base import PeerError as PeerError
-from ._backend.base import default_timeout
-from ._mesh import Mesh
+from ._src.runtime.process import PeerError as PeerError
+from ._src.runtime.process import abandoned_threads as abandoned_threads
+from ._src.runtime.process import any_process as any_process
+from ._src.runtime.process import collective_timeout as collective_timeout
+from ._src.runtime.process import shutdown as shutdown
 
 __all__ = ["PeerError", "abandoned_threads", "any_process", "collective_timeout", "shutdown"]
-
-
-def collective_timeout() -> float:
-    """Seconds a collective may wait for its peers: ``FUNCSHARD_TIMEOUT`` (default 300), read at each call.
-
-    Raises:
-        MeshError: a value that is not a positive number of seconds (call it first to fail early).
-
-    Example:
-        >>> collective_timeout() > 0
-        True
-    """
-    return default_timeout()
-
-
-def any_process(flag: bool, mesh: Mesh) -> bool:
-    """``flag`` on any process of ``mesh``: under ``"dist"`` a tiny all-reduce over the default group (every
-    process must call it at the same point), under ``"sim"`` the flag itself (one process).
-
-    Example:
-        >>> import funcshard as fs
-        >>> any_process(False, fs.make_mesh({"dp": 2}, backend="sim"))
-        False
-    """
-    if mesh.backend != "dist":
-        return flag
-    from ._backend import dist as dist_backend
-
-    return dist_backend.any_process(flag)
-
-
-def abandoned_threads() -> list[threading.Thread]:
-    """Simulated device threads still running in calls that already raised. A program that exits with such a
-    thread alive should leave with ``os._exit``: torch ops on a thread at interpreter shutdown can abort.
-
-    Example:
-        >>> abandoned_threads()
-        []
-    """
-    from ._backend.sim import abandoned_threads as threads
-
-    return threads()
-
-
-def shutdown() -> None:
-    """End this process's part in torch.distributed cleanly: drop funcshard's process groups and destroy the
-    default one (a no-op when none was started). Call it once, at the end of a job run under torchrun.
-
-    Example:
-        >>> shutdown()  # at the end of a job under torchrun  # doctest: +SKIP
-    """
-    from ._backend import dist as dist_backend
-
-    dist_backend.shutdown()

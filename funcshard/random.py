@@ -34,10 +34,10 @@ from typing import Any
 
 import torch
 
-from ._context import maybe_current
-from ._errors import ConfigError, ShardingError
-from ._spec import P, check_spec, shard_slices
-from ._vma import get_vma, set_vma
+from ._src.collectives.vma import get_vma, set_vma
+from ._src.errors import ConfigError, ShardingError
+from ._src.runtime.context import maybe_current
+from ._src.tree.spec import P, check_spec, shard_slices
 
 __all__ = ["bernoulli", "bits", "fold_in", "key", "normal", "randint", "split", "threefry2x32", "uniform"]
 

@@ -28,7 +28,7 @@ import optree
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from funcshard._context import maybe_current
+from funcshard._src.runtime.context import maybe_current
 
 __all__ = ["LiveBytes", "PerThread"]
 

@@ -9,7 +9,7 @@ import torch
 
 import funcshard as fs
 from funcshard import P
-from funcshard._array import reshard_plan
+from funcshard._src.arrays.transfers import reshard_plan
 
 SPECS = [P(), P("a"), P(None, "a"), P("b", "a"), P(("a", "b"))]
 

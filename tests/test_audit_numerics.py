@@ -189,7 +189,7 @@ def _decay_matrices_nested(p: Any) -> Any:
 def test_schedules_in_a_recorded_step_equal_their_python_values() -> None:
     """In a step recorded into a graph the count is an unreadable tensor: the built-in schedules compute the same
     float64 numbers from it by torch ops (they used to read it with int() and the compiled step was refused)."""
-    from funcshard._backend.base import trace_scope
+    from funcshard._src.runtime.backends.base import trace_scope
 
     scheds = [
         optim.warmup_cosine(0.1, 3, 17, 0.003, init_lr=0.01),

@@ -24,7 +24,7 @@ import torch
 import funcshard as fs
 from funcshard import P, checkpoint
 from funcshard import random as fsr
-from funcshard._spec import shard_slices
+from funcshard._src.tree.spec import shard_slices
 from funcshard.checkpoint import CheckpointError
 
 MESH = {"dp": 2, "tp": 2}

@@ -218,7 +218,7 @@ def test_row_parallel_partial_sums_reduced_in_their_own_buffer(run, backend: str
 
 
 def _reuse_body(mesh: fs.Mesh) -> tuple[bool, bool, bool, int, bool]:
-    from funcshard._prims import BUCKETS
+    from funcshard._src.collectives.prims import BUCKETS
 
     BUCKETS.clear()
     ws, x = _tree([12, 40, 24, 9]), torch.randn(BATCH, 8, generator=torch.Generator().manual_seed(1))

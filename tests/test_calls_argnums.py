@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import funcshard as fs
-from funcshard._grad import graph_walk
+from funcshard._src.autodiff.grad import graph_walk
 
 
 def _f(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:

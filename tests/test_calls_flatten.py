@@ -14,7 +14,7 @@ import torch
 
 import funcshard as fs
 from funcshard import P
-from funcshard._shard_map_io import flatten
+from funcshard._src.shard_map.io import flatten
 
 
 class _Pair(NamedTuple):

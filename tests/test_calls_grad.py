@@ -31,7 +31,7 @@ def _ref(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
 
 
 def _backward_dispatch_body(mesh: fs.Mesh) -> dict[str, Any]:
-    from funcshard._vma import VmaMode
+    from funcshard._src.collectives.vma import VmaMode
 
     gen = torch.Generator().manual_seed(0)
     x, w1, w2 = torch.randn(4, 6, generator=gen), torch.randn(8, 6, generator=gen), torch.randn(6, 8, generator=gen)
@@ -113,7 +113,7 @@ def test_complex_value_still_raises_as_torch_does() -> None:
 @contextlib.contextmanager
 def _counting_pvary() -> Iterator[dict[str, int]]:
     """Counts the ``Pvary`` Functions made (their forwards run) while inside: ``{"n": count}``."""
-    from funcshard import _prims
+    from funcshard._src.collectives import prims as _prims
 
     made = {"n": 0}
     real = _prims.Pvary.forward
@@ -206,7 +206,7 @@ def _pending_value_body(mesh: fs.Mesh) -> dict[str, Any]:
     collectives give): value_and_grad seeds the backward without waiting for it, and hands back its value."""
     import torch.distributed._functional_collectives as funcol
 
-    from funcshard._context import current
+    from funcshard._src.runtime.context import current
 
     seen: dict[str, Any] = {}
 

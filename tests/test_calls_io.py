@@ -15,7 +15,7 @@ from funcshard import P
 
 
 def _signature_body(mesh: fs.Mesh) -> dict[str, Any]:
-    from funcshard import _shard_map_io as io
+    from funcshard._src.shard_map import io as io
 
     calls: collections.Counter[str] = collections.Counter()
 
@@ -65,7 +65,7 @@ def test_checks_and_plans_once_per_signature(run, backend) -> None:
 
 
 def test_axes_checked_once_per_name_and_mesh() -> None:
-    from funcshard import _context
+    from funcshard._src.runtime import context as _context
 
     mesh = fs.make_mesh({"dp": 2, "tp": 2}, backend="sim")
     _context._AXES.clear()

@@ -18,7 +18,7 @@ from funcshard import P
 
 
 def _reads_body(mesh: fs.Mesh) -> dict[str, Any]:
-    from funcshard import _vma
+    from funcshard._src.collectives import vma as _vma
 
     calls: collections.Counter[str] = collections.Counter()
     real = _vma.get_vma
@@ -48,7 +48,7 @@ def test_metadata_reads_skip_the_tag_lookup(run, backend) -> None:
 
 
 def _constant_body(mesh: fs.Mesh) -> dict[str, Any]:
-    from funcshard import _vma
+    from funcshard._src.collectives import vma as _vma
 
     made: collections.Counter[str] = collections.Counter()
     real = _vma.pvary_to
@@ -150,7 +150,8 @@ def test_value_and_grad_binds_as_a_method() -> None:
 
 
 def _context_body(mesh: fs.Mesh) -> dict[str, Any]:
-    from funcshard import _context, _executor
+    from funcshard._src.runtime import context as _context
+    from funcshard._src.shard_map import executor as _executor
 
     made = collections.Counter()
     real_ctx, real_ex = _context.DeviceContext, _executor.executor_for
@@ -166,7 +167,10 @@ def _context_body(mesh: fs.Mesh) -> dict[str, Any]:
     f = fs.shard_map(lambda x: fs.psum(x * 2, "dp"), mesh=mesh, in_specs=(P("dp"),), out_specs=P())
     x = torch.arange(4.0)
     f(x)  # the first call: its context and executor made / found
-    with mock.patch.object(_executor, "DeviceContext", ctx), mock.patch("funcshard._shard_map.executor_for", ex):
+    with (
+        mock.patch.object(_executor, "DeviceContext", ctx),
+        mock.patch("funcshard._src.shard_map.api.executor_for", ex),
+    ):
         outs = [f(x) for _ in range(3)]
     want = (x[:2] + x[2:]) * 2
     return {"made": dict(made), "close": all(torch.equal(fs.device_get(o), want) for o in outs)}

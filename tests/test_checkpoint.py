@@ -17,7 +17,7 @@ import torch
 
 import funcshard as fs
 from funcshard import P, checkpoint
-from funcshard._spec import shard_slices
+from funcshard._src.tree.spec import shard_slices
 from funcshard.checkpoint import CheckpointError
 
 

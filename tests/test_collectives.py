@@ -16,7 +16,7 @@ import torch
 
 import funcshard as fs
 from funcshard import P
-from funcshard._spec import shard_slices
+from funcshard._src.tree.spec import shard_slices
 
 
 def _blocks(x: torch.Tensor, n: int, dim: int = 0) -> list[torch.Tensor]:

@@ -62,8 +62,8 @@ def _train(
 
 @contextlib.contextmanager
 def _recorded() -> Iterator[list]:
-    """The graphs ``shard_map(..., compile=...)`` records meanwhile (``funcshard._compile.recorded_hook``)."""
-    import funcshard._compile as fs_compile
+    """The graphs ``shard_map(..., compile=...)`` records meanwhile (``compile.recorded_hook``)."""
+    import funcshard._src.shard_map.compile as fs_compile
 
     graphs: list = []
     fs_compile.recorded_hook = graphs.append
@@ -285,7 +285,7 @@ OFFSET = torch.zeros(2)  # a module global tensor it reads (a constant of the re
 
 def _changing_values(mesh: fs.Mesh) -> dict[str, Any]:
     global SCALE, OFFSET
-    from funcshard import _compile
+    from funcshard._src.shard_map import compile as _compile
 
     recorded: list[int] = []
     _compile.recorded_hook = lambda gm: recorded.append(1)

@@ -31,7 +31,7 @@ class _Ident(torch.autograd.Function):
 
 
 def _tp_mlp_body(mesh: fs.Mesh, before: bool, check_vma: bool) -> dict:
-    from funcshard._backend import dist as dist_backend
+    from funcshard._src.runtime.backends import dist as dist_backend
 
     g = torch.Generator().manual_seed(0)
     x, w1, w2 = torch.randn(4, 8, generator=g), torch.randn(16, 8, generator=g), torch.randn(8, 16, generator=g)

@@ -14,7 +14,7 @@ _SCRIPT = textwrap.dedent(
     import torch
     import funcshard as fs
     from funcshard import P
-    from funcshard import _executor
+    from funcshard._src.shard_map import executor as _executor
 
     mesh = fs.make_mesh({"dp": 1}, backend="dist")
     f = fs.shard_map(lambda x: fs.psum(x * 2, "dp"), mesh=mesh, in_specs=P("dp"), out_specs=P())

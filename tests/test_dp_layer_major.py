@@ -89,7 +89,7 @@ def test_adamw_blocks_a_strided_gradient_by_rows() -> None:
 
 def _one_work_body(mesh: fs.Mesh) -> tuple[bool, bool]:
     # a torch whose registry of pending collectives keeps one per storage (before 2.13): no shared buffer
-    from funcshard._backend import dist as dist_backend
+    from funcshard._src.runtime.backends import dist as dist_backend
 
     share = dist_backend.DistDevice.pending_sums_share_storage
     dist_backend.DistDevice.pending_sums_share_storage = lambda self: False
@@ -108,7 +108,7 @@ def test_no_shared_bucket_buffer_where_pending_sums_cannot_share_storage(run) ->
 def test_registry_probe_leaves_nothing_registered() -> None:
     import torch.distributed
 
-    from funcshard._backend.dist import _registry_keeps_every_work
+    from funcshard._src.runtime.backends.dist import _registry_keeps_every_work
 
     c10d = torch._C._distributed_c10d
     n0 = c10d._get_work_registry_size()

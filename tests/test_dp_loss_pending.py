@@ -34,7 +34,7 @@ def _one_sum_loss(params, tokens, targets, cfg):
 
 
 def _body(mesh: fs.Mesh) -> dict:
-    from funcshard._backend import dist as dist_backend
+    from funcshard._src.runtime.backends import dist as dist_backend
 
     params = llama.init(fs.random.key(0), CFG)
     gen = torch.Generator().manual_seed(0)

@@ -121,7 +121,7 @@ def test_llama_dp_grads_bitwise_with_kept_tables(run: Any, backend: str) -> None
 def test_kept_tables_take_the_tag_of_x() -> None:
     # inside shard_map, the kept tables are handed out as views tagged as x (varying over dp here): rope's four
     # products then mix no invariant constant with a varying operand (the vma mode's slower mixed path)
-    from funcshard._vma import find_vma
+    from funcshard._src.collectives.vma import find_vma
 
     tr._ROPE_TABLES.clear()
     mesh = fs.make_mesh({"dp": 2}, backend="sim")

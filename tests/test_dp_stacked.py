@@ -9,7 +9,7 @@ import torch
 from _llama_dp import CFG, llama_step
 
 import funcshard as fs
-from funcshard._prims import BUCKETS
+from funcshard._src.collectives.prims import BUCKETS
 from funcshard.models.llama import model as llama_model
 from funcshard.models.stacked import Unstack, _pool, unstack
 

@@ -28,7 +28,7 @@ class _Events(TorchDispatchMode):
 
 
 def _mlp_body(mesh: fs.Mesh) -> dict:
-    from funcshard._backend import dist as dist_backend
+    from funcshard._src.runtime.backends import dist as dist_backend
 
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(4, 6, 8, generator=gen)

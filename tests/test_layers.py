@@ -10,35 +10,19 @@ ROOT = Path(__file__).resolve().parents[1] / "funcshard"
 
 # module prefix -> floor; the longest matching prefix wins
 FLOORS = {
-    "_errors": 0,
+    "_src": 0,
+    "_src.errors": 0,
+    "_src.tree": 1,
     "pytree": 1,
-    "_spec": 1,
-    "_rules": 1,
-    "_precision": 1,
-    "_mesh": 2,
-    "_backend": 2,
-    "_context": 2,
-    "_stats": 2,
-    "_prims": 3,
-    "_prims_cast": 3,
-    "_vma": 3,
+    "_src.runtime": 2,
+    "process": 2,
+    "_src.collectives": 3,
     "lax": 3,
-    "_arraytype": 4,
-    "_reshard": 4,
-    "_shard_map": 4,
-    "_shard_map_io": 4,
-    "_sim_grad": 4,
-    "_executor": 4,
-    "_replicas": 4,
-    "_compile": 4,
-    "_dtensor": 4,
-    "_array": 4,
-    "_visualize": 4,
-    "process": 4,
+    "_src.shard_map": 4,
+    "_src.arrays": 4,
+    "_src.autodiff": 4,
     "random": 5,
     "optim": 5,
-    "_grad": 5,
-    "_remat": 5,
     "checkpoint": 5,
     "ops": 6,
     "pipeline": 7,
@@ -113,7 +97,7 @@ def test_only_backend_imports_torch_distributed() -> None:
     offenders = []
     for path in sorted(ROOT.rglob("*.py")):
         mod = _module_name(path)
-        if mod.startswith("_backend"):
+        if mod.startswith("_src.runtime.backends"):
             continue
         text = path.read_text()
         if mod == "checkpoint" or mod.startswith("checkpoint."):  # the checkpoint layer may use DCP, nothing else
@@ -181,11 +165,11 @@ def test_no_import_circle() -> None:
 def test_vma_tags_are_read_and_written_only_in_vma() -> None:
     offenders = []
     for path in sorted(ROOT.rglob("*.py")):
-        if path.name == "_vma.py":
+        if path.relative_to(ROOT).as_posix() == "_src/collectives/vma.py":
             continue
         if re.search(r"_fs_vma|__dict__\[", path.read_text()):
             offenders.append(_module_name(path))
-    assert not offenders, f"modules touching vma tags directly (use funcshard._vma): {offenders}"
+    assert not offenders, f"modules touching vma tags directly (use funcshard._src.collectives.vma): {offenders}"
 
 
 def _private(name: str) -> bool:

@@ -22,7 +22,7 @@ def _values() -> torch.Tensor:
 
 
 def _body(mesh: fs.Mesh, limit: int | None) -> dict[str, Any]:
-    from funcshard._backend import dist as dist_backend
+    from funcshard._src.runtime.backends import dist as dist_backend
 
     calls = []
     one_shot, old_limit = dist_backend._one_shot, dist_backend._ONE_SHOT_BYTES

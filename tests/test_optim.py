@@ -16,8 +16,8 @@ import torch
 
 import funcshard as fs
 from funcshard import P, optim
-from funcshard._grad import value_and_grad
-from funcshard._vma import get_vma, official_vma
+from funcshard._src.autodiff.grad import value_and_grad
+from funcshard._src.collectives.vma import get_vma, official_vma
 
 MESH = {"dp": 2, "tp": 2}
 

@@ -155,7 +155,7 @@ def _vma_lookups_body(mesh: fs.Mesh) -> dict[str, Any]:
     """Counts the vma mode's slow tag lookups over 50 ops on tagged operands."""
     import threading
 
-    from funcshard import _vma
+    from funcshard._src.collectives import vma as _vma
 
     slow: collections.Counter[str] = collections.Counter()
     real = _vma.get_vma
@@ -205,7 +205,7 @@ def test_vma_mode_reads_tags_inline(run, backend) -> None:
 
 
 def test_sim_all_reduce_reduces_once_per_group() -> None:
-    from funcshard._backend import sim
+    from funcshard._src.runtime.backends import sim
 
     calls = collections.Counter()
     real_reduce, real_exchange = sim._reduce, sim.SimWorld.exchange

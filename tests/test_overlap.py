@@ -42,7 +42,7 @@ class _Mark(torch.autograd.Function):
 
 
 def _overlap_body(mesh: fs.Mesh, axis: str) -> dict:
-    from funcshard._backend import dist as dist_backend
+    from funcshard._src.runtime.backends import dist as dist_backend
 
     issued: list = []
     log = _Log(issued)
@@ -102,7 +102,7 @@ def test_gradient_reductions_overlap_the_backward(run, backend, axis) -> None:
 def _prefetch_body(mesh: fs.Mesh) -> dict:
     import dataclasses
 
-    from funcshard._backend import dist as dist_backend
+    from funcshard._src.runtime.backends import dist as dist_backend
     from funcshard.models import llama
     from funcshard.models.llama import model as llama_model
 
@@ -151,7 +151,7 @@ def test_fsdp_prefetches_the_next_layer(run, backend) -> None:
 
 
 def test_sink_waits_moves_each_wait_to_its_first_use_and_not_past_a_write() -> None:
-    from funcshard._compile import sink_waits
+    from funcshard._src.shard_map.compile import sink_waits
 
     aten, c10d = torch.ops.aten, torch.ops._c10d_functional
     g = torch.fx.Graph()
@@ -174,7 +174,7 @@ def test_sink_waits_moves_each_wait_to_its_first_use_and_not_past_a_write() -> N
 
 
 def _compiled_overlap_body(mesh: fs.Mesh) -> dict:
-    import funcshard._compile as fs_compile
+    import funcshard._src.shard_map.compile as fs_compile
 
     graphs: list = []
     n_layers = 3

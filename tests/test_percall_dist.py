@@ -21,8 +21,8 @@ from funcshard import P
 
 
 def _step_body(mesh: fs.Mesh) -> dict[str, Any]:
-    from funcshard import _shard_map
-    from funcshard._vma import TAG_ATTR
+    from funcshard._src.collectives.vma import TAG_ATTR
+    from funcshard._src.shard_map import api as _shard_map
 
     gen = torch.Generator().manual_seed(0)
     w = torch.randn(3, 4, generator=gen)
@@ -93,7 +93,7 @@ def test_dist_fast_path_equals_the_general_path(run, backend) -> None:
 @contextlib.contextmanager
 def _counting_applies() -> Iterator[dict[str, int]]:
     """Counts the ``AllReduce`` Functions applied (their ``setup_context`` runs) while inside."""
-    from funcshard import _prims
+    from funcshard._src.collectives import prims as _prims
 
     made = {"n": 0}
     real = _prims.AllReduce.setup_context
@@ -181,7 +181,7 @@ def test_equal_spec_objects_are_planned_apart_with_the_same_result() -> None:
     assert a1.spec == a2.spec and a1.spec is not a2.spec
     r1, r2 = f(a1), f(a2)
     assert torch.equal(fs.device_get(r1), x * 2) and torch.equal(fs.device_get(r2), x * 2)
-    from funcshard._shard_map_io import InputCache
+    from funcshard._src.shard_map.io import InputCache
 
     (cache,) = _closed_over(f, InputCache)
     pins = [sig.pins for sig in cache.specs.values()]
@@ -189,8 +189,8 @@ def test_equal_spec_objects_are_planned_apart_with_the_same_result() -> None:
 
 
 def _plan_once_body(mesh: fs.Mesh) -> dict[str, Any]:
-    from funcshard._shard_map_io import InputCache
-    from funcshard._vma import TAG_ATTR
+    from funcshard._src.collectives.vma import TAG_ATTR
+    from funcshard._src.shard_map.io import InputCache
 
     gen = torch.Generator().manual_seed(2)
     w = fs.device_put(torch.randn(4, 3, generator=gen), mesh, P("tp"))

@@ -21,9 +21,9 @@ import torch
 
 import funcshard as fs
 from funcshard import P
-from funcshard._backend.base import P2POp
-from funcshard._backend.sim import SimWorld
-from funcshard._context import current
+from funcshard._src.runtime.backends.base import P2POp
+from funcshard._src.runtime.backends.sim import SimWorld
+from funcshard._src.runtime.context import current
 from funcshard.pipeline import SCHEDULE_NAMES, by_name, run, stage_order
 from funcshard.pipeline.plan import LOOKAHEAD, messages, stage_plan
 

@@ -337,7 +337,7 @@ def _vma_ops_per_step(monkeypatch: pytest.MonkeyPatch, sched) -> tuple[int, int,
     them, pvary it inserted), summed over the devices."""
     import threading
 
-    from funcshard import _vma
+    from funcshard._src.collectives import vma as _vma
 
     inside = threading.local()
     seen = {"out": 0, "in": 0, "pvary": 0}

@@ -12,7 +12,7 @@ import torch
 
 import funcshard as fs
 from funcshard import P, pytree
-from funcshard._spec import is_spec
+from funcshard._src.tree.spec import is_spec
 
 Pair = namedtuple("Pair", ["a", "b"])
 

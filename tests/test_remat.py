@@ -208,7 +208,7 @@ def test_differentiated_from_outside_shard_map() -> None:
 
 def test_tags_of_outputs_follow_the_computation() -> None:
     mesh = fs.make_mesh({"dp": 2, "tp": 2}, backend="sim")
-    from funcshard._vma import get_vma
+    from funcshard._src.collectives.vma import get_vma
 
     def f(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         y = fs.remat(_block)(x, w.requires_grad_())

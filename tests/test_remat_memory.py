@@ -229,7 +229,7 @@ def test_reshard_after_forward_frees_the_gathered_weights_under_dist(overlap):
 
 def _settled_body(mesh: fs.Mesh, overlap: str) -> tuple[int, int]:
     """(how many pending gradients the remat backwards waited for, how many regions) in one resharding step."""
-    from funcshard import _remat
+    from funcshard._src.autodiff import remat as _remat
 
     waited = [0]
     real = _remat.settle

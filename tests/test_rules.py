@@ -10,7 +10,7 @@ import torch
 
 import funcshard as fs
 from funcshard import P
-from funcshard._rules import logical_to_mesh, restrict_spec, spec_rules
+from funcshard._src.tree.rules import logical_to_mesh, restrict_spec, spec_rules
 
 
 def _has(*fragments: str) -> str:

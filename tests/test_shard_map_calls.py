@@ -12,8 +12,8 @@ from funcshard import P
 
 
 def _calls_body(mesh: fs.Mesh) -> dict:
-    from funcshard._executor import executor_for
-    from funcshard._shard_map_io import InputCache
+    from funcshard._src.shard_map.executor import executor_for
+    from funcshard._src.shard_map.io import InputCache
 
     x = torch.arange(12.0).reshape(4, 3)
     cache = InputCache()
@@ -43,7 +43,7 @@ def test_value_and_grad_bookkeeping_bypasses_the_vma_mode(monkeypatch) -> None:
     its own reads (requires_grad, dtypes, a view's base, detach, zeros, the grad-mode switches), its call of the
     autograd engine (the gradients are tagged by it, the backward runs with the mode off the stack, as when the
     mode dispatches ``torch.autograd.grad``) and shard_map's check of its outputs skip the mode."""
-    from funcshard._vma import VmaMode
+    from funcshard._src.collectives.vma import VmaMode
 
     seen: list[str] = []
     plain = VmaMode.__torch_function__

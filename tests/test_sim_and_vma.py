@@ -9,7 +9,7 @@ import torch
 
 import funcshard as fs
 from funcshard import P
-from funcshard._vma import get_vma
+from funcshard._src.collectives.vma import get_vma
 
 
 class Boom(RuntimeError):

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 import funcshard as fs
-from funcshard._backend import dist as dist_backend
-from funcshard._backend.base import PeerError
+from funcshard._src.runtime.backends import dist as dist_backend
+from funcshard._src.runtime.backends.base import PeerError
 
 
 class _Group:

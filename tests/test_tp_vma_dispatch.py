@@ -18,7 +18,8 @@ import torch
 import torch.nn.functional as F
 
 import funcshard as fs
-from funcshard import P, _vma
+from funcshard import P
+from funcshard._src.collectives import vma as _vma
 from funcshard.ops import tp, vocab_parallel_cross_entropy, vocab_parallel_embedding
 
 B, S, D, V = 2, 6, 8, 16

@@ -114,7 +114,7 @@ def test_sim_stuck_device_is_reported_at_the_timeout(monkeypatch: pytest.MonkeyP
     msg = str(e.value)
     assert 2.0 <= elapsed < 4.0, elapsed
     assert "waited 2 s (FUNCSHARD_TIMEOUT) for device(s) (dp=1)" in msg and "('dp',)" in msg, msg
-    from funcshard._backend.sim import abandoned_threads
+    from funcshard._src.runtime.backends.sim import abandoned_threads
 
     for t in abandoned_threads():
         t.join(5.0)

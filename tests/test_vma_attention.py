@@ -16,7 +16,8 @@ from typing import Any
 import torch
 
 import funcshard as fs
-from funcshard import P, _vma
+from funcshard import P
+from funcshard._src.collectives import vma as _vma
 from funcshard.ops import attention, ring_attention
 from funcshard.ops._attention_torch import attention_torch
 

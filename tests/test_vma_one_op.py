@@ -16,7 +16,8 @@ from typing import Any
 import torch
 
 import funcshard as fs
-from funcshard import P, _vma
+from funcshard import P
+from funcshard._src.collectives import vma as _vma
 
 
 def _norm(x: torch.Tensor, w: torch.Tensor, c: torch.Tensor, eps: float) -> torch.Tensor:

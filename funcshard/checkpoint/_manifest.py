@@ -13,8 +13,8 @@ from typing import Any
 
 import torch
 
-from .._errors import FuncshardError
-from .._spec import P
+from .._src.errors import FuncshardError
+from .._src.tree.spec import P
 
 MANIFEST = "funcshard.json"
 FORMAT = "funcshard.checkpoint"

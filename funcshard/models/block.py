@@ -25,9 +25,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import lax
-from .._errors import ShardingError
-from .._spec import P
+from .._src.collectives import lax
+from .._src.errors import ShardingError
+from .._src.tree.spec import P
 from .plan import ParallelPlan, plan_from_mesh
 from .transformer import transformer_block, use_params
 

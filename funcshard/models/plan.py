@@ -32,8 +32,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from .._errors import ConfigError
-from .._rules import logical_to_mesh
+from .._src.errors import ConfigError
+from .._src.tree.rules import logical_to_mesh
 
 __all__ = ["ROLES", "ParallelPlan", "plan_from_mesh"]
 
@@ -170,7 +170,7 @@ class ParallelPlan:
             >>> plan.check_mesh(fs.make_mesh({"tp": 4}, backend="sim"), "llama")  # doctest: +ELLIPSIS
             Traceback (most recent call last):
             ...
-            funcshard._errors.ConfigError: llama: the plan was built for mesh {'tp': 2}, not {'tp': 4}; ...
+            funcshard._src.errors.ConfigError: llama: the plan was built for mesh {'tp': 2}, not {'tp': 4}; ...
         """
         shape = _mesh_shape(mesh)
         if tuple(shape.items()) != self.mesh_shape:
@@ -240,7 +240,7 @@ def plan_from_mesh(
         >>> plan_from_mesh(fs.make_mesh({"data": 2, "model": 2}, backend="sim"), {"dp": "data"})
         Traceback (most recent call last):
         ...
-        funcshard._errors.ConfigError: plan_from_mesh: mesh axis 'model' (size 2) plays no role; ...
+        funcshard._src.errors.ConfigError: plan_from_mesh: mesh axis 'model' (size 2) plays no role; ...
     """
     shape = _mesh_shape(mesh)
     used = _check_roles({r: r for r in ROLES if r in shape} if roles is None else roles, shape)

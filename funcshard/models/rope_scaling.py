@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from .._errors import ConfigError
+from .._src.errors import ConfigError
 
 __all__ = ["RopeScaling"]
 

@@ -4,7 +4,7 @@
 tensor every step: for the 13.2M-param Llama 52 MB of new memory per step, whose first touch (page faults)
 costs several times the copy itself (~55 ms of a 1.35 s dp=2 step on CPU, against ~6 ms for the copy into
 memory already mapped). :func:`unstack` is ``torch.unbind`` whose backward stacks into a buffer kept from one
-step to the next (:class:`~funcshard._prims.BucketPool`, as DDP keeps its gradient buckets), taken only once
+step to the next (``BucketPool``, as DDP keeps its gradient buckets), taken only once
 nothing holds it any more (the gradients handed out from it are gone). Where the rows' gradients already lie at
 one stride in one buffer (under ``dist``, the data-parallel buckets of the same rows of every stacked leaf are
 rows of one layer-major buffer: ``_prims.PvaryBucket``), the backward hands back that strided view and copies
@@ -26,9 +26,9 @@ from typing import Any
 import torch
 from torch.autograd.function import _SingleLevelFunction
 
-from .._backend.base import settle, tracing
-from .._context import maybe_current
-from .._prims import BucketPool
+from .._src.collectives.prims import BucketPool
+from .._src.runtime.backends.base import settle, tracing
+from .._src.runtime.context import maybe_current
 
 __all__ = ["Unstack", "unstack"]
 

@@ -28,13 +28,13 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import _disable_current_modes
 
-from .. import lax
-from .._backend.base import tracing as _tracing
-from .._errors import ConfigError
-from .._precision import Precision
-from .._remat import checkpoint_name, remat_policies
-from .._remat import remat as rematerialize
-from .._vma import EMPTY, find_vma, one_op, set_vma
+from .._src.autodiff.remat import checkpoint_name, remat_policies
+from .._src.autodiff.remat import remat as rematerialize
+from .._src.collectives import lax
+from .._src.collectives.vma import EMPTY, find_vma, one_op, set_vma
+from .._src.errors import ConfigError
+from .._src.runtime.backends.base import tracing as _tracing
+from .._src.tree.precision import Precision
 from ..ops import column_parallel_linear, fsdp_gather, ring_attention, row_parallel_linear
 from .plan import ParallelPlan
 from .rope_scaling import RopeScaling

@@ -11,9 +11,9 @@ import math
 import torch
 import torch.nn.functional as F
 
-from .._errors import ShardingError
-from .._grad import has_tangent
-from .._vma import one_op
+from .._src.autodiff.grad import has_tangent
+from .._src.collectives.vma import one_op
+from .._src.errors import ShardingError
 
 __all__ = ["attention_torch", "needs_autograd_ring", "sdpa_has_no_rule"]
 

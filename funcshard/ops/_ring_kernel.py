@@ -40,7 +40,8 @@ from typing import Any
 
 import torch
 
-from .. import _prims, lax
+from .._src.collectives import lax
+from .._src.collectives import prims as _prims
 from ._attention_torch import attention_torch as attention
 from ._attention_torch import needs_autograd_ring
 

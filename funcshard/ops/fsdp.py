@@ -36,14 +36,15 @@ import optree
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .. import lax, pytree
-from .._backend.base import prefetch_scope, settle
-from .._context import maybe_current
-from .._errors import ConfigError, ShardingError
-from .._precision import Precision
-from .._remat import current_vma_mode, device_scope, only_grad_transforms
-from .._spec import P, is_spec
-from .._vma import known_vma
+from .._src.autodiff.remat import current_vma_mode, device_scope, only_grad_transforms
+from .._src.collectives import lax
+from .._src.collectives.vma import known_vma
+from .._src.errors import ConfigError, ShardingError
+from .._src.runtime.backends.base import prefetch_scope, settle
+from .._src.runtime.context import maybe_current
+from .._src.tree import pytree
+from .._src.tree.precision import Precision
+from .._src.tree.spec import P, is_spec
 
 __all__ = ["fsdp_gather", "fsdp_unsharded_specs", "reshard_after_forward"]
 

@@ -45,10 +45,11 @@ import math
 
 import torch
 
-from .. import _prims, lax
-from .._context import axes_of, current
-from .._errors import ShardingError
-from .._vma import Audited, bind_operand, bind_result, get_vma, known_vma, pvary_to
+from .._src.collectives import lax
+from .._src.collectives import prims as _prims
+from .._src.collectives.vma import Audited, bind_operand, bind_result, get_vma, known_vma, pvary_to
+from .._src.errors import ShardingError
+from .._src.runtime.context import axes_of, current
 from ._ring_kernel import RingAttention, needs_autograd_ring, ring_through_autograd
 from .attention import attention
 

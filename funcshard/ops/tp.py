@@ -32,11 +32,12 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from .. import _prims, lax
-from .._backend.base import tracing
-from .._context import axes_of, current
-from .._errors import ShardingError
-from .._vma import Audited, known_vma, one_op, set_vma
+from .._src.collectives import lax
+from .._src.collectives import prims as _prims
+from .._src.collectives.vma import Audited, known_vma, one_op, set_vma
+from .._src.errors import ShardingError
+from .._src.runtime.backends.base import tracing
+from .._src.runtime.context import axes_of, current
 
 __all__ = [
     "column_parallel_linear",

@@ -9,12 +9,12 @@ from typing import Any
 import optree
 import torch
 
-from .. import pytree
-from .._backend.base import dynamo_tracing, tracing
-from .._context import is_donated
-from .._errors import ConfigError
-from .._spec import P
-from .._vma import get_vma
+from .._src.collectives.vma import get_vma
+from .._src.errors import ConfigError
+from .._src.runtime.backends.base import dynamo_tracing, tracing
+from .._src.runtime.context import is_donated
+from .._src.tree import pytree
+from .._src.tree.spec import P
 from ._base import (
     AdamWState,
     Optimizer,

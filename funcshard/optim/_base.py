@@ -15,11 +15,11 @@ from typing import Any, NamedTuple
 import optree
 import torch
 
-from .. import pytree
-from .._arraytype import Array
-from .._context import maybe_current
-from .._errors import ConfigError, ShardingError
-from .._spec import P
+from .._src.arrays.array import Array
+from .._src.errors import ConfigError, ShardingError
+from .._src.runtime.context import maybe_current
+from .._src.tree import pytree
+from .._src.tree.spec import P
 
 PyTree = Any
 _Fn = Callable[..., tuple[PyTree, PyTree]]
@@ -138,7 +138,7 @@ def on_mesh(opt: Optimizer, grads: PyTree, state: PyTree, params: PyTree) -> tup
     Raises:
         ShardingError: Arrays on different meshes.
     """
-    from .._shard_map import shard_map  # (layer 4 below this one; imported where used: only this path needs it)
+    from .._src.shard_map.api import shard_map  # (layer 4 below this one; imported where used: only this path needs it)
 
     meshes = {x.mesh for t in (grads, state, params) for x in optree.tree_leaves(t, is_leaf=is_array) if is_array(x)}
     if len(meshes) > 1:

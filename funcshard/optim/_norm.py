@@ -7,12 +7,13 @@ from typing import Any
 import optree
 import torch
 
-from .. import lax, pytree
-from .._arraytype import Array
-from .._context import maybe_current
-from .._errors import ConfigError, ShardingError
-from .._spec import P, is_spec
-from .._vma import get_vma, official_vma
+from .._src.arrays.array import Array
+from .._src.collectives import lax
+from .._src.collectives.vma import get_vma, official_vma
+from .._src.errors import ConfigError, ShardingError
+from .._src.runtime.context import maybe_current
+from .._src.tree import pytree
+from .._src.tree.spec import P, is_spec
 from ._base import (
     ClipByGlobalNormState,
     Optimizer,

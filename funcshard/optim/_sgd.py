@@ -7,9 +7,9 @@ from typing import Any
 import optree
 import torch
 
-from .._backend.base import tracing
-from .._errors import ConfigError, ShardingError
-from .._spec import P
+from .._src.errors import ConfigError, ShardingError
+from .._src.runtime.backends.base import tracing
+from .._src.tree.spec import P
 from ._base import (
     Optimizer,
     PyTree,

@@ -13,8 +13,8 @@ from typing import Any
 
 import torch
 
-from .._backend.base import tracing
-from .._errors import ConfigError
+from .._src.errors import ConfigError
+from .._src.runtime.backends.base import tracing
 from ._base import check_nonneg
 
 LrSchedule = Callable[[Any], float | torch.Tensor]

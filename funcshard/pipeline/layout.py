@@ -30,8 +30,8 @@ from typing import Any
 import optree
 import torch
 
-from .. import lax
-from .._errors import ShardingError
+from .._src.collectives import lax
+from .._src.errors import ShardingError
 from .schedules import Schedule
 
 __all__ = ["from_chunks", "to_chunks"]

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .._errors import ShardingError
+from .._src.errors import ShardingError
 
 __all__ = [
     "SCHEDULE_NAMES",

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from ..._errors import ConfigError, FuncshardError
+from ..._src.errors import ConfigError, FuncshardError
 from ..rope_scaling import RopeScaling
 from .config import Config
 
@@ -112,7 +112,7 @@ def config_from_hf(hf: Mapping[str, Any], where: str = "config.json") -> Config:
         >>> config_from_hf({**hf, "attention_bias": True})  # doctest: +ELLIPSIS
         Traceback (most recent call last):
         ...
-        funcshard._errors.ConfigError: from_hf: config.json field 'attention_bias' is true; ...
+        funcshard._src.errors.ConfigError: from_hf: config.json field 'attention_bias' is true; ...
     """
     if not isinstance(hf, Mapping):
         raise ConfigError(f"from_hf: {where} must hold a JSON object, found {type(hf).__name__}.")
@@ -226,7 +226,7 @@ def read_json(file: Path, who: str) -> Any:
         >>> read_json(Path("/no/config.json"), "from_hf")  # doctest: +ELLIPSIS
         Traceback (most recent call last):
         ...
-        funcshard._errors.ConfigError: from_hf: '/no/config.json' is missing; ...
+        funcshard._src.errors.ConfigError: from_hf: '/no/config.json' is missing; ...
     """
     try:
         return json.loads(file.read_text(encoding="utf-8"))
@@ -246,7 +246,7 @@ def read_config(path: str | os.PathLike[str]) -> Config:
         >>> read_config("/no/such/folder")  # doctest: +ELLIPSIS
         Traceback (most recent call last):
         ...
-        funcshard._errors.ConfigError: from_hf: '/no/such/folder' does not exist; ...
+        funcshard._src.errors.ConfigError: from_hf: '/no/such/folder' does not exist; ...
     """
     file = model_folder(path, "from_hf") / "config.json"
     return config_from_hf(read_json(file, "from_hf"), f"'{file}'")

@@ -37,12 +37,12 @@ from typing import Any
 import optree
 import torch
 
-from ... import lax
 from ... import random as fsr
-from ..._backend.base import settle
-from ..._context import maybe_current
-from ..._errors import ConfigError
-from ..._spec import P, is_spec, shard_shape
+from ..._src.collectives import lax
+from ..._src.errors import ConfigError
+from ..._src.runtime.backends.base import settle
+from ..._src.runtime.context import maybe_current
+from ..._src.tree.spec import P, is_spec, shard_shape
 from ...ops import column_parallel_linear, vocab_parallel_cross_entropy, vocab_parallel_embedding
 from ...ops.fsdp import reshard_after_forward
 from ...pipeline import Schedule

@@ -31,7 +31,7 @@ from typing import Any, BinaryIO
 
 import torch
 
-from ..._errors import ConfigError
+from ..._src.errors import ConfigError
 
 __all__ = ["DTYPES", "read_header", "read_tensor", "write_file"]
 
@@ -74,7 +74,7 @@ def read_header(file: str | os.PathLike[str]) -> tuple[dict[str, dict[str, Any]]
         >>> read_header(f)  # doctest: +ELLIPSIS
         Traceback (most recent call last):
         ...
-        funcshard._errors.ConfigError: safetensors: '...bad.safetensors' is truncated: 2 bytes, ...
+        funcshard._src.errors.ConfigError: safetensors: '...bad.safetensors' is truncated: 2 bytes, ...
     """
     file = Path(file)
     try:

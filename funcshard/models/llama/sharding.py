@@ -34,9 +34,9 @@ from typing import Any
 
 import torch
 
-from ... import _rules
-from ..._errors import ConfigError, ShardingError
-from ..._spec import P
+from ..._src.errors import ConfigError, ShardingError
+from ..._src.tree import rules as _rules
+from ..._src.tree.spec import P
 from ...pipeline.schedules import Schedule, ScheduleError, by_name
 from ..plan import ParallelPlan, plan_from_mesh
 from .config import Config
@@ -158,7 +158,7 @@ def check_mesh(cfg: Config, mesh: Any, plan: ParallelPlan | None = None) -> None
         >>> check_mesh(cfg, fs.make_mesh({"tp": 8}, backend="sim"))  # doctest: +ELLIPSIS
         Traceback (most recent call last):
         ...
-        funcshard._errors.ShardingError: llama: n_heads=4 is not divisible by tp=8; choose tp dividing n_heads ...
+        funcshard._src.errors.ShardingError: llama: n_heads=4 is not divisible by tp=8; choose tp dividing n_heads ...
     """
     if plan is None:
         shape = mesh.shape

@@ -1,0 +1,157 @@
+"""``fs.Array``, the type: a global value laid out over a mesh, as the blocks this process's devices hold.
+
+``device_put`` / ``device_get`` / ``reshard`` (in ``_array``) sit above ``shard_map``; this module sits below
+it, so the transform can take and make Arrays without an import circle.
+
+Example:
+    >>> import torch, funcshard as fs
+    >>> from funcshard import P
+    >>> mesh = fs.make_mesh({"tp": 2}, backend="sim")
+    >>> sorted(local_shards(torch.arange(4.0), mesh, P("tp")).items())
+    [((0,), tensor([0., 1.])), ((1,), tensor([2., 3.]))]
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..errors import ShardingError
+from ..runtime.mesh import Mesh
+from ..tree.spec import P, format_mesh, shard_slices
+
+__all__ = ["Array", "Coords", "is_array", "local_coords", "local_shards"]
+
+Coords = tuple[int, ...]
+
+
+class Array:
+    """A global value of ``shape`` laid out over ``mesh`` by ``spec``; each device holds one block.
+
+    Attributes:
+        mesh: the mesh.
+        spec: the layout.
+        shape: the global shape.
+        dtype: the element type.
+        shards: dict of device coordinates (a tuple in axis order) -> that device's block; every device
+            under ``"sim"``, this process's under ``"dist"``.
+
+    Example:
+        >>> mesh = fs.make_mesh({"tp": 2}, backend="sim")  # doctest: +SKIP
+        >>> fs.device_put(torch.zeros(4, 6), mesh, P(None, "tp"))  # doctest: +SKIP
+        Array(shape=(4, 6), dtype=torch.float32, spec=P(None, 'tp'), mesh={'tp': 2}, backend='sim')
+    """
+
+    __slots__ = ("dtype", "mesh", "owned", "shape", "shards", "spec")
+
+    def __init__(
+        self,
+        mesh: Mesh,
+        spec: P,
+        shape: tuple[int, ...],
+        dtype: torch.dtype,
+        shards: dict[Coords, torch.Tensor],
+        owned: bool = False,
+    ) -> None:
+        self.mesh = mesh
+        self.spec = spec
+        self.shape = tuple(shape)
+        self.dtype = dtype
+        self.shards = shards
+        #: the shards are this Array's alone (fresh results of a shard_map, no views, no shared storage), so a
+        #: shard_map that is donated the Array may write into them in place
+        self.owned = owned
+
+    def delete(self, why: str = "deleted") -> None:
+        """Drop the shards (JAX's ``Array.delete``); any later use of the Array raises a ShardingError."""
+        self.shards = _Deleted(self, why)  # type: ignore[assignment]
+        self.owned = False
+
+    def is_deleted(self) -> bool:
+        """True once the Array was deleted or donated (JAX's ``is_deleted``)."""
+        return isinstance(self.shards, _Deleted)
+
+    @property
+    def local(self) -> torch.Tensor:
+        """This process's shard (``"dist"``).
+
+        Raises:
+            ShardingError: under ``"sim"``, where one process holds every device's shard.
+        """
+        if self.mesh.backend == "sim":
+            raise ShardingError(
+                f"Array.local: under the 'sim' backend this process holds all {self.mesh.size} devices' shards; "
+                f"use .shards[coords] (e.g. .shards[{tuple(0 for _ in self.mesh.axis_names)}]) or fs.device_get(a)."
+            )
+        return next(iter(self.shards.values()))
+
+    @property
+    def ndim(self) -> int:
+        """Number of dims."""
+        return len(self.shape)
+
+    @property
+    def requires_grad(self) -> bool:
+        """True when any local shard requires grad."""
+        return any(s.requires_grad for s in self.shards.values())
+
+    def __repr__(self) -> str:
+        return (
+            f"Array(shape={self.shape}, dtype={self.dtype}, spec={self.spec!r}, mesh={format_mesh(self.mesh)}, "
+            f"backend='{self.mesh.backend}')"
+        )
+
+
+class _Deleted(dict):  # type: ignore[type-arg]
+    """The shards of a deleted Array: every access raises, naming why it is gone and what to use instead."""
+
+    def __init__(self, a: Array, why: str) -> None:
+        super().__init__()
+        self.msg = (
+            f"this Array (shape={a.shape}, spec={a.spec!r}) was {why}: its buffers now belong to that call's "
+            f"results. Use the value the call returned (params, state = step(params, state, ...)), or leave the "
+            f"argument out of donate= to keep it."
+        )
+
+    def _raise(self, *_: Any, **__: Any) -> Any:
+        raise ShardingError(self.msg)
+
+    __getitem__ = __iter__ = __len__ = values = items = keys = get = __contains__ = _raise  # type: ignore[assignment]
+
+
+def is_array(x: Any) -> bool:
+    """True for an :class:`Array` (an optree ``is_leaf`` predicate)."""
+    return isinstance(x, Array)
+
+
+def local_coords(mesh: Mesh) -> list[Coords]:
+    """The coordinates of the devices this process runs: every device under ``"sim"``, one under ``"dist"``."""
+    if mesh.backend == "sim":
+        return [tuple(c.values()) for c in mesh.device_coords()]
+    from ..runtime.backends import dist as dist_backend
+
+    return [tuple(mesh.coords_of(dist_backend.process_rank()).values())]
+
+
+def _target_device(mesh: Mesh) -> torch.device | None:
+    if mesh.backend == "dist":
+        from ..runtime.backends import dist as dist_backend
+
+        return dist_backend.tensor_device()
+    return None
+
+
+def local_shards(x: torch.Tensor, mesh: Mesh, spec: P) -> dict[Coords, torch.Tensor]:
+    """The blocks of full tensor ``x`` held by this process's devices (views of ``x``)."""
+    dev = _target_device(mesh)
+    if dev is not None:
+        x = x.to(dev)
+    names = mesh.axis_names
+    out = {}
+    for c in local_coords(mesh):
+        block = x[shard_slices(x.shape, spec, mesh.shape, dict(zip(names, c, strict=True)))]
+        if mesh.backend == "dist" and block.numel() < x.numel():
+            block = block.clone()  # own storage: the process keeps its shard, not the whole tensor
+        out[c] = block
+    return out

@@ -1,0 +1,649 @@
+"""Collectives over named mesh axes, for use inside ``shard_map``. Each has the transpose as backward.
+
+| collective | forward | backward |
+|---|---|---|
+| ``psum`` / ``pmean`` | all-reduce sum / mean | identity (``pvary``) |
+| ``pmax`` / ``pmin`` | all-reduce max / min | to the device(s) holding the extreme |
+| ``pvary`` | identity | psum |
+| ``all_gather`` | all-gather | psum_scatter |
+| ``psum_scatter`` | reduce-scatter | all_gather |
+| ``all_to_all`` | all-to-all | all-to-all back |
+| ``ppermute`` | send along ``perm`` | send back along the inverse |
+
+``axis`` is a mesh axis name or a tuple of names (their product, major to minor). Pytrees are accepted.
+
+Example:
+    >>> import torch, funcshard as fs
+    >>> from funcshard import P
+    >>> mesh = fs.make_mesh({"tp": 4}, backend="sim")
+    >>> f = fs.shard_map(lambda x: fs.psum(x, "tp"), mesh=mesh, in_specs=(P("tp"),), out_specs=P())
+    >>> fs.device_get(f(torch.arange(4.0)))
+    tensor([6.])
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+import optree
+import torch
+
+from ..errors import ConfigError, ShardingError
+from ..runtime.backends.base import tracing
+from ..runtime.context import DeviceContext, axes_of, current
+from . import prims as _prims
+from . import prims_cast as _prims_cast
+from .vma import EMPTY, Audited, bind_operand, bind_result, get_vma, known_vma, set_vma
+
+__all__ = [
+    "all_gather",
+    "all_gather_invariant",
+    "all_to_all",
+    "axis_index",
+    "axis_size",
+    "bucket_bytes",
+    "pmax",
+    "pmean",
+    "pmin",
+    "ppermute",
+    "psum",
+    "psum_scatter",
+    "pvary",
+]
+
+PyTree = Any
+_Axis = str | tuple[str, ...]
+
+
+def _tmap(fn: Any, tree: PyTree, name: str, *, numbers: bool = False) -> PyTree:
+    """``fn`` on every tensor leaf of ``tree``. A Python number is a value invariant over every axis: passed
+    to ``fn`` as it is where ``numbers`` (the reductions have a rule for it), else as a 0-dim tensor."""
+    if isinstance(tree, torch.Tensor):  # one tensor (the common operand): no tree walk
+        return fn(tree)
+
+    def leaf(x: Any) -> Any:
+        if isinstance(x, torch.Tensor):
+            return fn(x)
+        if isinstance(x, (int, float)) and not isinstance(x, bool):
+            return fn(x if numbers else torch.tensor(x))
+        raise ShardingError(f"{name}: leaves must be torch.Tensors (or numbers), found {type(x).__name__}.")
+
+    return optree.tree_map(leaf, tree)
+
+
+def _n(ctx: DeviceContext, axes: tuple[str, ...]) -> int:
+    return math.prod(ctx.mesh.shape[a] for a in axes)
+
+
+def _reduce(x: PyTree, axis: _Axis, op: str, name: str, prim: Any = _prims.AllReduce) -> PyTree:
+    ctx = current(name)
+    axes = axes_of(axis, ctx.mesh, name)
+    if isinstance(x, torch.Tensor):  # one tensor (the common operand): no closure, no tree walk
+        return _reduce_tensor(x, ctx, axes, op, name, prim)
+
+    def one(t: Any) -> Any:
+        if not isinstance(t, torch.Tensor):  # a number is the same on every device: n copies of it
+            return t * _n(ctx, axes) if name == "psum" else t
+        return _reduce_tensor(t, ctx, axes, op, name, prim)
+
+    return _tmap(one, x, name, numbers=True)
+
+
+def _reduce_tensor(t: torch.Tensor, ctx: DeviceContext, axes: tuple[str, ...], op: str, name: str, prim: Any) -> Any:
+    """One tensor of :func:`_reduce`: made varying over ``axes`` where the vma rule asks, reduced, tagged."""
+    with torch._C.DisableTorchFunction():
+        if prim is _TEMPORARY:  # (psum's temporary, asked here: one switch of torch functions for both)
+            prim = _prims.AllReduceOwned if _sole_holder_now(t) else _prims.AllReduce
+        t, have = bind_operand(_prims.AllReduce, t, axes, ctx.device, ctx.check_vma, name)
+        if op == "sum" and t.dtype == torch.bool:  # a count of the True copies, as JAX (not their logical or)
+            t = t.to(torch.int32)
+        y = _prims.call(prim, t, ctx.device, axes, op, name)  # [*s] -> [*s], invariant over axes
+        if name == "pmean":  # JAX's dtypes: floats keep theirs, int64 -> float64, other integers -> float32
+            y = (y.double() if y.dtype == torch.int64 else y) / _n(ctx, axes)
+    return bind_result(_prims.AllReduce, y, have, axes)
+
+
+def psum(x: PyTree, axis: _Axis) -> PyTree:
+    """All-reduce sum over ``axis`` (forward); identity per device (backward, the transpose ``pvary``).
+
+    The result is invariant over ``axis``. A value that is already invariant over ``axis`` is summed as the
+    ``n`` equal copies it stands for (``psum(1, "tp") == axis_size("tp")``). A bool tensor is summed as a
+    count of its Trues, in int32 (JAX's rule); other dtypes keep theirs.
+
+    Example:
+        >>> # inside shard_map over {"tp": 4}: y = fs.psum(x, "tp")  # [b, d] -> [b, d]
+    """
+    if type(x) is torch.Tensor and _getrefcount(x) == _TEMP_REFS:
+        # a temporary no one else can see (``psum(a @ b, "tp")``): summed in its own buffer, as psum_owned does, where
+        # _sole_holder says so (asked by _reduce_tensor under its DisableTorchFunction; it asks for the transforms;
+        # the backend falls back to a copy in a compiled graph)
+        return _reduce(x, axis, "sum", "psum", _TEMPORARY)
+    return _reduce(x, axis, "sum", "psum")
+
+
+def _temp_refs(x: Any) -> int:
+    """The references ``x`` has inside a function it was passed to (as :func:`psum`'s ``x``)."""
+    return _getrefcount(x)
+
+
+_getrefcount = sys.getrefcount
+# the count a temporary has in ``psum``'s frame (``psum(a @ b)``: the frame's own reference, and getrefcount's), found
+# by asking; 0 (never met) where a value another frame holds would show the same count (an interpreter whose calls
+# borrow their arguments' references: 3.14's), so only a count that tells the two apart enables the in-place sum
+_HELD = torch.empty(0)
+_TEMP_REFS = _temp_refs(torch.empty(0)) if sys.version_info < (3, 14) else 0
+if _temp_refs(_HELD) == _TEMP_REFS:
+    _TEMP_REFS = 0
+del _HELD
+_storage_uses = torch._C._storage_Use_Count
+
+
+def _sole_holder(x: torch.Tensor) -> bool:
+    """Whether ``x`` is worth summing in place (:data:`INPLACE_MIN_BYTES`) and its memory is seen through ``x``
+    alone, for a tensor whose Python object only the caller's frame holds: its C++ tensor is held by nothing else
+    (no backward saved it as an input, no view's base, no DLPack capsule), and its storage by nothing else (no view
+    or ``detach`` of it, no backward saved it as an output, no copy-on-write clone shares it; the storage object
+    made here to ask is the second holder)."""
+    with torch._C.DisableTorchFunction():  # metadata reads the vma mode need not see
+        return _sole_holder_now(x)
+
+
+def _sole_holder_now(x: torch.Tensor) -> bool:
+    """:func:`_sole_holder`, called with torch functions disabled."""
+    if _transforms_active() or _is_wrapped(x):  # (a torch.func wrapper, live or dead: no storage of its own to ask)
+        return False
+    return (
+        x.nbytes >= INPLACE_MIN_BYTES
+        and x._use_count() == 1
+        and x._base is None
+        and _storage_uses(x.untyped_storage()._cdata) == 2
+    )
+
+
+#: :func:`psum`'s mark of a temporary (for ``_reduce_tensor``: AllReduceOwned where :func:`_sole_holder` says so)
+_TEMPORARY = object()
+
+
+#: the smallest temporary :func:`psum` sums in place: below it the copy costs less than the checks and the backend's
+#: in-place path (callgrind, one psum of a temporary in a dist shard_map: 4 KiB +2.5k instructions in place, 128 KiB
+#: -11.9k; the copy grows by ~0.23 instructions a byte, besides its page faults)
+INPLACE_MIN_BYTES = 16 << 10
+
+
+_transforms_active = torch._C._are_functorch_transforms_active
+_is_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
+
+
+def psum_owned(x: torch.Tensor, axis: _Axis) -> torch.Tensor:
+    """:func:`psum` of a temporary the caller gives up (no one else holds it, no backward saves it: a
+    row-parallel matmul's partial sums), summed in its own buffer under ``dist`` (no copy). For ``ops``; not a
+    JAX name, not exported.
+
+    Example:
+        >>> # y = psum_owned(F.linear(x, w), "tp")  # [b, s, d] -> [b, s, d], in the matmul's output buffer
+    """
+    if torch._C._are_functorch_transforms_active() or tracing():  # (transforms wrap it; a graph has no buffers)
+        return psum(x, axis)
+    return _reduce(x, axis, "sum", "psum", _prims.AllReduceOwned)
+
+
+def psum_pending(x: torch.Tensor, axis: _Axis) -> torch.Tensor:
+    """:func:`psum` whose result may be pending: under ``dist`` the all-reduce is issued now and waited for where
+    its value is first read, so the caller computes on meanwhile (the rules, the value and the gradient are
+    :func:`psum`'s; ``sim``, a torch.func transform and a compiled graph give a plain ``psum``). For a sum whose
+    value is needed later than it can be issued, as the Llama loss's token count (read after the forward) and
+    its mean (read after the backward: ``fs.value_and_grad`` seeds a pending value with 1 and waits for it at
+    its end). For models; not a JAX name, not exported.
+
+    Example:
+        >>> # n = psum_pending(local_count, "dp")  # [] -> [] (pending); ... forward ...; loss / n (waits)
+    """
+    if torch._C._are_functorch_transforms_active() or tracing():  # (transforms wrap it; a graph has its own)
+        return psum(x, axis)
+    return _reduce(x, axis, "sum", "psum", _prims.AllReducePending)
+
+
+def pmean(x: PyTree, axis: _Axis) -> PyTree:
+    """All-reduce mean over ``axis`` (forward); identity / n per device (backward).
+
+    Floating dtypes keep theirs; integers and bools give float32, int64 gives float64 (JAX's dtypes).
+
+    Example:
+        >>> # loss = fs.pmean(local_loss, "dp")  # [] -> []
+    """
+    return _reduce(x, axis, "sum", "pmean")
+
+
+def pmax(x: PyTree, axis: _Axis) -> PyTree:
+    """All-reduce max over ``axis`` (forward); the gradient goes to the device(s) holding the max, split
+    evenly between ties (backward).
+
+    Example:
+        >>> # m = fs.pmax(local_max, "tp")  # [b] -> [b]
+    """
+    return _reduce(x, axis, "max", "pmax")
+
+
+def pmin(x: PyTree, axis: _Axis) -> PyTree:
+    """All-reduce min over ``axis`` (forward); the gradient goes to the device(s) holding the min (backward).
+
+    Example:
+        >>> # m = fs.pmin(local_min, "tp")  # [b] -> [b]
+    """
+    return _reduce(x, axis, "min", "pmin")
+
+
+#: ``FUNCSHARD_BUCKET_MB`` when unset: DDP's ``bucket_cap_mb``
+DEFAULT_BUCKET_MB = 25.0
+_BUCKET_CACHE: dict[str | None, int] = {}
+
+
+def bucket_bytes() -> int:
+    """The largest gradient bucket of :func:`pvary` in bytes: ``FUNCSHARD_BUCKET_MB`` (MiB, default 25 as DDP's
+    ``bucket_cap_mb``; 0: no limit, one bucket per ``pvary`` call and dtype), read at each call.
+
+    Raises:
+        ConfigError: a value that is not a number of MiB >= 0.
+
+    Example:
+        >>> bucket_bytes()  # FUNCSHARD_BUCKET_MB=4 python ... gives 4194304
+        26214400
+    """
+    text = os.environ.get("FUNCSHARD_BUCKET_MB")
+    hit = _BUCKET_CACHE.get(text)
+    if hit is None:
+        try:
+            mb = DEFAULT_BUCKET_MB if text is None or not text.strip() else float(text)
+        except ValueError:
+            mb = float("nan")
+        if not (mb >= 0 and math.isfinite(mb)):
+            raise ConfigError(
+                f"FUNCSHARD_BUCKET_MB={text!r}: expected the gradient bucket size in MiB, a number >= 0 (default "
+                f"{DEFAULT_BUCKET_MB:g}; 0: one bucket per pvary call), e.g. FUNCSHARD_BUCKET_MB=25."
+            )
+        hit = _BUCKET_CACHE[text] = int(mb * 2**20)
+    return hit
+
+
+def _split_buckets(idx: list[int], leaves: list[Any]) -> list[list[int]]:
+    """The leaves ``idx`` (one dtype, device and varying axes) cut into gradient buckets, DDP's rule: in reverse
+    order (a later leaf's gradient is ready first in the backward), a bucket closes once it holds at least
+    :func:`bucket_bytes`. Each bucket is its own backward node, so its all-reduce starts as soon as its own
+    gradients are ready."""
+    cap = bucket_bytes()
+    if cap <= 0 or len(idx) == 1:
+        return [idx]
+    out: list[list[int]] = []
+    cur: list[int] = []
+    size = 0
+    for i in reversed(idx):
+        cur.append(i)
+        size += leaves[i].numel() * leaves[i].element_size()
+        if size >= cap:
+            out.append(cur[::-1])
+            cur, size = [], 0
+    if cur:
+        out.append(cur[::-1])
+    return out
+
+
+def _pvary_axes(axes: tuple[str, ...], have: Any) -> tuple[str, ...]:
+    """The axes of ``axes`` a value with tag ``have`` still has to be made varying over: unknown or audited
+    axes are pvary-ed all, as dist (which knows none) does."""
+    return tuple(a for a in axes if have is None or isinstance(have, Audited) or a not in have)
+
+
+def pvary(x: PyTree, axis: _Axis) -> PyTree:
+    """Mark ``x`` as varying over ``axis``: identity (forward), psum over ``axis`` (backward).
+
+    With ``check_vma=True`` shard_map inserts it where needed; with ``check_vma=False`` write it where an
+    invariant value (say a replicated weight) meets one that varies over ``axis`` (a sharded batch).
+    On a pytree, the leaves of one dtype are bucketed: their gradients are written into one flat buffer and
+    summed with a single all-reduce (as DDP's buckets do), instead of one collective per leaf; buckets hold
+    about ``FUNCSHARD_BUCKET_MB`` (:func:`bucket_bytes`, default 25 MiB) each, cut in reverse leaf order.
+
+    Example:
+        >>> # w = fs.pvary(w, "dp")  # [d, h] -> [d, h]; its gradient is summed over dp
+        >>> # params = fs.pvary(params, "dp")  # one all-reduce for all their gradients
+    """
+    ctx = current("pvary")
+    axes = axes_of(axis, ctx.mesh, "pvary")
+    with torch._C.DisableTorchFunction():  # dtype, device, sizes read without the vma mode (tags set here)
+        if isinstance(x, torch.Tensor):  # one tensor (the common operand): no tree walk, no buckets
+            have = known_vma(x, ctx.check_vma)
+            todo = _pvary_axes(axes, have)
+            if not todo:
+                return x
+            y = _prims.call(_prims.Pvary, x, ctx.device, todo)  # [*s] -> [*s]
+            return bind_result(_prims.Pvary, y, have, axes)
+        leaves, treedef = optree.tree_flatten(x)
+        groups: dict[Any, list[int]] = {}
+        for i, t in enumerate(leaves):
+            if isinstance(t, torch.Tensor):
+                have = known_vma(t, ctx.check_vma)
+                todo = _pvary_axes(axes, have)
+                if todo:
+                    groups.setdefault((todo, t.dtype, t.device, have), []).append(i)
+            elif isinstance(t, (int, float)) and not isinstance(t, bool):
+                leaves[i] = torch.tensor(t)
+                groups.setdefault((axes, leaves[i].dtype, leaves[i].device, EMPTY), []).append(i)
+            else:
+                raise ShardingError(f"pvary: leaves must be torch.Tensors (or numbers), found {type(t).__name__}.")
+        out = list(leaves)
+        for (todo, _, _, have), group in groups.items():
+            for idx in _split_buckets(group, leaves):
+                if len(idx) == 1:
+                    ys: tuple[torch.Tensor, ...] = (
+                        _prims.call(_prims.Pvary, leaves[idx[0]], ctx.device, todo),
+                    )  # [*s] -> [*s]
+                else:  # n x [*s_i] -> same; backward: one all-reduce of the bucket
+                    ys = _prims.call(_prims.PvaryBucket, ctx.device, todo, *(leaves[i] for i in idx))
+                for i, y in zip(idx, ys, strict=True):
+                    out[i] = bind_result(_prims.Pvary, y, have, axes)
+    return optree.tree_unflatten(treedef, out)
+
+
+def _dim(d: int, ndim: int, name: str, what: str, shape: Sequence[int]) -> int:
+    if not -ndim <= d < ndim:
+        raise ShardingError(f"{name}: {what}={d} is out of range for a value of shape {tuple(shape)}.")
+    return d % ndim
+
+
+def _gather(
+    x: PyTree, axis: _Axis, dim: int, tiled: bool, name: str, cast: tuple[torch.dtype, torch.dtype] | None = None
+) -> PyTree:
+    """all_gather / all_gather_invariant / all_gather_cast: the same forward, different transposes and tags."""
+    ctx = current(name)
+    axes = axes_of(axis, ctx.mesh, name)
+    invariant = name == "all_gather_invariant"
+    prim: Any = (
+        _prims.AllGatherInvariant if invariant else _prims.AllGather if cast is None else _prims_cast.AllGatherCast
+    )
+
+    def one(t: torch.Tensor) -> torch.Tensor:
+        if tiled and t.dim() == 0:  # (was torch's IndexError from the flatten)
+            raise ShardingError(
+                f"{name}(tiled=True): a 0-dim value has no dim to concatenate along (JAX refuses it too); use "
+                f"tiled=False to stack the {_n(ctx, axes)} values in a new dim, or reshape it to [1] first."
+            )
+        d = _dim(dim, t.dim() + (0 if tiled else 1), name, "dim", t.shape)
+        with torch._C.DisableTorchFunction():
+            t, have = bind_operand(prim, t, axes, ctx.device, ctx.check_vma, name)
+            if invariant:
+                y = _prims.call(prim, t, ctx.device, axes, axis_index_int(axes))  # [*s] -> [n, *s]
+            elif cast is not None:
+                y = _prims.call(prim, t, ctx.device, axes, *cast)  # [*s] -> [n, *s] (in cast[0])
+            else:
+                y = _prims.call(prim, t, ctx.device, axes)  # [*s] -> [n, *s]
+            y = y.movedim(0, d)
+            if tiled:
+                y = y.flatten(d, d + 1)  # [.., n, s_d, ..] -> [.., n*s_d, ..]
+        return bind_result(prim, y, have, axes)
+
+    return _tmap(one, x, name)
+
+
+def all_gather(x: PyTree, axis: _Axis, *, dim: int = 0, tiled: bool = False) -> PyTree:
+    """Gather the shards of ``axis`` in axis order (forward); reduce-scatter (backward).
+
+    ``tiled=True`` concatenates along ``dim``; ``tiled=False`` stacks the shards in a new dim at ``dim``.
+    The result varies over ``axis`` (as in JAX).
+
+    Example:
+        >>> # w_full = fs.all_gather(w, "fsdp", dim=0, tiled=True)  # [h/n, d] -> [h, d]
+    """
+    return _gather(x, axis, dim, tiled, "all_gather")
+
+
+def all_gather_cast(
+    x: PyTree, axis: _Axis, *, dim: int = 0, tiled: bool = False, dtype: torch.dtype, grad_dtype: torch.dtype
+) -> PyTree:
+    """:func:`all_gather` of ``x`` cast to ``dtype`` (the forward moves ``dtype``), whose backward
+    reduce-scatters the cotangent in ``grad_dtype`` and returns it in ``x``'s dtype: mixed precision's FSDP
+    gather (``fs.Precision``: compute dtype forward, reduce dtype backward). Not a JAX name: used by
+    ``ops.fsdp_gather``.
+
+    Example:
+        >>> # w = all_gather_cast(w32, "fsdp", tiled=True, dtype=torch.bfloat16, grad_dtype=torch.float32)
+    """
+    return _gather(x, axis, dim, tiled, "all_gather", (dtype, grad_dtype))
+
+
+def pvary_cast(x: PyTree, axis: _Axis, *, dtype: torch.dtype, grad_dtype: torch.dtype) -> PyTree:
+    """:func:`pvary` of the floating leaves of ``x`` cast to ``dtype``, their gradients summed over ``axis``
+    in ``grad_dtype`` (one bucketed all-reduce per group of equal varying axes) and returned in each leaf's
+    own dtype: mixed precision's DDP (``fs.Precision``). Leaves already varying over ``axis`` are only cast.
+
+    Example:
+        >>> # params = pvary_cast(params, "dp", dtype=torch.bfloat16, grad_dtype=torch.float32)
+    """
+    ctx = current("pvary")
+    axes = axes_of(axis, ctx.mesh, "pvary")
+    leaves, treedef = optree.tree_flatten(x)
+    groups: dict[Any, list[int]] = {}
+    out = list(leaves)
+    for i, t in enumerate(leaves):
+        if not (isinstance(t, torch.Tensor) and t.is_floating_point()):
+            raise ShardingError(f"pvary_cast: leaves must be floating torch.Tensors, found {type(t).__name__}.")
+        have = known_vma(t, ctx.check_vma)
+        todo = tuple(a for a in axes if have is None or isinstance(have, Audited) or a not in have)
+        if todo:
+            groups.setdefault((todo, t.device, have), []).append(i)
+        elif t.dtype != dtype:
+            out[i] = t.to(dtype)
+    for (todo, _, have), group in groups.items():
+        for idx in _split_buckets(group, leaves):
+            with torch._C.DisableTorchFunction():
+                ys = _prims.call(
+                    _prims_cast.PvaryCast, ctx.device, todo, dtype, grad_dtype, *(leaves[i] for i in idx)
+                )  # n x [*s_i] -> same (in dtype); backward: one all-reduce of the bucket in grad_dtype
+            for i, y in zip(idx, ys, strict=True):
+                out[i] = bind_result(_prims.Pvary, y, have, axes)
+    return optree.tree_unflatten(treedef, out)
+
+
+def all_gather_invariant(x: PyTree, axis: _Axis, *, dim: int = 0, tiled: bool = False) -> PyTree:
+    """All-gather whose result is invariant over ``axis`` (forward); this device's block of the cotangent
+    (backward, no communication), as ``jax.lax.all_gather_invariant``.
+
+    Use it where the gathered value is then treated as replicated (e.g. to return it with a spec that omits
+    ``axis``); use :func:`all_gather` where each device goes on to compute something different with it.
+
+    Example:
+        >>> # full = fs.all_gather_invariant(x, "tp", dim=0, tiled=True)  # [s/tp, d] -> [s, d]
+    """
+    return _gather(x, axis, dim, tiled, "all_gather_invariant")
+
+
+def split_invariant(x: PyTree, axis: _Axis, *, dim: int = 0) -> PyTree:
+    """This device's block of ``dim`` (split into axis-size blocks) of a value invariant over ``axis``
+    (forward, no communication); all-gather of the cotangent blocks (backward). The transpose of
+    :func:`all_gather_invariant`; Megatron's "scatter to the sequence-parallel region".
+
+    Under ``check_vma=True`` a value already varying over ``axis`` is sliced plainly (its cotangent is
+    per device). Under ``check_vma=False`` the value is taken to be invariant.
+
+    Example:
+        >>> # x_local = fs.lax.split_invariant(x, "tp", dim=1)  # [b, s, d] -> [b, s/tp, d]
+    """
+    ctx = current("split_invariant")
+    axes = axes_of(axis, ctx.mesh, "split_invariant")
+    n = _n(ctx, axes)
+    idx = axis_index_int(axes)
+
+    def one(t: torch.Tensor) -> torch.Tensor:
+        d = _dim(dim, t.dim(), "split_invariant", "dim", t.shape)
+        if t.shape[d] % n:
+            raise ShardingError(
+                f"split_invariant: dim {d} of shape {tuple(t.shape)} has size {t.shape[d]}, not divisible by the "
+                f"size {n} of {axes}; pad it to a multiple of {n}."
+            )
+        # under check_vma=False the value is taken to be invariant over axes (its tag may say otherwise: an
+        # argument); its other axes are kept where known
+        have = get_vma(t) if ctx.check_vma else known_vma(t, False)
+        with torch._C.DisableTorchFunction():
+            if ctx.check_vma and frozenset(axes) <= have:  # one block per member: slice it, no transpose needed
+                size = t.shape[d] // n
+                y = t.narrow(d, idx * size, size)  # [.., s_d, ..] -> [.., s_d/n, ..]
+            else:
+                xs = t.unflatten(d, (n, -1)).movedim(d, 0)  # [.., s_d, ..] -> [n, .., s_d/n, ..]
+                y = _prims.call(_prims.SplitInvariant, xs, ctx.device, axes, idx)  # [n, *s] -> [*s]
+        return bind_result(_prims.SplitInvariant, y, have, axes)
+
+    return _tmap(one, x, "split_invariant")
+
+
+def psum_scatter(x: PyTree, axis: _Axis, *, dim: int = 0, tiled: bool = False) -> PyTree:
+    """Reduce-scatter over ``axis``: device i keeps block i of the sum (forward); all-gather (backward).
+
+    ``tiled=True`` splits ``dim`` into axis-size blocks; ``tiled=False`` needs ``x.shape[dim]`` equal to the
+    axis size and removes ``dim``.
+
+    Example:
+        >>> # y = fs.psum_scatter(partial, "tp", dim=1, tiled=True)  # [b, s, d] -> [b, s/tp, d]
+    """
+    ctx = current("psum_scatter")
+    axes = axes_of(axis, ctx.mesh, "psum_scatter")
+    n = _n(ctx, axes)
+
+    def one(t: torch.Tensor) -> torch.Tensor:
+        d = _dim(dim, t.dim(), "psum_scatter", "dim", t.shape)
+        if tiled and t.shape[d] % n:
+            raise ShardingError(
+                f"psum_scatter: dim {d} of shape {tuple(t.shape)} has size {t.shape[d]}, not divisible by the "
+                f"size {n} of {axes}; pad it to a multiple of {n}."
+            )
+        if t.dtype == torch.bool:  # (psum counts Trues as int32; a blockwise count is that psum's block)
+            raise ShardingError(
+                f"psum_scatter: a bool tensor of shape {tuple(t.shape)} has no sum (JAX refuses it too); cast it "
+                f"first, e.g. fs.psum_scatter(x.to(torch.int32), {axis!r}, ...) to count the Trues."
+            )
+        if not tiled and t.shape[d] != n:
+            raise ShardingError(
+                f"psum_scatter(tiled=False): dim {d} of shape {tuple(t.shape)} must equal the size {n} of {axes}; "
+                f"use tiled=True to split a longer dim into {n} blocks."
+            )
+        with torch._C.DisableTorchFunction():
+            t, have = bind_operand(_prims.ReduceScatter, t, axes, ctx.device, ctx.check_vma, "psum_scatter")
+            xs = t.unflatten(d, (n, -1)).movedim(d, 0) if tiled else t.movedim(d, 0)  # -> [n, ...]
+            y = _prims.call(_prims.ReduceScatter, xs, ctx.device, axes)  # [n, *s] -> [*s]
+        return bind_result(_prims.ReduceScatter, y, have, axes)
+
+    return _tmap(one, x, "psum_scatter")
+
+
+def all_to_all(x: PyTree, axis: _Axis, split_dim: int, concat_dim: int, *, tiled: bool = True) -> PyTree:
+    """Split ``split_dim`` into axis-size chunks, send chunk j to device j, concatenate what arrives along
+    ``concat_dim`` in source order (forward); the reverse all-to-all (backward).
+
+    With ``tiled=False`` ``x.shape[split_dim]`` must equal the axis size; that dim is removed and the
+    arrivals are stacked in a new dim at ``concat_dim``.
+
+    Example:
+        >>> # heads <-> sequence: [b, h, s/n, d] -> [b, h/n, s, d]
+        >>> # y = fs.all_to_all(x, "cp", split_dim=1, concat_dim=2)
+    """
+    ctx = current("all_to_all")
+    axes = axes_of(axis, ctx.mesh, "all_to_all")
+    n = _n(ctx, axes)
+
+    def one(t: torch.Tensor) -> torch.Tensor:
+        sd = _dim(split_dim, t.dim(), "all_to_all", "split_dim", t.shape)
+        if (tiled and t.shape[sd] % n) or (not tiled and t.shape[sd] != n):
+            need = f"a multiple of {n}" if tiled else f"equal to {n}"
+            raise ShardingError(
+                f"all_to_all: split_dim {sd} of shape {tuple(t.shape)} has size {t.shape[sd]}, which must be "
+                f"{need} (the size of {axes})."
+            )
+        cd = _dim(concat_dim, t.dim(), "all_to_all", "concat_dim", t.shape)
+        with torch._C.DisableTorchFunction():
+            t, have = bind_operand(_prims.AllToAll, t, axes, ctx.device, ctx.check_vma, "all_to_all")
+            xs = t.unflatten(sd, (n, -1)).movedim(sd, 0) if tiled else t.movedim(sd, 0)  # -> [n, ...]
+            ys = _prims.call(_prims.AllToAll, xs, ctx.device, axes)  # [n, *s] -> [n, *s]
+            y = ys.movedim(0, cd)
+            if tiled:
+                y = y.flatten(cd, cd + 1)  # [.., n, c, ..] -> [.., n*c, ..]
+        return bind_result(_prims.AllToAll, y, have, axes)
+
+    return _tmap(one, x, "all_to_all")
+
+
+def ppermute(x: PyTree, axis: _Axis, perm: Sequence[tuple[int, int]]) -> PyTree:
+    """Send this device's value to ``dst`` from ``src`` for each ``(src, dst)`` pair (indices on ``axis``);
+    devices that receive nothing get zeros (forward). The inverse permutation (backward).
+
+    Example:
+        >>> # ring shift: y = fs.ppermute(x, "cp", [(i, (i + 1) % n) for i in range(n)])  # [*s] -> [*s]
+    """
+    ctx = current("ppermute")
+    axes = axes_of(axis, ctx.mesh, "ppermute")
+    n = _n(ctx, axes)
+    try:
+        pairs = tuple((int(s), int(d)) for s, d in perm)
+    except (TypeError, ValueError):
+        raise ShardingError(f"ppermute: perm must be a sequence of (src, dst) int pairs, found {perm!r}.") from None
+    srcs = [s for s, _ in pairs]
+    dsts = [d for _, d in pairs]
+    bad = [p for p in pairs if not (0 <= p[0] < n and 0 <= p[1] < n)]
+    if bad or len(set(srcs)) != len(srcs) or len(set(dsts)) != len(dsts):
+        raise ShardingError(
+            f"ppermute: perm {list(pairs)} over {axes} (size {n}) must pair indices in [0, {n}) with each source "
+            f"and each destination at most once"
+            + (f"; out of range: {bad}" if bad else "; a source or destination repeats")
+            + "."
+        )
+
+    def one(t: torch.Tensor) -> torch.Tensor:
+        with torch._C.DisableTorchFunction():
+            t, have = bind_operand(_prims.Ppermute, t, axes, ctx.device, ctx.check_vma, "ppermute")
+            y = _prims.call(_prims.Ppermute, t, ctx.device, axes, pairs)  # [*s] -> [*s]
+        return bind_result(_prims.Ppermute, y, have, axes)
+
+    return _tmap(one, x, "ppermute")
+
+
+def axis_index(axis: _Axis) -> torch.Tensor:
+    """This device's index on ``axis`` (row-major over a tuple of axes): a 0-dim int64 tensor that varies
+    over ``axis`` (as in JAX), so values computed from it are tracked (and their gradients summed) like any
+    other varying value. Use ``int(...)`` where a Python number is truly needed (a shape, a branch).
+
+    Example:
+        >>> # start = fs.axis_index("tp") * block  # a varying 0-dim tensor
+        >>> # rows = x.narrow(0, int(fs.axis_index("tp")) * block, block)
+    """
+    ctx = current("axis_index")
+    axes = axes_of(axis, ctx.mesh, "axis_index")
+    with torch._C.DisableTorchFunction():
+        idx = torch.tensor(_index(ctx, axes))
+    return set_vma(idx, frozenset(axes))
+
+
+def axis_index_int(axis: _Axis) -> int:
+    """:func:`axis_index` as a Python int, for shapes and control flow inside funcshard (untracked).
+
+    Example:
+        >>> # start = axis_index_int("cp") * block
+    """
+    ctx = current("axis_index")
+    return _index(ctx, axes_of(axis, ctx.mesh, "axis_index"))
+
+
+def _index(ctx: DeviceContext, axes: tuple[str, ...]) -> int:
+    idx = 0
+    for a in axes:
+        idx = idx * ctx.mesh.shape[a] + ctx.device.coords[a]
+    return idx
+
+
+def axis_size(axis: _Axis) -> int:
+    """The number of devices along ``axis`` (product over a tuple), a Python int.
+
+    Example:
+        >>> # n = fs.axis_size("tp")
+    """
+    ctx = current("axis_size")
+    return _n(ctx, axes_of(axis, ctx.mesh, "axis_size"))

@@ -1,0 +1,80 @@
+"""What a job needs from the processes (or simulated devices) it runs on, beyond the mesh.
+
+- :class:`PeerError`: a collective whose peers did not answer in time or whose connection broke.
+- :func:`collective_timeout`: seconds a collective waits for its peers (``FUNCSHARD_TIMEOUT``), checked early.
+- :func:`any_process`: whether a flag is set on any process of a mesh (how a job's processes agree to stop).
+- :func:`abandoned_threads`: simulated devices still running after their call raised (leave with ``os._exit``).
+- :func:`shutdown`: leave torch.distributed cleanly at the end of a job under torchrun.
+
+Example:
+    >>> import funcshard as fs
+    >>> from funcshard import process
+    >>> process.any_process(True, fs.make_mesh({"dp": 2}, backend="sim"))
+    True
+    >>> process.collective_timeout() > 0
+    True
+"""
+
+from __future__ import annotations
+
+import threading
+
+from .backends.base import PeerError as PeerError
+from .backends.base import default_timeout
+from .mesh import Mesh
+
+__all__ = ["PeerError", "abandoned_threads", "any_process", "collective_timeout", "shutdown"]
+
+
+def collective_timeout() -> float:
+    """Seconds a collective may wait for its peers: ``FUNCSHARD_TIMEOUT`` (default 300), read at each call.
+
+    Raises:
+        MeshError: a value that is not a positive number of seconds (call it first to fail early).
+
+    Example:
+        >>> collective_timeout() > 0
+        True
+    """
+    return default_timeout()
+
+
+def any_process(flag: bool, mesh: Mesh) -> bool:
+    """``flag`` on any process of ``mesh``: under ``"dist"`` a tiny all-reduce over the default group (every
+    process must call it at the same point), under ``"sim"`` the flag itself (one process).
+
+    Example:
+        >>> import funcshard as fs
+        >>> any_process(False, fs.make_mesh({"dp": 2}, backend="sim"))
+        False
+    """
+    if mesh.backend != "dist":
+        return flag
+    from .backends import dist as dist_backend
+
+    return dist_backend.any_process(flag)
+
+
+def abandoned_threads() -> list[threading.Thread]:
+    """Simulated device threads still running in calls that already raised. A program that exits with such a
+    thread alive should leave with ``os._exit``: torch ops on a thread at interpreter shutdown can abort.
+
+    Example:
+        >>> abandoned_threads()
+        []
+    """
+    from .backends.sim import abandoned_threads as threads
+
+    return threads()
+
+
+def shutdown() -> None:
+    """End this process's part in torch.distributed cleanly: drop funcshard's process groups and destroy the
+    default one (a no-op when none was started). Call it once, at the end of a job run under torchrun.
+
+    Example:
+        >>> shutdown()  # at the end of a job under torchrun  # doctest: +SKIP
+    """
+    from .backends import dist as dist_backend
+
+    dist_backend.shutdown()

@@ -1,0 +1,245 @@
+"""``shard_map``: run a function once per device on local shards, with named-axis collectives inside.
+
+Example:
+    >>> import torch, funcshard as fs
+    >>> from funcshard import P
+    >>> mesh = fs.make_mesh({"dp": 2, "tp": 2}, backend="sim")
+    >>> @fs.shard_map(mesh=mesh, in_specs=(P(None, "tp"), P("dp")), out_specs=P("dp", "tp"))
+    ... def f(w, x):
+    ...     return x @ w  # [b/dp, d] @ [d, h/tp] -> [b/dp, h/tp]
+    >>> w, x = torch.randn(3, 4), torch.randn(2, 3)
+    >>> torch.allclose(fs.device_get(f(w, x)), x @ w)
+    True
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import optree
+import torch
+
+from ..arrays.array import Array, is_array
+from ..collectives.vma import clear_vma
+from ..errors import ShardingError
+from ..runtime.context import maybe_current
+from ..runtime.mesh import Mesh
+from .compile import CompiledBody, compile_options, eager_body, opaque_to_dynamo, warn_sim
+from .executor import DeviceBody, audit_env, executor_for, run_local
+from .io import InputCache, Inputs, assemble_one, assemble_outputs, check_structures, donated_blocks
+from .replicas import maybe_check_replicas
+
+__all__ = ["shard_map"]
+
+PyTree = Any
+
+
+def shard_map(
+    f: Callable[..., Any] | None = None,
+    /,
+    *,
+    mesh: Mesh,
+    in_specs: Any,
+    out_specs: Any,
+    check_vma: bool = True,
+    donate: int | tuple[int, ...] = (),
+    compile: bool | dict[str, Any] = False,
+) -> Callable[..., Any]:
+    """Map ``f`` over the devices of ``mesh``: each device runs ``f`` on its local shards.
+
+    Args:
+        f: a function of local shards (plain torch.Tensors); collectives inside name mesh axes.
+        mesh: the mesh.
+        in_specs: a tuple with one spec (or spec-tree prefix) per positional argument.
+        out_specs: a spec tree (prefix) for the output.
+        check_vma: track which axes each value varies over, insert ``pvary`` where an invariant value meets
+            a varying one (so gradients are those of the global function), and check that outputs are
+            invariant over the axes their spec omits. ``False``: no tracking, write ``fs.pvary`` yourself.
+        donate: positions of arguments whose ``fs.Array``s the call may consume, as JAX's ``donate_argnums``:
+            their blocks are handed to ``f`` without a copy, so ``f`` may write results into them in place
+            (``fs.optim``'s updates do: a step then holds one copy of the params and moments), and the Arrays
+            are deleted after the call (using one again raises). Blocks that are views or shared (the first
+            ``device_put`` of a tensor) are copied on write instead; plain tensors are never written.
+        compile: under ``"dist"``, record each device's body once per input signature into one graph of torch ops
+            (the vma tracking, pytrees and checks run then, once; the collectives are ops of the graph) and run it
+            through ``torch.compile`` with no graph break; ``True``, or a dict of ``torch.compile`` options
+            (``backend``, ``mode``, ``options``, ``fullgraph``, ``dynamic``). As ``jax.jit``, Python state is frozen
+            at the recording, except the numbers, strings and flags the body reads from closures and module globals:
+            a changed one records it again (one warning); reading a tensor's value in Python (``int(x)``) raises.
+            Not differentiable from outside (take the gradients inside, as a train step does). Under ``"sim"``
+            ignored with a warning: simulated devices are threads that meet in Python, which a compiled graph cannot
+            hold. (``torch.compile`` around the returned function runs it eagerly, a graph break; a
+            ``torch.compile``'d ``f`` under ``check_vma`` runs eagerly with a warning: dynamo cannot trace the
+            tracking.)
+
+    Returns:
+        A function of global values (``fs.Array``s, or plain tensors taken as the full value) returning
+        ``fs.Array``s laid out by ``out_specs``. Usable as a decorator.
+
+    Raises:
+        ShardingError: specs that do not fit the arguments or outputs (path, shape, spec, mesh named), or a
+            ``compile`` value that is not a bool or a dict of ``torch.compile`` options.
+
+    Example:
+        >>> g = shard_map(lambda x: fs.psum(x, "dp"), mesh=mesh, in_specs=(P("dp"),), out_specs=P())  # doctest: +SKIP
+    """
+    if f is None:
+        return lambda g: shard_map(
+            g, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=check_vma, donate=donate, compile=compile
+        )
+    if not callable(f):
+        raise ShardingError(f"shard_map: expected a function as first argument, found {type(f).__name__}.")
+    if not isinstance(mesh, Mesh):
+        raise ShardingError(f"shard_map: mesh must be an fs.Mesh from fs.make_mesh, found {type(mesh).__name__}.")
+
+    donated = _donate_argnums(donate)
+    cache = InputCache()
+    options = compile_options(compile)
+    compiled = None
+    name = f"shard_map({getattr(f, '__name__', 'f')})"
+    f = eager_body(f, name, bool(check_vma))
+    if options is not None and mesh.backend != "sim":  # one device per process: its body compiles
+        compiled = CompiledBody(name, options)
+    check = bool(check_vma)
+
+    @functools.wraps(f)
+    def mapped(*args: Any) -> Any:
+        if options is not None and compiled is None:
+            warn_sim(name, id(mapped))
+        return _call(f, mesh, in_specs, out_specs, check, args, cache, donated, compiled, name)
+
+    return opaque_to_dynamo(mapped, name, tell=options is None and mesh.backend != "sim")
+
+
+_transforms_active = torch._C._are_functorch_transforms_active
+
+
+def _call(
+    f: Callable[..., Any],
+    mesh: Mesh,
+    in_specs: Any,
+    out_specs: Any,
+    check_vma: bool,
+    args: tuple[Any, ...],
+    cache: InputCache,
+    donate: tuple[int, ...] = (),
+    compiled: CompiledBody | None = None,
+    name: str | None = None,
+) -> Any:
+    """prepare (check and cut the arguments) -> run (on the backend's executor) -> assemble (the outputs)."""
+    if name is None:
+        name = f"shard_map({getattr(f, '__name__', 'f')})"
+    if maybe_current() is not None:
+        raise ShardingError(
+            f"{name}: called inside another shard_map; nesting is not supported. Call the inner function "
+            f"directly on the local shards, using collectives for communication."
+        )
+    if _transforms_active():  # (sim: the devices' threads are outside the transform, jvp gave a zero tangent)
+        raise ShardingError(
+            f"{name}: called inside a torch.func transform (grad / vjp / jvp / vmap) from outside shard_map, "
+            f"which does not reach the devices' computation. Differentiate from outside with torch.autograd "
+            f"(loss.backward(), torch.autograd.grad) or torch.autograd.forward_ad, or fs.value_and_grad; or "
+            f"apply the torch.func transform inside f, on the local shards."
+        )
+    if not donate and compiled is None and mesh.backend == "dist":  # the common step: one device, no donation
+        sig, leaves = cache.signature(name, mesh, in_specs, args)
+        if not sig.resharded and not audit_env():
+            return _run_local(name, f, mesh, out_specs, check_vma, sig, leaves, cache)
+        return _run(name, f, mesh, out_specs, check_vma, cache.inputs(mesh, sig, leaves), cache, compiled)
+    inputs = cache.prepare(name, mesh, in_specs, args)
+    if donate:
+        inputs.donated = donated_blocks(name, args, donate)
+        try:
+            return _run(name, f, mesh, out_specs, check_vma, inputs, cache, compiled)
+        finally:  # consumed, whether or not the call got through (its blocks may be half written)
+            for i in donate:
+                for leaf in optree.tree_leaves(args[i], is_leaf=is_array):
+                    if isinstance(leaf, Array):
+                        leaf.delete(f"donated to {name} (donate={donate})")
+    return _run(name, f, mesh, out_specs, check_vma, inputs, cache, compiled)
+
+
+def _run_local(
+    name: str,
+    f: Callable[..., Any],
+    mesh: Mesh,
+    out_specs: Any,
+    check_vma: bool,
+    sig: Any,
+    leaves: list[Any],
+    cache: InputCache,
+) -> Any:
+    """:func:`_run` of a ``"dist"`` call that reshards nothing and donates nothing, from the arguments' leaves
+    and signature (``run_local``): the same steps, without the per-argument lists of blocks in between."""
+    executor = cache.executor
+    if executor is None or executor.stale():
+        executor = cache.executor = executor_for(mesh)
+
+    def device_plan(out_def: Any, out_leaves: list[Any]) -> Any:  # the outputs' specs
+        return cache.out_plan(name, mesh, out_specs, out_def, out_leaves)
+
+    body = DeviceBody(f, mesh, check_vma, None, device_plan, audit=False)  # type: ignore[arg-type]
+    try:
+        out_leaves, out_def = run_local(body, executor, sig, leaves, cache)
+        try:
+            found = body.out_plan  # (the plan the outputs' pvarys were made by, where they were)
+            if found is not None and found[0] is out_def:
+                plan = found[1]
+            else:
+                plan = cache.out_plan(name, mesh, out_specs, out_def, out_leaves)
+            if not check_vma:  # the outputs called replicated are: once per output signature (see _replicas)
+                maybe_check_replicas(name, mesh, check_vma, plan, out_leaves, executor.device)
+            out = assemble_one(name, mesh, plan, check_vma, executor.coords[0], out_leaves)  # (tags cleared)
+            return optree.tree_unflatten(out_def, out)
+        except BaseException:
+            clear_vma(out_leaves)
+            raise
+    finally:  # tags are only meaningful during this call: none may leak into a later one
+        clear_vma(body.tagged)
+
+
+def _donate_argnums(donate: int | tuple[int, ...]) -> tuple[int, ...]:
+    items = (donate,) if isinstance(donate, int) else donate
+    if not isinstance(items, (tuple, list)) or not all(isinstance(i, int) and i >= 0 for i in items):
+        raise ShardingError(
+            f"shard_map: donate must be an argument position or a tuple of them (JAX's donate_argnums), "
+            f"found {donate!r}; e.g. donate=(0, 1) to donate the params and the optimiser state."
+        )
+    return tuple(sorted(set(items)))
+
+
+def _run(
+    name: str,
+    f: Callable[..., Any],
+    mesh: Mesh,
+    out_specs: Any,
+    check_vma: bool,
+    inputs: Inputs,
+    cache: InputCache,
+    compiled: CompiledBody | None = None,
+) -> Any:
+    executor = cache.executor  # (a cache serves one shard_map'd function: one mesh)
+    if executor is None or (mesh.backend != "sim" and executor.stale()):
+        executor = cache.executor = executor_for(mesh)
+
+    def plan(results: list[Any]) -> Any:
+        out_def = results[0][1] if len(results) == 1 else check_structures(name, executor.coords, results)
+        return cache.out_plan(name, mesh, out_specs, out_def, results[0][0])
+
+    def device_plan(out_def: Any, leaves: list[Any]) -> Any:  # one device's outputs: their specs
+        return cache.out_plan(name, mesh, out_specs, out_def, leaves)
+
+    body = DeviceBody(f, mesh, check_vma, inputs, device_plan)
+    body.compiled = compiled
+
+    results = executor.run(body, plan)
+    try:
+        out_plan = plan(results)
+        if not check_vma and mesh.backend == "dist":  # the outputs called replicated are (see _replicas)
+            maybe_check_replicas(name, mesh, check_vma, out_plan, results[0][0], executor.device)
+        return assemble_outputs(name, mesh, out_plan, check_vma, executor.coords, results)
+    finally:  # tags are only meaningful during this call: none may leak into a later one
+        clear_vma(body.tagged)
+        clear_vma(leaf for leaves, _ in results for leaf in leaves)
