@@ -19,7 +19,7 @@ import pytest
 
 import funcshard as fs
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs"
 PAGES = sorted(p for p in DOCS.rglob("*.md") if "api" not in p.relative_to(DOCS).parts)
 FENCE = re.compile(r"^```python[^\n]*\n(.*?)^```", re.S | re.M)

@@ -213,7 +213,7 @@ def test_train_job_under_torchrun_with_pp(tmp_path) -> None:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4", "-m", "funcshard"]
     cmd += ["train", *piped, "--ckpt-dir", str(out["dist"] / "ckpt"), "--out", str(out["dist"])]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "FUNCSHARD_TIMEOUT": "120"}
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     proc = subprocess.run(cmd, env=env, cwd=root, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     plain = [*common, "--mesh", "dp=2", "--ckpt-dir", str(out["sim"] / "ckpt"), "--out", str(out["sim"])]

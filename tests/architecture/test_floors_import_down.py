@@ -6,7 +6,7 @@ import ast
 import re
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1] / "funcshard"
+ROOT = Path(__file__).resolve().parents[2] / "funcshard"
 
 # module prefix -> floor; the longest matching prefix wins
 FLOORS = {

@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def _python_calls(fn: Any) -> tuple[Any, list[str]]:

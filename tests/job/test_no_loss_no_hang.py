@@ -28,7 +28,7 @@ from funcshard import P, checkpoint
 from funcshard.__main__ import main as cli_main
 from funcshard.job import cli as _cli
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TINY = ["--dim", "32", "--layers", "1", "--heads", "4", "--kv-heads", "2", "--ffn", "64", "--seq", "32", "--batch", "4"]
 STOPPED = re.compile(r"stopped at step (\d+); the checkpoint of step (\d+) is intact; --resume continues")
 

@@ -19,7 +19,7 @@ from funcshard.job import cli as _cli
 from funcshard.job import train
 
 TINY = ["--dim", "32", "--layers", "2", "--heads", "4", "--kv-heads", "2", "--ffn", "64", "--seq", "32", "--batch", "4"]
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _write_corpus(d: Path, n_files: int = 24) -> Path:

@@ -197,14 +197,14 @@ PP_ODD = [
 @pytest.mark.parametrize(("name", "p", "m"), PP_ODD, ids=[f"{n}-p{p}-m{m}" for n, p, m in PP_ODD])
 def test_pipeline_odd_and_few_microbatches_equal_plain_model(name: str, p: int, m: int) -> None:
     from _dist_pool import run_body
-    from test_pipeline_runtime import _pipeline_body  # the toy residual-MLP pipeline vs the plain model
+    from test_pipeline_run_vs_plain import _pipeline_body  # the toy residual-MLP pipeline vs the plain model
 
     assert run_body("sim", _pipeline_body, {"pp": p}, name, m, True) == ["ok"]
 
 
 def test_pipeline_odd_microbatches_dist() -> None:
     from _dist_pool import run_body
-    from test_pipeline_runtime import _pipeline_body
+    from test_pipeline_run_vs_plain import _pipeline_body
 
     assert run_body("dist", _pipeline_body, {"pp": 2}, "zb_h1", 3, True) == ["ok", "ok"]
 
