@@ -1,4 +1,12 @@
-"""Shared test setup: the two backends every communicating test body runs under."""
+"""Shared test setup: the two backends every communicating test body runs under, and the suite's markers.
+
+Markers (registered in pyproject.toml, ``--strict-markers``): ``dist`` runs bodies on processes joined by gloo
+(given here to every test run with ``backend="dist"``; by hand, ``@pytest.mark.dist``, to a test that starts dist
+bodies or gloo processes itself, and a test that runs a dist body without it fails); ``oracle`` compares against
+an outside peer (JAX, optax, transformers, torch's own optimisers, pipelining or DTensor); ``slow`` takes more
+than about 10 s on two CPU cores; ``counters`` counts calls, bytes or events of the machinery. The fast subset:
+``python -m pytest -m "not slow and not dist"``.
+"""
 
 from __future__ import annotations
 
@@ -35,3 +43,23 @@ def run(backend: str):
         return run_body(backend, body, shape, *args)
 
     return go
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """A test parametrized with ``backend="dist"`` (the ``backend`` / ``run`` fixtures) is a ``dist`` test."""
+    for item in items:
+        callspec = getattr(item, "callspec", None)
+        if callspec is not None and callspec.params.get("backend") == "dist":
+            item.add_marker(pytest.mark.dist)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item):
+    """A test that ran a body on the gloo pool must carry the ``dist`` marker (so ``-m "not dist"`` leaves it out)."""
+    import _dist_pool
+
+    before = _dist_pool.DIST_BODIES
+    result = yield
+    if _dist_pool.DIST_BODIES != before and item.get_closest_marker("dist") is None:
+        raise AssertionError(f"{item.nodeid} runs bodies under 'dist': mark it @pytest.mark.dist")
+    return result

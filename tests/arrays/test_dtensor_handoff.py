@@ -8,6 +8,8 @@ import torch
 import funcshard as fs
 from funcshard import P
 
+pytestmark = pytest.mark.oracle
+
 SPECS = [P(), P("tp"), P(None, "tp"), P("dp", "tp"), P(("dp", "tp")), P(None, ("dp", "tp"))]
 
 
@@ -61,6 +63,7 @@ def _errors(mesh: fs.Mesh) -> str:
     return "ok"
 
 
+@pytest.mark.dist
 @pytest.mark.parametrize("body", [_round_trip, _partial_and_foreign, _errors])
 def test_dtensor_hand_off_dist(body) -> None:
     from _dist_pool import run_body

@@ -20,12 +20,14 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from _blocks import shard_slices
 
 import funcshard as fs
 from funcshard import P, checkpoint
 from funcshard import random as fsr
-from funcshard._src.tree.spec import shard_slices
 from funcshard.checkpoint import CheckpointError
+
+pytestmark = pytest.mark.oracle
 
 MESH = {"dp": 2, "tp": 2}
 
@@ -512,6 +514,7 @@ def _one_rank_dies_body(mesh: fs.Mesh, path: str) -> tuple[str, float, int]:
     return sorted(os.listdir(Path(path).parent)), float(fs.device_get(out["w"]).sum()), checkpoint.info(path)["step"]
 
 
+@pytest.mark.dist
 def test_dist_save_dying_on_one_rank_keeps_previous(tmp_path: Path) -> None:
     """One process's write raising mid-save: every process raises (naming that rank and the cause), the
     previous checkpoint loads on every process, no temp directory is left."""
@@ -530,6 +533,7 @@ def _damaged_load_body(mesh: fs.Mesh, path: str) -> tuple[str, str]:
     return "loaded", ""
 
 
+@pytest.mark.dist
 def test_dist_load_damage_seen_by_one_rank_raises_on_every_rank(tmp_path: Path) -> None:
     """A block whose bytes changed after the save, read only by the tp=1 ranks: those raised the checksum
     error while the tp=0 ranks entered DCP's collective read and waited out the 60 s timeout, then reported
@@ -592,6 +596,7 @@ def _dtensor_mesh_arg_body(mesh: fs.Mesh) -> list[str]:
     return msgs
 
 
+@pytest.mark.dist
 def test_from_dtensor_mesh_argument_checked() -> None:
     """``from_dtensor(dt, mesh)`` with a 'sim' mesh of the right shape built an Array holding one device's
     shard on a mesh whose Arrays hold every device's (device_get: KeyError (1,)); with torch's DeviceMesh it
@@ -603,6 +608,7 @@ def test_from_dtensor_mesh_argument_checked() -> None:
         assert "found a DeviceMesh" in dm_msg and "omit mesh=" in dm_msg, dm_msg
 
 
+@pytest.mark.dist
 def test_dtensor_edge_values_dist() -> None:
     """to_dtensor / from_dtensor of 0-dim, empty, bool, int8, bfloat16, complex and non-contiguous values:
     DTensor's full_tensor is the value, and a DTensor redistributed by torch comes back as its slices."""

@@ -22,6 +22,8 @@ import funcshard as fs
 from funcshard import P, optim
 from funcshard import random as fsr
 
+pytestmark = pytest.mark.oracle
+
 MESH = {"dp": 2, "tp": 2}
 # a leaf over a tuple of axes, one over a 2-D grid, one over tp only, a replicated scalar and a replicated vector
 SPECS = {"a": P(("dp", "tp")), "b": P("dp", "tp"), "c": P(None, "tp"), "s": P(), "r": P()}
@@ -186,24 +188,6 @@ def _decay_matrices_nested(p: Any) -> Any:
     return optree.tree_map(lambda v: v.ndim > 1, p)
 
 
-def test_schedules_in_a_recorded_step_equal_their_python_values() -> None:
-    """In a step recorded into a graph the count is an unreadable tensor: the built-in schedules compute the same
-    float64 numbers from it by torch ops (they used to read it with int() and the compiled step was refused)."""
-    from funcshard._src.runtime.backends.base import trace_scope
-
-    scheds = [
-        optim.warmup_cosine(0.1, 3, 17, 0.003, init_lr=0.01),
-        optim.warmup_cosine(1e-3, 0, 10),
-        optim.linear_warmup(0.3, 7, init_lr=0.05),
-        optim.linear_warmup(0.3, 0),
-    ]
-    for sched in scheds:
-        for step in [*range(20), 99]:
-            with trace_scope():
-                got = sched(torch.tensor(step))
-            assert isinstance(got, torch.Tensor) and float(got) == sched(step), step
-
-
 def _compiled_body(mesh: fs.Mesh) -> list[Any]:
     specs = {"w": P("dp"), "b": P()}
     out = []
@@ -231,6 +215,7 @@ def _compiled_body(mesh: fs.Mesh) -> list[Any]:
     return out
 
 
+@pytest.mark.dist
 def test_compiled_steps_with_schedules_equal_eager() -> None:
     """``compile=`` with an lr schedule (sgd with any lr): the compiled steps equal the eager ones (sgd bit for
     bit; adamw's eager step runs torch's fused kernel, an ulp apart from the op-by-op path a graph records)."""
@@ -529,6 +514,7 @@ def _foreign_device_mesh_body(mesh: fs.Mesh) -> list[Any]:
     return out
 
 
+@pytest.mark.dist
 def test_from_dtensor_refuses_a_device_mesh_with_other_rank_positions() -> None:
     """A DeviceMesh whose ranks are not laid out as the mesh's (row-major over the same axis order) gave an Array
     whose blocks sat under other devices' coordinates: a silently shuffled value. Now an error naming the rank."""

@@ -206,22 +206,6 @@ def test_differentiated_from_outside_shard_map() -> None:
     assert torch.equal(plain, remat)
 
 
-def test_tags_of_outputs_follow_the_computation() -> None:
-    mesh = fs.make_mesh({"dp": 2, "tp": 2}, backend="sim")
-    from funcshard._src.collectives.vma import get_vma
-
-    def f(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        y = fs.remat(_block)(x, w.requires_grad_())
-        if get_vma(y) != frozenset({"dp", "tp"}):
-            raise AssertionError(f"tags: {get_vma(y)}")
-        return fs.psum(y.sum(), ("dp", "tp"))
-
-    out = fs.shard_map(f, mesh=mesh, in_specs=(P(None, "tp"), P("dp")), out_specs=P())(
-        torch.randn(6, 4), torch.randn(8, 6)
-    )
-    assert optree.tree_leaves(fs.device_get(out))
-
-
 # ---------------------------------------------------------------------------------- the Llama
 
 

@@ -14,10 +14,10 @@ from typing import NamedTuple
 
 import pytest
 import torch
+from _blocks import shard_slices
 
 import funcshard as fs
 from funcshard import P, checkpoint
-from funcshard._src.tree.spec import shard_slices
 from funcshard.checkpoint import CheckpointError
 
 

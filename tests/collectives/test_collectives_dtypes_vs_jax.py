@@ -17,6 +17,8 @@ import torch
 import funcshard as fs
 from funcshard import P
 
+pytestmark = pytest.mark.oracle
+
 MESH = {"a": 2, "b": 4}
 DTYPES = [torch.bool, torch.int8, torch.int32, torch.int64, torch.float16, torch.bfloat16]
 # (name, axis, out_spec): a reduction over one axis and over a tuple out of mesh order

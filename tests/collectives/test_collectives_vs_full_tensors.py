@@ -13,10 +13,10 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+from _blocks import shard_slices
 
 import funcshard as fs
 from funcshard import P
-from funcshard._src.tree.spec import shard_slices
 
 
 def _blocks(x: torch.Tensor, n: int, dim: int = 0) -> list[torch.Tensor]:
@@ -288,6 +288,7 @@ def test_collective_sim(name: str, check_vma: bool) -> None:
 DIST_CASES = sorted(CASES)
 
 
+@pytest.mark.dist
 @pytest.mark.parametrize("name", DIST_CASES)
 def test_collective_dist(name: str) -> None:
     from _dist_pool import run_body

@@ -466,6 +466,7 @@ def test_transforms_sim(name: str, check_vma: bool) -> None:
 DIST = ["auto_pvary_2d", "pmax_ties", "psum_scatter_tuple", "all_to_all_tuple", "all_gather_invariant"]
 
 
+@pytest.mark.dist
 @pytest.mark.parametrize("name", DIST)
 def test_transforms_dist(name: str) -> None:
     from _dist_pool import run_body
@@ -517,6 +518,7 @@ def test_per_sample_grads_sim(check_vma: bool) -> None:
     assert run_body("sim", _per_sample_body, {"dp": 2, "tp": 2}, check_vma) == ["ok"]
 
 
+@pytest.mark.dist
 def test_per_sample_grads_dist() -> None:
     from _dist_pool import run_body
 

@@ -11,6 +11,7 @@ import csv
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -19,6 +20,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 import precision_peer as peer
 
 from funcshard.job import train
+
+pytestmark = pytest.mark.oracle
 
 SMALL = ["--dim", "32", "--layers", "2", "--heads", "4", "--kv-heads", "2", "--ffn", "64", "--seq", "16"]
 SMALL += ["--batch", "8", "--steps", "6", "--warmup", "2", "--eval-every", "3", "--max-bytes", "200000"]

@@ -114,7 +114,7 @@ def test_sim_stuck_device_is_reported_at_the_timeout(monkeypatch: pytest.MonkeyP
     msg = str(e.value)
     assert 2.0 <= elapsed < 4.0, elapsed
     assert "waited 2 s (FUNCSHARD_TIMEOUT) for device(s) (dp=1)" in msg and "('dp',)" in msg, msg
-    from funcshard._src.runtime.backends.sim import abandoned_threads
+    from funcshard.process import abandoned_threads
 
     for t in abandoned_threads():
         t.join(5.0)
@@ -146,6 +146,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.dist
 @pytest.mark.timeout(120)
 def test_stopped_gloo_process_every_other_exits_naming_axis_and_rank(tmp_path: Path) -> None:
     """One of 4 gloo processes SIGSTOPped: the per-axis groups ignored FUNCSHARD_TIMEOUT (torch's 30 minutes)."""

@@ -11,6 +11,7 @@ from pathlib import Path
 import optree
 import pytest
 import torch
+from _train_job import TINY, _args, _write_corpus
 
 import funcshard as fs
 from funcshard import checkpoint
@@ -18,22 +19,7 @@ from funcshard.__main__ import main as cli_main
 from funcshard.job import cli as _cli
 from funcshard.job import train
 
-TINY = ["--dim", "32", "--layers", "2", "--heads", "4", "--kv-heads", "2", "--ffn", "64", "--seq", "32", "--batch", "4"]
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def _write_corpus(d: Path, n_files: int = 24) -> Path:
-    """A small folder of Python-like text files (enough for a train and a held-out split)."""
-    d.mkdir(parents=True, exist_ok=True)
-    for i in range(n_files):
-        lines = [f"def function_{i}_{j}(x, y):\n    return x * {j} + y - {i}\n\n" for j in range(12)]
-        (d / f"mod_{i:02d}.py").write_text("".join(lines))
-    (d / "blob.bin").write_bytes(b"\0\1\2" * 100)  # binary: skipped
-    return d
-
-
-def _args(tmp: Path, data: Path, *extra: str) -> list[str]:
-    return [*TINY, "--data", str(data), "--ckpt-dir", str(tmp / "ckpt"), "--out", str(tmp / "out"), *extra]
 
 
 def _rows(path: Path) -> list[dict[str, str]]:
@@ -134,6 +120,7 @@ def test_module_entry_runs_without_warnings(tmp_path: Path) -> None:
     assert "val loss" in p.stdout and (tmp_path / "out" / "loss.png").is_file()
 
 
+@pytest.mark.dist
 def test_train_under_torchrun_matches_sim(tmp_path: Path) -> None:
     """The same command under torchrun (4 gloo processes, dp=2 x tp=2) gives the simulated run's losses."""
     data = _write_corpus(tmp_path / "data")

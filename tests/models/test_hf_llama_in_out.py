@@ -18,6 +18,8 @@ from funcshard.models import llama
 from funcshard.models.llama.hf import hf_names
 from funcshard.models.llama.safetensors_io import read_header, write_file
 
+pytestmark = pytest.mark.oracle
+
 # vocab 320: above the 256 bytes and the tiny tokenizer's 300 tokens, and divisible by tp=2
 HF_SIZES = {
     "vocab_size": 320,

@@ -14,11 +14,14 @@ from __future__ import annotations
 import threading
 from typing import Any
 
+import pytest
 import torch
 
 import funcshard as fs
 from funcshard import P
 from funcshard.models import llama
+
+pytestmark = pytest.mark.counters
 
 CFG = llama.Config(vocab_size=64, dim=32, n_layers=3, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=16)
 

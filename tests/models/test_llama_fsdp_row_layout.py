@@ -92,6 +92,7 @@ def test_fsdp_tp_llama_equals_the_single_device_model(backend: str, name: str) -
     assert set(run_body(backend, _body, {"fsdp": 2, "tp": 2}, cfg, True)) == {"ok"}
 
 
+@pytest.mark.dist
 def test_fsdp4_keep_equals_the_single_device_model_dist() -> None:
     from _dist_pool import run_body
 

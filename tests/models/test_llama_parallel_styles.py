@@ -70,6 +70,7 @@ def test_llama_sim(name: str, check_vma: bool) -> None:
     assert run_body("sim", _llama_body, shape, sp, check_vma) == ["ok"]
 
 
+@pytest.mark.dist
 def test_llama_dist_dp2_tp2() -> None:
     from _dist_pool import run_body
 

@@ -100,6 +100,7 @@ def _dist_body(mesh: fs.Mesh) -> str:
     return "ok"
 
 
+@pytest.mark.dist
 @pytest.mark.parametrize("shape", [{"pp": 2, "tp": 2}, {"pp": 2, "dp": 2}], ids=["pp2_tp2", "pp2_dp2"])
 def test_pp_dist(shape: dict[str, int]) -> None:
     from _dist_pool import run_body
@@ -192,6 +193,7 @@ def test_without_pp_it_is_value_and_grad_of_loss() -> None:
     _close(grads, ref_grads, "grad")
 
 
+@pytest.mark.dist
 def test_train_job_under_torchrun_with_pp(tmp_path) -> None:
     """`train --mesh pp=2,dp=2 --schedule zbv` on 4 gloo processes gives the losses of the same run on a
     simulated dp=2 mesh without a pipeline (same init, same batches)."""

@@ -20,6 +20,8 @@ import funcshard as fs
 from funcshard import P
 from funcshard.ops import attention, vocab_parallel_cross_entropy
 
+pytestmark = pytest.mark.oracle
+
 # ---------------------------------------------------------------------------------------------- float64 ops
 
 
@@ -83,6 +85,7 @@ def test_cross_entropy_keeps_float64_sim(reduction: str) -> None:
     assert run_body("sim", _cross_entropy_body, {"tp": 2}, reduction) == ["ok"]
 
 
+@pytest.mark.dist
 def test_cross_entropy_keeps_float64_dist() -> None:
     from _dist_pool import run_body
 
@@ -197,14 +200,15 @@ PP_ODD = [
 @pytest.mark.parametrize(("name", "p", "m"), PP_ODD, ids=[f"{n}-p{p}-m{m}" for n, p, m in PP_ODD])
 def test_pipeline_odd_and_few_microbatches_equal_plain_model(name: str, p: int, m: int) -> None:
     from _dist_pool import run_body
-    from test_pipeline_run_vs_plain import _pipeline_body  # the toy residual-MLP pipeline vs the plain model
+    from _pipeline_toy import _pipeline_body  # the toy residual-MLP pipeline vs the plain model
 
     assert run_body("sim", _pipeline_body, {"pp": p}, name, m, True) == ["ok"]
 
 
+@pytest.mark.dist
 def test_pipeline_odd_microbatches_dist() -> None:
     from _dist_pool import run_body
-    from test_pipeline_run_vs_plain import _pipeline_body
+    from _pipeline_toy import _pipeline_body
 
     assert run_body("dist", _pipeline_body, {"pp": 2}, "zb_h1", 3, True) == ["ok", "ok"]
 
@@ -402,6 +406,7 @@ def _to_hf_then_read_body(mesh: fs.Mesh, path: str) -> list[bool]:
     return same
 
 
+@pytest.mark.dist
 def test_to_hf_under_dist_is_read_back_by_every_process(tmp_path) -> None:
     from _dist_pool import run_body
 

@@ -297,6 +297,7 @@ def test_llama_on_renamed_axes_sim(name: str, check_vma: bool) -> None:
     assert run_body("sim", _renamed_body, shape, roles, default, sp, check_vma) == ["ok"]
 
 
+@pytest.mark.dist
 def test_llama_on_renamed_axes_dist() -> None:
     from _dist_pool import run_body
 

@@ -10,6 +10,8 @@ import torch
 import funcshard as fs
 from funcshard.models import block
 
+pytestmark = pytest.mark.counters
+
 CFG = block.BlockConfig(dim=16, heads=4, ffn=32)
 BATCH, SEQ = 4, 8
 
@@ -61,6 +63,7 @@ def _all_modes_body(mesh: fs.Mesh, modes: list[str]) -> str:
     return "ok"
 
 
+@pytest.mark.dist
 def test_blocks_dist() -> None:
     from _dist_pool import run_body
 

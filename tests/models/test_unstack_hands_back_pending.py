@@ -15,11 +15,14 @@ from __future__ import annotations
 from typing import Any
 
 import optree
+import pytest
 import torch
 from _llama_dp import llama_step
 
 import funcshard as fs
 from funcshard.models import llama, stacked
+
+pytestmark = pytest.mark.counters
 
 CFG = llama.Config(vocab_size=64, dim=32, n_layers=3, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=16)
 

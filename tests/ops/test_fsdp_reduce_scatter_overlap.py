@@ -17,10 +17,13 @@ import threading
 from typing import Any
 
 import optree
+import pytest
 import torch
 
 import funcshard as fs
 from funcshard.models import llama
+
+pytestmark = pytest.mark.counters
 
 CFG = llama.Config(vocab_size=128, dim=64, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=192, max_seq_len=64)
 

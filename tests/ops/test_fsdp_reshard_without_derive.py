@@ -22,6 +22,8 @@ from funcshard.models import llama
 from funcshard.ops import fsdp_gather
 from funcshard.ops.fsdp import reshard_after_forward
 
+pytestmark = pytest.mark.counters
+
 CFG = llama.Config(vocab_size=64, dim=32, n_layers=3, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=16)
 
 

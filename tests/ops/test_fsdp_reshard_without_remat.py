@@ -25,6 +25,8 @@ from funcshard.models import llama
 from funcshard.ops import fsdp_gather
 from funcshard.ops.fsdp import reshard_after_forward
 
+pytestmark = pytest.mark.counters
+
 # ------------------------------------------------------------------------------------------ the scope on a toy
 SPECS = {"w": P("fsdp", None), "u": P("fsdp", None), "n": P("fsdp")}
 

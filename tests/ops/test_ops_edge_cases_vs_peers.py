@@ -38,6 +38,8 @@ from funcshard.ops import (
     zigzag_split,
 )
 
+pytestmark = pytest.mark.oracle
+
 
 def _rand(*shape: int, seed: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     return torch.randn(shape, generator=torch.Generator().manual_seed(seed)).to(dtype)

@@ -171,6 +171,7 @@ def _all_ops_body(mesh: fs.Mesh) -> str:
     return "ok"
 
 
+@pytest.mark.dist
 @pytest.mark.parametrize("tp", [2, 4])
 def test_tp_ops_dist(tp: int) -> None:
     from _dist_pool import run_body

@@ -14,6 +14,8 @@ import funcshard as fs
 from funcshard import P, optim
 from funcshard.models import llama
 
+pytestmark = pytest.mark.oracle
+
 jax = pytest.importorskip("jax")
 optax = pytest.importorskip("optax")
 

@@ -13,13 +13,12 @@ from typing import Any
 import optree
 import pytest
 import torch
+from _optim_trees import CLIP_SHAPES, CLIP_SPECS, MESH, Tree, _close, _mse, _rand
 
 import funcshard as fs
-from funcshard import P, optim
-from funcshard._src.autodiff.grad import value_and_grad
-from funcshard._src.collectives.vma import get_vma, official_vma
+from funcshard import P, optim, value_and_grad
 
-MESH = {"dp": 2, "tp": 2}
+pytestmark = pytest.mark.oracle
 
 # a Llama-sized toy: vocab-parallel embedding, stacked column / row parallel layers, replicated norm
 LLAMA_SPECS = {
@@ -30,29 +29,8 @@ LLAMA_SPECS = {
 }
 LLAMA_SHAPES = {"embed": (64, 32), "layers": {"wq": (2, 32, 32), "wo": (2, 32, 32)}, "norm": (32,), "head": (64, 32)}
 
+
 # leaves sharded over one axis, over two, and replicated: three distinct non-empty axis sets
-CLIP_SPECS = {
-    "row": P("tp", None),
-    "both": P(("dp", "tp")),
-    "grid": P("dp", "tp"),
-    "rep": P(),
-    "col": P(None, "dp"),
-    "bias": P(),
-}
-CLIP_SHAPES = {"row": (8, 3), "both": (8,), "grid": (4, 6), "rep": (5,), "col": (3, 4), "bias": (2, 2)}
-
-Tree = Any
-
-
-def _is_shape(x: Any) -> bool:
-    return isinstance(x, tuple) and all(isinstance(d, int) for d in x)
-
-
-def _rand(shapes: Tree, seed: int, scale: float = 1.0) -> Tree:
-    g = torch.Generator().manual_seed(seed)
-    return optree.tree_map(lambda s: torch.randn(*s, generator=g) * scale, shapes, is_leaf=_is_shape)
-
-
 def _torch_steps(
     params: Tree,
     grads_seq: list[Tree],
@@ -76,15 +54,6 @@ def _torch_steps(
                 group["lr"] = lrs[k]
         opt.step()
     return optree.tree_unflatten(treedef, [p.detach() for p in ref]), opt, ref, norms
-
-
-def _close(a: Tree, b: Tree, rtol: float = 1e-6, atol: float = 1e-8) -> None:
-    a, b = fs.device_get(a), fs.device_get(b)
-    paths, la, _ = optree.tree_flatten_with_path(a)
-    lb = optree.tree_leaves(b)
-    assert len(la) == len(lb)
-    for p, x, y in zip(paths, la, lb, strict=True):
-        torch.testing.assert_close(x, y, rtol=rtol, atol=atol, msg=lambda m, p=p: f"{p}: {m}")
 
 
 # ------------------------------------------------------------------------------- (a) AdamW on a sharded tree
@@ -277,26 +246,6 @@ def test_clip_by_global_norm_sharded_matches_torch(run, check_vma: bool) -> None
     assert set(run(_clip_body, MESH, check_vma)) == {"ok"}
 
 
-def test_clip_specs_argument_for_untagged_values() -> None:
-    """Values made inside the body with check_vma=False carry no tags; ``specs=`` names their axes."""
-    mesh = fs.make_mesh(MESH, backend="sim")
-    grads = _rand(CLIP_SHAPES, 1)
-    full = torch.sqrt(sum((g**2).sum() for g in optree.tree_leaves(grads)))
-
-    def norms(g: Tree) -> tuple[torch.Tensor, torch.Tensor]:
-        fresh = optree.tree_map(lambda t: t * 1.0, g)  # axes unknown without tracking
-        assert all(official_vma(t) is None for t in optree.tree_leaves(fresh))
-        with pytest.raises(fs.ShardingError, match=r"axes leaf .* are unknown"):
-            optim.global_norm(fresh)  # never this shard's norm, silently
-        _, state = optim.clip_by_global_norm(1.0, specs=CLIP_SPECS).transform(fresh, optim.ClipByGlobalNormState(0))
-        return state.norm, optim.global_norm(fresh, specs=CLIP_SPECS)
-
-    f = fs.shard_map(norms, mesh=mesh, in_specs=(CLIP_SPECS,), out_specs=(P(), P()), check_vma=False)
-    n1, n2 = f(grads)
-    torch.testing.assert_close(fs.device_get(n1), full, rtol=1e-6, atol=0)
-    torch.testing.assert_close(fs.device_get(n2), full, rtol=1e-6, atol=0)
-
-
 def test_clip_outside_shard_map_matches_torch() -> None:
     grads = _rand(CLIP_SHAPES, 1)
     clip = optim.clip_by_global_norm(1.5)
@@ -389,10 +338,6 @@ def test_schedule_drives_sgd_step_count() -> None:
 # ------------------------------------------------------------------------------- (e) value_and_grad
 
 
-def _mse(p: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    return ((x @ p["w"] + p["b"] - y) ** 2).mean()
-
-
 def test_value_and_grad_matches_torch_func() -> None:
     g = torch.Generator().manual_seed(0)
     p = {"w": torch.randn(4, 3, generator=g), "b": torch.randn(3, generator=g)}
@@ -412,60 +357,6 @@ def test_value_and_grad_matches_torch_func() -> None:
     torch.testing.assert_close(value3, ref_value)
     _close(gp, ref_gp)
     torch.testing.assert_close(gx, ref_gx)
-
-
-def _regression_body(mesh: fs.Mesh, check_vma: bool) -> str:
-    g = torch.Generator().manual_seed(0)
-    params = {"w": torch.randn(4, 3, generator=g), "b": torch.randn(3, generator=g)}
-    x, y = torch.randn(8, 4, generator=g), torch.randn(8, 3, generator=g)
-    ref_value, ref_grads = value_and_grad(_mse)(params, x, y)
-
-    def local(p: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor) -> Any:
-        def loss(p: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-            if not check_vma:  # by hand what check_vma=True inserts
-                p = fs.pvary(p, "dp")
-            return fs.pmean(_mse(p, x, y), "dp"), x.sum()  # [] -> [], the mean over the global batch
-
-        (value, aux), grads = value_and_grad(loss, has_aux=True)(p)
-        if any(get_vma(t) != frozenset() for t in optree.tree_leaves(grads)):
-            raise AssertionError("gradients of replicated params must be tagged replicated")
-        if check_vma and get_vma(aux) != frozenset({"dp"}):
-            raise AssertionError(f"aux lost its tag: {get_vma(aux)}")
-        return value, grads
-
-    f = fs.shard_map(local, mesh=mesh, in_specs=(P(), P("dp"), P("dp")), out_specs=(P(), P()), check_vma=check_vma)
-    value, grads = f(params, x, y)
-    torch.testing.assert_close(fs.device_get(value), ref_value)
-    _close(grads, ref_grads, rtol=1e-5, atol=1e-7)
-    return "ok"
-
-
-@pytest.mark.parametrize("check_vma", [True, False], ids=["vma", "explicit_pvary"])
-def test_value_and_grad_in_shard_map_dp_regression(run, check_vma: bool) -> None:
-    assert set(run(_regression_body, {"dp": 2}, check_vma)) == {"ok"}
-
-
-def test_value_and_grad_tags_follow_inputs() -> None:
-    mesh = fs.make_mesh(MESH, backend="sim")
-    w, x = torch.randn(3, 4), torch.randn(2, 3)
-
-    def f(w: torch.Tensor, x: torch.Tensor) -> Any:
-        value, gw = value_and_grad(lambda w: fs.psum(fs.pmean((x @ w).sum(), "dp"), "tp"))(w)
-        if get_vma(gw) != frozenset({"tp"}) or get_vma(value) != frozenset():
-            raise AssertionError(f"tags: grad {get_vma(gw)}, value {get_vma(value)}")
-        return value, gw
-
-    value, gw = fs.shard_map(f, mesh=mesh, in_specs=(P(None, "tp"), P("dp")), out_specs=(P(), P(None, "tp")))(w, x)
-    ref_value, ref_gw = value_and_grad(lambda w: (x @ w).sum() / 2)(w)
-    torch.testing.assert_close(fs.device_get(value), ref_value)
-    torch.testing.assert_close(fs.device_get(gw), ref_gw)
-
-    # a value that still varies over dp keeps its tag, so out_specs=P() is refused instead of silently wrong
-    def unreduced(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        return value_and_grad(lambda w: fs.psum((x @ w).sum(), "tp"))(w)[0]
-
-    with pytest.raises(fs.ShardingError, match="varies over axis 'dp'"):
-        fs.shard_map(unreduced, mesh=mesh, in_specs=(P(None, "tp"), P("dp")), out_specs=P())(w, x)
 
 
 # ------------------------------------------------------------------------------- (f) bad input

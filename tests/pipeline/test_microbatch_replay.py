@@ -22,6 +22,8 @@ import funcshard as fs
 from funcshard import P
 from funcshard.pipeline import PipelineGrads, by_name, run, stage_order
 
+pytestmark = pytest.mark.counters
+
 D, H, ROWS, M = 4, 6, 3, 4
 
 _calls: Counter[tuple[int, bool]] = Counter()  # (stage, tracked) -> stage_fn calls, while counting

@@ -11,80 +11,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _pipeline_toy import DT, MB, D, _data, _layer, _mse, _pipeline_body, _reference, _schedule
 
 import funcshard as fs
 from funcshard import P
-from funcshard.pipeline import PipelineGrads, by_name, gpipe, interleaved_1f1b, one_f_one_b, run, zero_bubble_h1
+from funcshard.pipeline import PipelineGrads, by_name, one_f_one_b, run, zero_bubble_h1
 from funcshard.pipeline.plan import loss_route, plans, stage_plan
 from funcshard.pipeline.runtime import stage_order, ticks, virtual_stage_order
-
-D, H, MB = 4, 6, 3  # feature dim, hidden dim, rows per microbatch
-DT = torch.float64
-
-
-def _layer(params, x):
-    w1, w2 = params
-    return x + torch.tanh(x @ w1) @ w2
-
-
-def _mse(y, t):
-    return ((y - t) ** 2).mean()
-
-
-def _data(n_layers: int, batch: int, seed: int = 0):
-    g = torch.Generator().manual_seed(seed)
-    w1 = torch.randn(n_layers, D, H, generator=g, dtype=DT) * 0.5
-    w2 = torch.randn(n_layers, H, D, generator=g, dtype=DT) * 0.5
-    x = torch.randn(batch, D, generator=g, dtype=DT)
-    t = torch.randn(batch, D, generator=g, dtype=DT)
-    return w1, w2, x, t
-
-
-def _reference(w1, w2, x, t):
-    """Loss and per-layer grads of the plain model on the full batch."""
-    w1, w2 = w1.clone().requires_grad_(), w2.clone().requires_grad_()
-    y = x
-    for i in range(w1.shape[0]):
-        y = _layer((w1[i], w2[i]), y)
-    loss = _mse(y, t)
-    g1, g2 = torch.autograd.grad(loss, (w1, w2))
-    return loss.detach(), g1, g2
-
-
-def _schedule(name: str, p: int, m: int):
-    if name == "gpipe":
-        return gpipe(p, m)
-    if name == "1f1b":
-        return one_f_one_b(p, m)
-    if name == "interleaved":
-        return interleaved_1f1b(p, m, 2)
-    if name in ("interleaved_zb", "looped_bfs"):
-        return by_name(name, p, m, n_virtual=2)
-    if name in ("zbv", "dualpipev"):
-        return by_name(name, p, m)
-    return zero_bubble_h1(p, m)
-
-
-def _pipeline_body(mesh: fs.Mesh, name: str, m: int, check_vma: bool) -> str:
-    p = mesh.shape["pp"]
-    sched = _schedule(name, p, m)
-    v = sched.n_virtual
-    w1, w2, x, t = _data(p * v, m * MB)
-    ref_loss, ref_g1, ref_g2 = _reference(w1, w2, x, t)
-    order = stage_order(sched)  # global stacked index -> layer
-    params = (w1[order], w2[order])  # [p * v, D, H], [p * v, H, D]
-
-    def step(params, xs, ts):
-        return run(sched, _layer, params, xs, targets=ts, loss_fn=_mse)
-
-    f = fs.shard_map(step, mesh=mesh, in_specs=(P("pp"), P(), P()), out_specs=(P(), P("pp")), check_vma=check_vma)
-    loss, (g1, g2) = f(params, x.reshape(m, MB, D), t.reshape(m, MB, D))
-    torch.testing.assert_close(fs.device_get(loss).reshape(()), ref_loss, rtol=1e-5, atol=1e-12)
-    inv = torch.tensor(order).argsort()  # layer -> global stacked index
-    torch.testing.assert_close(fs.device_get(g1)[inv], ref_g1, rtol=1e-5, atol=1e-12)
-    torch.testing.assert_close(fs.device_get(g2)[inv], ref_g2, rtol=1e-5, atol=1e-12)
-    return "ok"
-
 
 CASES = [
     (name, p, m)
@@ -112,6 +45,7 @@ def _all_schedules_body(mesh: fs.Mesh) -> str:
     return "ok"
 
 
+@pytest.mark.dist
 def test_pipeline_dist_pp4() -> None:
     from _dist_pool import run_body
 
@@ -168,6 +102,7 @@ def _dp_pp_all_body(mesh: fs.Mesh) -> str:
     return "ok"
 
 
+@pytest.mark.dist
 def test_pipeline_dp_pp_dist() -> None:
     from _dist_pool import run_body
 
@@ -330,71 +265,6 @@ def test_stage_fn_must_keep_shape() -> None:
     )
     with pytest.raises(fs.ShardingError, match="must keep the activation's shape and dtype"):
         f((w1, w2), x.reshape(4, MB, D), t.reshape(4, MB, D))
-
-
-def _vma_ops_per_step(monkeypatch: pytest.MonkeyPatch, sched) -> tuple[int, int, int]:
-    """One step under sim with check_vma: (ops the vma mode saw outside the user's functions, ops it saw inside
-    them, pvary it inserted), summed over the devices."""
-    import threading
-
-    from funcshard._src.collectives import vma as _vma
-
-    inside = threading.local()
-    seen = {"out": 0, "in": 0, "pvary": 0}
-    mode_fn, pvary_to = _vma.VmaMode.__torch_function__, _vma.pvary_to
-
-    def counted(self, func, types, args=(), kwargs=None):
-        seen["in" if getattr(inside, "on", False) else "out"] += 1
-        return mode_fn(self, func, types, args, kwargs)
-
-    def counted_pvary(x, want, dev):
-        y = pvary_to(x, want, dev)
-        seen["pvary"] += y is not x
-        return y
-
-    def user(fn):
-        def wrapped(*args):
-            inside.on = True
-            try:
-                return fn(*args)
-            finally:
-                inside.on = False
-
-        return wrapped
-
-    monkeypatch.setattr(_vma.VmaMode, "__torch_function__", counted)
-    monkeypatch.setattr(_vma, "pvary_to", counted_pvary)
-    p, v, m = sched.n_stages, sched.n_virtual, sched.n_microbatches
-    w1, w2, x, t = _data(p * v, m * MB)
-    mesh = fs.make_mesh({"pp": p}, backend="sim")
-    f = fs.shard_map(
-        lambda params, xs, ts: run(sched, user(_layer), params, xs, targets=ts, loss_fn=user(_mse)),
-        mesh=mesh,
-        in_specs=(P("pp"), P(), P()),
-        out_specs=(P(), P("pp")),
-    )
-    args = ((w1[stage_order(sched)], w2[stage_order(sched)]), x.reshape(m, MB, D), t.reshape(m, MB, D))
-    f(*args)
-    seen.update(out=0, pvary=0)
-    seen["in"] = 0
-    f(*args)
-    return seen["out"], seen["in"], seen["pvary"]
-
-
-@pytest.mark.parametrize("name", ["1f1b", "interleaved"])
-def test_vma_mode_sees_only_the_user_functions(monkeypatch: pytest.MonkeyPatch, name: str) -> None:
-    """The runtime's own tensor work (slicing microbatches, detaching, receive buffers, autograd.grad, gradient
-    accumulation) does not go through the vma mode's Python dispatch: what the mode sees outside ``stage_fn`` /
-    ``loss_fn`` is a fixed number of ops per step (shard_map's and the loss reduction's), not a number per action
-    (about 20 per action before), and no pvary is inserted (the targets are tagged as the output they meet).
-    The user's functions are tracked once per chunk and step (later microbatches replayed untracked)."""
-    small = _vma_ops_per_step(monkeypatch, _schedule(name, 2, 4))
-    large = _vma_ops_per_step(monkeypatch, _schedule(name, 2, 8))
-    # the user's ops: tracked on the first microbatch of each chunk (stage_fn) and of loss_fn, the others replayed
-    # untracked, so twice the microbatches show the mode no more ops
-    assert large[1] == small[1] > 0
-    assert large[0] == small[0] < 80  # the runtime's: the same for twice the actions (was ~20 per action)
-    assert small[2] == large[2] == 0
 
 
 VOCAB = 11

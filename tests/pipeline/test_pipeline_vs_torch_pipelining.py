@@ -35,6 +35,8 @@ from funcshard.pipeline import (
     zero_bubble_h1,
 )
 
+pytestmark = pytest.mark.oracle
+
 D, H, MB, K = 3, 4, 2, 2  # feature dim, hidden dim, rows per microbatch, layers per chunk
 DT = torch.float64
 IDENTITY = 1e3  # a chunk whose first weight is this passes its input through unchanged (no parameter used)

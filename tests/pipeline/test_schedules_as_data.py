@@ -28,6 +28,8 @@ from funcshard.pipeline import (
     zero_bubble_h1,
 )
 
+pytestmark = pytest.mark.oracle
+
 GRID = [(p, m) for p in range(1, 5) for m in range(p, 9)]
 WIDE = [(p, m) for p in range(1, 6) for m in range(1, 13)]  # every size, m < p included
 PNG = b"\x89PNG\r\n\x1a\n"

@@ -11,6 +11,8 @@ import funcshard as fs
 from funcshard import P
 from funcshard import random as fsr
 
+pytestmark = pytest.mark.oracle
+
 jax = pytest.importorskip("jax")
 jnp = pytest.importorskip("jax.numpy")
 

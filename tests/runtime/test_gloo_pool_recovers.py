@@ -32,6 +32,7 @@ def _raise(mesh: object, marker: str) -> str:
     raise ValueError("the body's own error")
 
 
+@pytest.mark.dist
 def test_a_worker_that_dies_once_is_reported_and_the_body_runs_again(tmp_path: Path) -> None:
     marker = tmp_path / "died"
     with pytest.warns(UserWarning, match=r"dist worker 1 died \(exit code 3\) while running _die_once"):
@@ -39,12 +40,14 @@ def test_a_worker_that_dies_once_is_reported_and_the_body_runs_again(tmp_path: P
     assert marker.read_text() == "died"
 
 
+@pytest.mark.dist
 def test_a_body_that_kills_its_worker_every_time_fails() -> None:
     with pytest.warns(UserWarning, match="again on a fresh pool"), pytest.raises(WorkerDied, match="exit code 3"):
         run_body("dist", _die, {"dp": 2})
     assert run_body("dist", _die_once, {"dp": 2}, os.devnull) == ["ok", "ok"]  # the next body gets a fresh pool
 
 
+@pytest.mark.dist
 def test_a_body_that_raises_runs_once(tmp_path: Path) -> None:
     marker = tmp_path / "runs"
     with pytest.raises(RemoteError, match="the body's own error"):

@@ -48,6 +48,8 @@ from hypothesis import strategies as st
 
 import funcshard as fs
 
+pytestmark = pytest.mark.oracle
+
 # per test (the parametrized ones: per feature); the slow profile scales them up by the same factor
 CI_EXAMPLES = {"vma": 30, "careful": 12, "lazy": 40, "out_spec": 12, "number": 10, "jax": 5}
 CI_TOTAL = sum(n * (len(FEATURES) + 1 if k in ("vma", "careful", "out_spec") else 1) for k, n in CI_EXAMPLES.items())
@@ -159,6 +161,7 @@ def test_number_to_collective_that_needs_a_dim_raises(prog):
 DIST_SEEDS = [(mode, seed) for seed in range(4) for mode in ("vma", "careful")]
 
 
+@pytest.mark.dist
 @pytest.mark.parametrize(("mode", "seed"), DIST_SEEDS, ids=[f"{m}-{s}" for m, s in DIST_SEEDS])
 def test_dist_equals_sim_and_reference(mode, seed):
     from _dist_pool import run_body

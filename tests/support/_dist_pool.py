@@ -149,6 +149,7 @@ class Pool:
 
 
 _POOLS: dict[int, Pool] = {}
+DIST_BODIES = 0  # bodies run under "dist" so far (conftest checks that a test that runs one is marked ``dist``)
 
 
 def _close_all() -> None:
@@ -165,6 +166,8 @@ def run_body(backend: str, body: Any, shape: dict[str, int], *args: Any) -> list
 
     if backend == "sim":
         return [body(fs.make_mesh(shape, backend="sim"), *args)]
+    global DIST_BODIES
+    DIST_BODIES += 1
     n = math.prod(shape.values())
     try:
         return _pool(n).run(body, shape, args)

@@ -199,7 +199,7 @@ def test_adamw_keeps_float32_moments_for_low_precision_grads() -> None:
 
 
 def test_train_job_bf16_runs_and_resumes(tmp_path: Path) -> None:
-    from test_train_generate_cli import _args, _write_corpus
+    from _train_job import _args, _write_corpus
 
     from funcshard.job import cli, train
 

@@ -9,8 +9,7 @@ import pytest
 import torch
 
 import funcshard as fs
-from funcshard import P
-from funcshard._src.tree.rules import logical_to_mesh, restrict_spec, spec_rules
+from funcshard import P, logical_to_mesh, spec_rules
 
 
 def _has(*fragments: str) -> str:
@@ -152,14 +151,6 @@ def test_drop_missing_axes() -> None:
         spec_rules(_params(), LLAMA_RULES, mesh=mesh)
     with pytest.raises(fs.ShardingError, match="needs a mesh"):
         spec_rules(_params(), LLAMA_RULES, drop_missing_axes=True)
-
-
-def test_restrict_spec() -> None:
-    mesh = fs.make_mesh({"dp": 2, "tp": 1}, backend="sim")
-    assert restrict_spec(P(("dp", "fsdp"), "tp", "cp"), mesh) == P("dp", "tp")
-    assert restrict_spec(P(("dp", "fsdp"), "tp", "cp"), mesh, drop_size_one=True) == P("dp")
-    assert restrict_spec(P(("fsdp", "dp", "tp"), None), {"dp": 2, "tp": 2, "fsdp": 2}) == P(("fsdp", "dp", "tp"))
-    assert restrict_spec(P(), mesh) == P()
 
 
 def test_bad_rules() -> None:

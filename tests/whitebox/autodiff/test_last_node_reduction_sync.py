@@ -11,11 +11,14 @@ The numbers equal the unsharded model's either way, under sim too.
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 
 import funcshard as fs
 from funcshard import P
+
+pytestmark = pytest.mark.counters
 
 
 class _Ident(torch.autograd.Function):

@@ -16,6 +16,8 @@ import funcshard as fs
 from funcshard import P
 from funcshard.ops import fsdp_gather
 
+pytestmark = pytest.mark.counters
+
 
 class _Log:
     """Where the marker writes (an object, not a list: a pytree argument may be rebuilt on the way in)."""
@@ -216,6 +218,7 @@ def _compiled_overlap_body(mesh: fs.Mesh) -> dict:
     return {"mms": mms_while_travelling, "close": close}
 
 
+@pytest.mark.dist
 def test_compiled_step_overlaps_its_gradient_reductions_under_dist() -> None:
     from _dist_pool import run_body
 

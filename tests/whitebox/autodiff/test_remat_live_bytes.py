@@ -28,6 +28,8 @@ from funcshard.models import llama
 from funcshard.models.llama.model import embed_tokens, head_logits, layout
 from funcshard.ops import vocab_parallel_cross_entropy
 
+pytestmark = pytest.mark.counters
+
 N = 128  # the toy chain's [N, N] blocks
 BLOCK = N * N * 4  # bytes of one
 
@@ -214,6 +216,7 @@ def test_reshard_after_forward_frees_the_gathered_weights_of_all_but_one_layer(r
             assert expected - gathered / 3 <= freed <= expected + gathered / 3, (freed / gathered, k, r)
 
 
+@pytest.mark.dist
 @pytest.mark.parametrize("overlap", ["0", "1"])
 def test_reshard_after_forward_frees_the_gathered_weights_under_dist(overlap):
     gathered = _layer_bytes(FSDP_CFG)
@@ -246,6 +249,7 @@ def _settled_body(mesh: fs.Mesh, overlap: str) -> tuple[int, int]:
     return waited[0], FSDP_CFG.n_layers
 
 
+@pytest.mark.dist
 def test_remat_backward_waits_for_the_previous_regions_reductions():
     """Under dist with FUNCSHARD_OVERLAP, each remat backward waits for the reduce-scatters the previous region's
     backward left in flight once it has recomputed its own region: one layer's gradient bucket (a full-size

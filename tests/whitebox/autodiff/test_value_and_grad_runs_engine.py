@@ -18,6 +18,8 @@ from torch.overrides import TorchFunctionMode
 import funcshard as fs
 from funcshard import P
 
+pytestmark = pytest.mark.counters
+
 
 def _loss(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
     # x invariant meets w1 sharded over tp: the vma mode inserts a pvary (its backward: a psum over tp)

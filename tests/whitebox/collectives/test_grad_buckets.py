@@ -22,6 +22,8 @@ import funcshard as fs
 from funcshard import P
 from funcshard.models import llama
 
+pytestmark = pytest.mark.counters
+
 BATCH = 8
 
 

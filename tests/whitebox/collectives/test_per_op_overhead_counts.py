@@ -27,6 +27,8 @@ import torch.utils._pytree as torch_pytree
 import funcshard as fs
 from funcshard import P
 
+pytestmark = pytest.mark.counters
+
 
 class _Counts:
     """Counts the calls of ``inspect.signature`` and torch's pytree flatten / unflatten within the block."""

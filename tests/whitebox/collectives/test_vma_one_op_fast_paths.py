@@ -13,11 +13,14 @@ import collections
 import threading
 from typing import Any
 
+import pytest
 import torch
 
 import funcshard as fs
 from funcshard import P
 from funcshard._src.collectives import vma as _vma
+
+pytestmark = pytest.mark.counters
 
 
 def _norm(x: torch.Tensor, w: torch.Tensor, c: torch.Tensor, eps: float) -> torch.Tensor:

@@ -13,6 +13,7 @@ Bodies run under ``sim`` and ``dist`` (gloo) and compare with the unsharded refe
 from __future__ import annotations
 
 import optree
+import pytest
 import torch
 from _llama_dp import CFG, llama_step
 
@@ -20,6 +21,8 @@ import funcshard as fs
 from funcshard import P
 from funcshard.models import llama
 from funcshard.optim._adamw import CHUNK, _chunks
+
+pytestmark = pytest.mark.counters
 
 
 def _dispatch_body(mesh: fs.Mesh) -> tuple[bool, int, bool, bool]:

@@ -12,6 +12,7 @@ one float32 ulp per data shard.
 from __future__ import annotations
 
 import optree
+import pytest
 import torch
 
 import funcshard as fs
@@ -19,6 +20,8 @@ from funcshard import P, lax
 from funcshard.models import llama
 from funcshard.models.llama import model as llama_model
 from funcshard.ops import vocab_parallel_cross_entropy
+
+pytestmark = pytest.mark.counters
 
 CFG = llama.Config(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=16)
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 import optree
+import pytest
 import torch
 from _llama_dp import llama_step
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -20,6 +21,8 @@ import funcshard as fs
 from funcshard import P
 from funcshard.models import llama
 from funcshard.models import transformer as tr
+
+pytestmark = pytest.mark.counters
 
 CFG = llama.Config(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=16)
 

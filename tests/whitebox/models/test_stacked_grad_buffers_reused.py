@@ -5,6 +5,7 @@ still held, with the numbers of ``torch.unbind``'s fresh stack. Every body runs 
 from __future__ import annotations
 
 import optree
+import pytest
 import torch
 from _llama_dp import CFG, llama_step
 
@@ -12,6 +13,8 @@ import funcshard as fs
 from funcshard._src.collectives.prims import BUCKETS
 from funcshard.models.llama import model as llama_model
 from funcshard.models.stacked import Unstack, _pool, unstack
+
+pytestmark = pytest.mark.counters
 
 
 def _stacked_body(mesh: fs.Mesh) -> tuple[bool, bool, bool, bool, int, bool, int, bool]:

@@ -13,6 +13,7 @@ import collections
 import threading
 from typing import Any
 
+import pytest
 import torch
 
 import funcshard as fs
@@ -20,6 +21,8 @@ from funcshard import P
 from funcshard._src.collectives import vma as _vma
 from funcshard.ops import attention, ring_attention
 from funcshard.ops._attention_torch import attention_torch
+
+pytestmark = pytest.mark.counters
 
 _plain = attention_torch.__wrapped__  # the undecorated torch path: op by op through the mode
 B, S, D = 4, 6, 8  # batch (split over dp), sequence, head dim

@@ -4,6 +4,7 @@ timing); the numbers are those of ``pvary`` + ``F.linear`` and of the unsharded 
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -11,6 +12,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import funcshard as fs
 from funcshard import P
 from funcshard.ops import column_parallel_linear, row_parallel_linear
+
+pytestmark = pytest.mark.counters
 
 
 class _Events(TorchDispatchMode):

@@ -22,6 +22,8 @@ from funcshard import P
 from funcshard._src.collectives import vma as _vma
 from funcshard.ops import tp, vocab_parallel_cross_entropy, vocab_parallel_embedding
 
+pytestmark = pytest.mark.counters
+
 B, S, D, V = 2, 6, 8, 16
 _ONE_OPS = ("_float_and_max", "_exp_sum_and_target", "_cross_entropy_from_sums", "_embedding_slice")
 

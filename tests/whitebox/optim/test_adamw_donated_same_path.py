@@ -10,11 +10,14 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 import torch
 
 import funcshard as fs
 from funcshard import P, optim
 from funcshard.optim import _adamw
+
+pytestmark = pytest.mark.counters
 
 
 def _steps(opt: Any, p: dict, grads: list[dict], donated: bool) -> dict:

@@ -19,6 +19,8 @@ import funcshard as fs
 from funcshard import P, optim
 from funcshard.optim import _adamw
 
+pytestmark = [pytest.mark.oracle, pytest.mark.counters]
+
 # every local and full leaf a whole number of 16-element vectors: torch's fused kernel has no scalar tail
 SPECS = {"w": P(None, "tp"), "layers": P(None, "tp", None), "b": P("tp"), "n": P()}
 SHAPES = {"w": (3, 64), "layers": (4, 32, 16), "b": (96,), "n": (32,)}

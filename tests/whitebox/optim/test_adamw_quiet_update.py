@@ -21,6 +21,8 @@ from funcshard import P, lax, optim
 from funcshard.models import llama
 from funcshard.optim import _adamw
 
+pytestmark = pytest.mark.counters
+
 CFG = llama.Config(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=16)
 
 

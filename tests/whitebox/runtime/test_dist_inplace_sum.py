@@ -75,6 +75,7 @@ def _dist_body(mesh: fs.Mesh) -> list[torch.Tensor]:
     return [whole, torch.cat(parts)]
 
 
+@pytest.mark.dist
 def test_dist_inplace_sum_equals_the_sum() -> None:
     from _dist_pool import run_body
 

@@ -21,6 +21,8 @@ from typing import Any
 import pytest
 import torch
 
+pytestmark = pytest.mark.counters
+
 ROOT = Path(__file__).resolve().parents[3]
 
 
@@ -71,6 +73,7 @@ def _counted_exchange(mesh: Any) -> dict[str, Any]:
     return out
 
 
+@pytest.mark.dist
 def test_dist_p2p_python_calls_per_message() -> None:
     from _dist_pool import run_body
 
@@ -120,6 +123,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.dist
 @pytest.mark.timeout(120)
 def test_dist_p2p_receive_that_never_comes_ends_naming_op_and_peer() -> None:
     port = _free_port()

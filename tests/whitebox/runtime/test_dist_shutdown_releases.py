@@ -8,6 +8,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 _SCRIPT = textwrap.dedent(
     """
     import os, sys
@@ -36,6 +38,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.dist
 def test_shutdown_leaves_no_group_in_cached_devices() -> None:
     """After ``fs.process.shutdown()`` no device a shard_map cached still holds a process group (fails before
     ``_drop_groups`` emptied the shared group dicts: the cached context's device kept its dp group)."""

@@ -10,10 +10,13 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 import torch
 
 import funcshard as fs
 from funcshard import P
+
+pytestmark = pytest.mark.counters
 
 
 def _values() -> torch.Tensor:
@@ -67,6 +70,7 @@ def _body(mesh: fs.Mesh, limit: int | None) -> dict[str, Any]:
         dist_backend._one_shot, dist_backend._ONE_SHOT_BYTES = one_shot, old_limit
 
 
+@pytest.mark.dist
 def test_one_shot_sum_gives_the_sim_bits_on_every_process() -> None:
     from _dist_pool import run_body
 
@@ -82,6 +86,7 @@ def test_one_shot_sum_gives_the_sim_bits_on_every_process() -> None:
         assert str(r["got"]["sum"][2].item()) == str(want["sum"][2].item())  # -0.0 + 0.0 ...: the sign bit too
 
 
+@pytest.mark.dist
 def test_ring_above_the_limit_agrees_to_rounding() -> None:
     from _dist_pool import run_body
 

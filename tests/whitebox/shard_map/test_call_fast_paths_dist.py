@@ -14,10 +14,13 @@ from collections.abc import Iterator
 from typing import Any
 from unittest import mock
 
+import pytest
 import torch
 
 import funcshard as fs
 from funcshard import P
+
+pytestmark = pytest.mark.counters
 
 
 def _step_body(mesh: fs.Mesh) -> dict[str, Any]:

@@ -10,11 +10,14 @@ from typing import Any, NamedTuple
 from unittest import mock
 
 import optree
+import pytest
 import torch
 
 import funcshard as fs
 from funcshard import P
 from funcshard._src.shard_map.io import flatten
+
+pytestmark = pytest.mark.counters
 
 
 class _Pair(NamedTuple):

@@ -8,10 +8,13 @@ import collections
 from typing import Any
 from unittest import mock
 
+import pytest
 import torch
 
 import funcshard as fs
 from funcshard import P
+
+pytestmark = pytest.mark.counters
 
 
 def _signature_body(mesh: fs.Mesh) -> dict[str, Any]:
@@ -123,6 +126,7 @@ def _audit_env_body(mesh: fs.Mesh) -> dict[str, Any]:
     return {"raised": raised}
 
 
+@pytest.mark.dist
 def test_audit_variable_read_on_every_call_under_dist() -> None:
     from _dist_pool import run_body
 

@@ -5,10 +5,13 @@ numbers equal the unsharded function's."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 import funcshard as fs
 from funcshard import P
+
+pytestmark = pytest.mark.counters
 
 
 def _calls_body(mesh: fs.Mesh) -> dict:

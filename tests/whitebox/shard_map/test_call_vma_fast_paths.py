@@ -11,10 +11,13 @@ import functools
 from typing import Any
 from unittest import mock
 
+import pytest
 import torch
 
 import funcshard as fs
 from funcshard import P
+
+pytestmark = pytest.mark.counters
 
 
 def _reads_body(mesh: fs.Mesh) -> dict[str, Any]:

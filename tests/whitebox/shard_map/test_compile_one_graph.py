@@ -22,6 +22,8 @@ import funcshard as fs
 from funcshard import P, optim
 from funcshard.models import llama
 
+pytestmark = pytest.mark.counters
+
 CFG = llama.Config(vocab_size=32, dim=16, n_layers=1, n_heads=2, n_kv_heads=2, ffn_dim=32, max_seq_len=8)
 COMPILE = {"backend": "aot_eager"}
 
@@ -90,6 +92,7 @@ def _compiled_vs_eager(mesh: fs.Mesh, donate: tuple[int, ...]) -> dict:
     }
 
 
+@pytest.mark.dist
 @pytest.mark.parametrize(("shape", "donate"), [({"dp": 2}, ()), ({"tp": 2}, (0, 1))], ids=["dp2", "tp2-donated"])
 def test_compiled_train_step_equals_eager_under_dist(shape: dict[str, int], donate: tuple[int, ...]) -> None:
     for r in run_body("dist", _compiled_vs_eager, shape, donate):
@@ -127,6 +130,7 @@ def _collectives(mesh: fs.Mesh) -> list[list[torch.Tensor]]:
     return outs
 
 
+@pytest.mark.dist
 def test_every_collective_compiles_under_dist() -> None:
     for eager, compiled in run_body("dist", _collectives, {"a": 2}):
         for c, e in zip(compiled, eager, strict=True):
@@ -145,6 +149,7 @@ def _value_read(mesh: fs.Mesh) -> str:
     return str(e.value)
 
 
+@pytest.mark.dist
 def test_value_read_in_a_compiled_body_is_refused_under_dist() -> None:
     for msg in run_body("dist", _value_read, {"dp": 2}):
         assert "if x.sum() > 0" in msg and "torch.where" in msg
@@ -183,6 +188,7 @@ def _recorded_writes(mesh: fs.Mesh) -> dict:
     return {"writes": writes, "close": close and torch.allclose(torch.tensor(compiled[0]), torch.tensor(eager[0]))}
 
 
+@pytest.mark.dist
 def test_recorded_step_writes_no_kept_buffer() -> None:
     # recorded into a graph, a write into a slice of a kept buffer becomes a copy of all of it (a functional
     # scatter): inductor's kernel for the 17.9M Llama's layer gradients took 405-440 ms a step (bench/compile.py)
@@ -322,6 +328,7 @@ def _changing_values(mesh: fs.Mesh) -> dict[str, Any]:
     return {"outs": outs, "wants": wants, "recorded": len(recorded), "warned": warned}
 
 
+@pytest.mark.dist
 def test_compiled_body_is_recorded_again_when_a_python_value_it_reads_changes() -> None:
     """A number the compiled body reads from its closure or a module global (a learning rate, a flag), or a global
     tensor rebound to another, is not frozen silently: a changed value records the body again (one graph per

@@ -1,0 +1,66 @@
+"""The tests' own layout: public names outside the white-box folder, one folder per floor or package.
+
+Only ``tests/whitebox/`` (tests that count, patch or read internals) and ``tests/support/`` (the helpers) import
+``funcshard._src``; every other test uses the names the package exports, so moving a private module breaks no
+test outside those two folders. Test files sit in folders (none at the top of ``tests/``) and their names are
+unique: pytest imports them by their bare names (rootdir-relative ``prepend`` mode, no ``__init__.py``), and the
+dist workers unpickle test bodies by those names.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections import Counter
+from pathlib import Path
+
+TESTS = Path(__file__).resolve().parents[1]
+PRIVATE_OK = ("whitebox", "support")
+PRIVATE = "funcshard._src"
+
+
+def _private_uses(path: Path) -> list[str]:
+    """``funcshard._src`` as an import or a dotted string (``mock.patch("funcshard._src...")``) in ``path``."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        names: list[str] = []
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names = [node.module, *(f"{node.module}.{a.name}" for a in node.names)]
+        elif isinstance(node, ast.Call):  # mock.patch("funcshard._src.x.y", ...), monkeypatch.setattr("...", ...)
+            names = [a.value for a in node.args if isinstance(a, ast.Constant) and isinstance(a.value, str)]
+        found += [
+            f"{path.relative_to(TESTS)}:{node.lineno}: {n}"
+            for n in names
+            if n == PRIVATE or n.startswith(PRIVATE + ".")
+        ]
+    return found
+
+
+def test_only_whitebox_and_support_import_funcshard_src() -> None:
+    offenders = [
+        use
+        for path in sorted(TESTS.rglob("*.py"))
+        if path.relative_to(TESTS).parts[0] not in PRIVATE_OK
+        for use in _private_uses(path)
+    ]
+    assert not offenders, (
+        "tests outside tests/whitebox/ use funcshard._src (use the public name, or move the test to "
+        f"tests/whitebox/<floor>/): {offenders}"
+    )
+
+
+def test_the_check_sees_private_imports_and_patches() -> None:
+    assert _private_uses(Path(__file__)) == []
+    imports = _private_uses(TESTS / "whitebox" / "tree" / "test_restrict_spec.py")
+    assert any(u.endswith(PRIVATE + ".tree.rules.restrict_spec") for u in imports), imports
+    patches = _private_uses(TESTS / "whitebox" / "shard_map" / "test_call_vma_fast_paths.py")
+    assert any(u.endswith(PRIVATE + ".shard_map.api.executor_for") for u in patches), patches
+
+
+def test_test_files_sit_in_folders_with_unique_names() -> None:
+    files = sorted(TESTS.rglob("test_*.py"))
+    assert not [f.name for f in files if f.parent == TESTS], "a test file at the top of tests/: put it in a folder"
+    twice = [name for name, n in Counter(f.name for f in files).items() if n > 1]
+    assert not twice, f"test file names used twice (pytest imports them by bare name): {twice}"
+    assert not list((TESTS / "support").glob("test_*.py")), "tests/support/ holds helpers, not tests"
