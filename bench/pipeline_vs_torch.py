@@ -85,7 +85,8 @@ message, a wait of one C++ call):
     8 actions); parameter gradients accumulated by the autograd engine into ``.grad`` (no Python add_ / clone).
 
 What is left of the gap, with counters rather than the wall clock:
-- Per message, fs's Python is now ~4 us per op and wait (a fake process group: ``tests/test_dist_p2p.py``
+- Per message, fs's Python is now ~4 us per op and wait (a fake process group:
+  ``tests/whitebox/runtime/test_dist_p2p_python_calls.py``
   counts one Python call per op and none below ``wait()``); fs's main-thread CPU per message is at or under
   torch's, ~40-50 us above the process group's own calls (gloo's ``send`` itself takes 0.4-1 ms of the
   main thread under this load, for both libraries: cProfile of a middle stage, 20 steps).

@@ -59,7 +59,8 @@ mode; the backward still runs with the mode off the stack); a psum's backward re
 when no graph is recorded (no ``Pvary`` Function: its transpose is the identity there); the vma mode widens
 an invariant constant (no grad, no tangent) by a tagged view instead of a ``Pvary`` Function (67 of the 84
 per device in the tp=2 Llama step) and makes operands agree without a pytree walk; axis names checked once
-per mesh. ``tests/test_calls_grad.py`` and ``tests/test_calls_io.py`` count each of these. What is left,
+per mesh. ``tests/whitebox/autodiff/test_value_and_grad_runs_engine.py`` and
+``tests/whitebox/shard_map/test_call_plans_made_once.py`` count each of these. What is left,
 ~15-40 us each: the lazy copy-on-write clone of each input block, the tags set and cleared per call, the
 ``fs.Array`` per output, the collectives' layers (``lax``, the Function, the dist backend's copy of the
 operand into a fresh buffer: (a) sums in place), value_and_grad's leaf copies and graph walk, and per op ~2 us
@@ -231,7 +232,8 @@ no comprehension frames), ``run_local`` makes its lazy clones without a frame a 
 of at least ``lax.INPLACE_MIN_BYTES`` (16 KiB) sums it in its own buffer under dist, as (a) does: a tensor whose
 only Python reference is ``psum``'s own (``sys.getrefcount``, calibrated at import; off on 3.14+), whose C++ tensor
 nothing else holds (``_use_count``: not saved as a backward's input) and whose storage nothing else holds (no view,
-no saved output, no copy-on-write clone). ``tests/test_percall_psum_inplace.py`` fails under dist without each
+no saved output, no copy-on-write clone). ``tests/collectives/test_psum_temporary_in_place.py`` fails under dist
+without each
 check. Measured per psum of a temporary (callgrind, dist shard_map): 4 KiB +2.5k instructions in place (so the
 small step, whose psum is 4 KiB, keeps the copy), 128 KiB -11.9k (the large step's), besides the copy's page
 faults. In the whole small step, in place cost +10.5k over the copy (2,483,031 vs 2,472,547, same process): the

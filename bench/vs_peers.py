@@ -322,7 +322,8 @@ layers' gradient (``Unstack``) for the first layer's bucket, issued just before,
 synchronous sum, where DDP's reducer waits once after the whole backward; under load each block costs a wake-up.
 Changed (df14fb5): ``Unstack`` hands the layers' pending sums back as one pending strided view per stacked leaf
 (the wait is ``fs.value_and_grad``'s, after the backward: the embedding's gradient and the last bucket go on
-meanwhile); same numbers (tests/test_step_unstack_pending.py). Also: the dist backend's synchronous in-place sum
+meanwhile); same numbers (tests/models/test_unstack_hands_back_pending.py). Also: the dist backend's synchronous
+in-place sum
 without the generator context manager (d9d04ef, helper C's callgrind), AdamW's quiet path per leaf (bc3a0f9: tp's
 update off the vma mode, helper V's count). Bucket sizes: the per-layer buckets (6.3 MB, one per layer, 9 + the
 loss's 2 sums = 11 calls) are under DDP's 25 MiB cap, so the cap does not bind here; DDP's 3 buckets (1 MiB

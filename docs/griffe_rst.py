@@ -1,7 +1,7 @@
 """A griffe extension: read funcshard's docstrings as the API pages should show them.
 
 funcshard's docstrings are Google style with an ``Example:`` section of doctests (run by
-tests/test_doctests.py). Griffe's Google parser knows ``Examples:`` only (``Example:`` would render as an
+tests/docs/test_doctests.py). Griffe's Google parser knows ``Examples:`` only (``Example:`` would render as an
 admonition whose doctest output is read as Markdown), and a few Sphinx roles (``:func:`x```) and a ``::``
 literal-block marker appear in the prose. This extension rewrites the docstring text before it is parsed:
 ``Example:`` -> ``Examples:``, a role -> an inline code span, ``text::`` -> ``text:``.

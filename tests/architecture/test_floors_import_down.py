@@ -39,7 +39,9 @@ def _floor(mod: str) -> int:
         if mod == prefix or mod.startswith(prefix + "."):
             if best is None or len(prefix) > len(best[0]):
                 best = (prefix, floor)
-    assert best is not None, f"module funcshard.{mod} has no floor in tests/test_layers.py; add it"
+    assert best is not None, (
+        f"module funcshard.{mod} has no floor in tests/architecture/test_floors_import_down.py; add it"
+    )
     return best[1]
 
 

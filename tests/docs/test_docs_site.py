@@ -1,7 +1,7 @@
 """The docs site stays true: every page's Python runs, the names it mentions exist, and it builds strictly.
 
 Each Markdown page under ``docs/`` (the API pages are generated from the docstrings, which
-tests/test_doctests.py runs) has its ```python blocks run in order in one namespace, under the simulated
+tests/docs/test_doctests.py runs) has its ```python blocks run in order in one namespace, under the simulated
 backend. A block whose first line is ``# not run`` (torchrun-only, DTensor, JAX or a sketch) is skipped.
 """
 

@@ -4,7 +4,7 @@
 and simulated devices) and the error names the axis and the rank; 3 Ctrl-C stops with one line and exit code
 130; 6 --data is streamed; 7 bad input is one line before the first step; 8 ``import funcshard`` gives every
 subpackage, the install gives what the job needs, and --help documents every flag and setting. (4 and 5,
-checksums and a full disk, are in test_checkpoint.py.)
+checksums and a full disk, are in tests/checkpoint/test_checkpoint_roundtrip_reshard.py.)
 """
 
 from __future__ import annotations

@@ -180,7 +180,8 @@ def test_loss_and_grads_equal_transformers_with_ignored_labels(tmp_path, mesh_na
 
 # ---------------------------------------------------------------------------------------------- pipelines
 
-# odd microbatch counts, fewer microbatches than stages, an odd number of stages (tests/test_pipeline_runtime.py
+# odd microbatch counts, fewer microbatches than stages, an odd number of stages
+# (tests/pipeline/test_pipeline_run_vs_plain.py
 # runs m in (4, 8) on p in (2, 4)); every schedule, each where its own rules allow
 PP_ODD = [
     ("gpipe", 4, 1),

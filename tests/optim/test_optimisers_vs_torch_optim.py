@@ -156,7 +156,7 @@ def _adamw_donated_blocks(mesh: fs.Mesh) -> tuple[int, bool, bool]:
 
 def test_adamw_donated_blocks_match_torch_bit_for_bit(run) -> None:
     # the op-by-op in-place update runs block by block (cache-sized): torch.optim.AdamW's numbers, bit for bit
-    # (float32 CPU leaves take torch's fused kernel instead: tests/test_optim_fused.py)
+    # (float32 CPU leaves take torch's fused kernel instead: tests/whitebox/optim/test_adamw_fused_kernel.py)
     for blocks, exact, whole in run(_adamw_donated_body, {"tp": 2}):
         assert blocks == 2 and whole  # a local leaf of 1.5 blocks is cut in two; chunk 0: one block
         assert exact

@@ -4,7 +4,8 @@ hangs and unclear errors.
 Oracles: the same model run without a pipeline on one device (float64 where the model allows, every layer's
 gradient and the loss); ``torch.distributed.pipelining``'s own schedule checker and simulator
 (``_validate_schedule`` / ``_simulate_comms_compute``) on the orders ours produce and on broken ones; and the
-textbook bubble of ZB-H1. Beyond ``tests/test_schedules.py`` / ``tests/test_pipeline_runtime.py`` (which compare
+textbook bubble of ZB-H1. Beyond ``tests/pipeline/test_schedules_as_data.py`` /
+``tests/pipeline/test_pipeline_run_vs_plain.py`` (which compare
 the named orders with torch's and run ``m`` in {4, 8}): microbatch counts at the edges (1, fewer than the
 stages, not a multiple of them, more than twice), several layers per chunk, three stages, random hand-made
 schedules (any placement, split and overlapped backwards), stages with no gradient path, differentiation

@@ -1,4 +1,4 @@
-"""The test suite's pool of gloo workers (``tests/_dist_pool.py``): a worker that dies while running a body is
+"""The test suite's pool of gloo workers (``tests/support/_dist_pool.py``): a worker that dies while running a body is
 reported with its exit status and the body runs once more on a fresh pool; a body that kills its worker every
 time fails; a body that raises fails at once (no second run)."""
 

@@ -1,4 +1,5 @@
-"""Running the fuzzer's programs (``tests/test_fuzz.py``): under funcshard, against the reference.
+"""Running the fuzzer's programs (``tests/shard_map/test_fuzz_vs_reference.py``): under funcshard, against the
+reference.
 
 - :func:`run_funcshard` is a program's shard_map body: one device, local shards, funcshard's collectives.
 - :func:`reference_result` / :func:`funcshard_result`: a program's outputs and the gradients of

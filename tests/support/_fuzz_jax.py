@@ -1,6 +1,7 @@
 """A third interpreter of the fuzzer's programs, in JAX's shard_map: an outside check of the reference.
 
-Used by ``test_fuzz.py`` only where jax is installed (``pip install "jax[cpu]"``). JAX is the model the
+Used by ``tests/shard_map/test_fuzz_vs_reference.py`` only where jax is installed (``pip install "jax[cpu]"``). JAX is
+the model the
 reference follows (vma, pvary's transpose, gradients inside the body), so on the programs JAX can run the two
 must agree. Left out (:class:`Unsupported`): what JAX does not differentiate (pmax / pmin of a tensor), what
 it lacks (all_gather_invariant) or does differently (all_to_all with tiled=False; ppermute over an axis

@@ -1,4 +1,5 @@
-"""The language of the fuzzer's programs (``tests/test_fuzz.py``): values, ops, programs, and their listing.
+"""The language of the fuzzer's programs (``tests/shard_map/test_fuzz_vs_reference.py``): values, ops, programs, and
+their listing.
 
 A :class:`Program` is data: a mesh, inputs (global shape, spec, requires_grad), ops in SSA form and outputs with
 their out_specs. Each op kind is a Python expression over its operands (:data:`TEMPLATES`); a transform op

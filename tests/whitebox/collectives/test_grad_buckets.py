@@ -172,7 +172,8 @@ def _llama_body(mesh: fs.Mesh) -> tuple[bool, bool, int, dict]:
 
 def test_llama_dp_all_reduces_per_step(run) -> None:
     # one bucket per layer (each well under the 25 MiB cap), embed + norm + head in one, and the loss's two sums
-    # (the token count before the forward, the mean after: no wait in the forward; tests/test_dp_loss_pending.py)
+    # (the token count before the forward, the mean after: no wait in the forward;
+    # tests/whitebox/models/test_loss_sums_pending.py)
     for same_loss, same_grads, calls, rows in run(_llama_body, {"dp": 2}):
         assert same_loss and same_grads
         assert calls == CFG.n_layers + 3, rows

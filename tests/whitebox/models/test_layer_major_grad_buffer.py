@@ -2,7 +2,8 @@
 
 - The Llama's per-layer gradient buckets are rows of one ``[n_layers, per layer]`` buffer, so each stacked
   ``[n_layers, ...]`` gradient is a strided view of it (no stack copy); the numbers are those of
-  ``torch.unbind``'s fresh stack (``tests/test_dp_stacked.py`` checks the buffers and their reuse).
+  ``torch.unbind``'s fresh stack (``tests/whitebox/models/test_stacked_grad_buffers_reused.py`` checks the buffers and
+  their reuse).
 - Under ``dist`` a bucket's pending sum is handed back as one pending view per gradient, made from plain views of
   the bucket: no dispatch through a pending flat result (its split and views) in the backward.
 - AdamW's in-place update cuts a strided gradient into blocks of whole rows (cache-sized, as a contiguous one).
