@@ -71,12 +71,10 @@ from .._src.runtime.context import current
 from .._src.runtime.stats import capture, record
 from .plan import Send as Send
 from .plan import StagePlan, Step, plans
-from .plan import Tick as Tick
-from .plan import ticks as ticks
 from .schedules import Action, Schedule
 from .trace import active_trace, now
 
-__all__ = ["PipelineGrads", "Send", "Tick", "run", "stage_order", "ticks", "virtual_stage_order"]
+__all__ = ["PipelineGrads", "Send", "run", "stage_order", "virtual_stage_order"]
 
 PyTree = Any
 # dtypes an activation may have (its index travels in the shape probe)

@@ -240,7 +240,7 @@ class _ValueAndGrad:
                 keep, last = graph_walk([value], leaves) if outer and differentiable else (False, None)
             if differentiable:
                 # dist: the gradient reductions travel while the backward goes on (the last node's: synchronous)
-                with Overlap(None if keep else last):  # overlap_scope's context, made directly
+                with Overlap(None if keep else last):
                     found = _autograd_grad(value, leaves, keep)
             else:  # f does not depend on its inputs: zero gradients, as torch.func gives
                 found = (None,) * len(leaves)
