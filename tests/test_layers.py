@@ -236,3 +236,19 @@ def test_no_module_imports_a_private_name() -> None:
                 where = f"funcshard/{path.relative_to(ROOT)}:{node.lineno}"
                 offenders.append(f"{where}: from {'.' * node.level}{node.module} import {', '.join(bad)}")
     assert not offenders, "private names imported across modules:\n" + "\n".join(offenders)
+
+
+MAX_FUNCTION_LINES = 80
+
+
+def test_no_function_longer_than_80_lines() -> None:
+    """Every function under ``funcshard/`` (kernels too) fits in 80 lines, counted from its ``def`` line to its
+    last line."""
+    offenders = []
+    for path in sorted(ROOT.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                length = node.end_lineno - node.lineno + 1
+                if length > MAX_FUNCTION_LINES:
+                    offenders.append(f"funcshard/{path.relative_to(ROOT)}:{node.lineno} {node.name} {length}")
+    assert not offenders, f"functions longer than {MAX_FUNCTION_LINES} lines:\n" + "\n".join(offenders)
