@@ -5,36 +5,20 @@ The step (loss, gradients and the AdamW update in one ``shard_map``):
     loss, grads = llama.value_and_grad(params, tokens, targets, cfg)
     params, state = adamw.update(grads, state, params)
 
-run twice over the same mesh: eagerly (``compile=False``) and compiled (``compile={"backend": ...}``: the body
-recorded once into one graph of torch ops, the collectives among them, then ``torch.compile``'d). The script
-first checks that three compiled steps give the eager losses and params (rtol 1e-5; 1e-4 under inductor, see
-the check), then times both steps
-interleaved (the order flips every step) and prints the median step times, their ratio (the speedup), the
-graph breaks and graphs torch.compile reported, and the compile time. ``--naive`` also measures what plain
-``torch.compile`` of the per-device body gives (dynamo tracing funcshard's Python: its graph-break count).
+run twice over the same mesh: eagerly (``compile=False``, the baseline) and compiled (``compile={"backend":
+...}``: the body recorded once into one graph of torch ops, the collectives among them, then
+``torch.compile``'d). The script first checks that three compiled steps give the eager losses and params (rtol
+1e-5; 1e-4 under inductor, see the check), then times both steps interleaved (the order flips every step). The
+default model is small (dim 128, 2 layers, batch 8 x 64); ``--dim 384 --layers 8 --batch 4 --seq 128`` is the
+17.9M one.
 
-Measured (torch 2.13 CPU inductor, 2 gloo processes on a 2-core host, 1 thread each, load ~0.3 at launch; every
-launch passed the 3-step check; speedup = eager / compiled median step time):
+Prints: the check (losses, the worst params difference), the graph breaks and graphs torch.compile reported (one
+graph, no break, for the whole step), the time of the first steps (recording and compiling), the median / p10 /
+p90 step time of each, and the speedup (eager / compiled median, max over ranks; higher is better).
+``--naive`` also measures what plain ``torch.compile`` of the per-device body gives (dynamo tracing funcshard's
+Python: its graph-break count); ``--profile N`` prints rank 0's N top ops by self CPU time per variant.
 
-    model                                             mesh    speedup
-    dim 128, 2 layers (the default)                   dp=2    1.14-1.18x
-                                                      tp=2    1.13-1.39x
-    dim 384, 8 layers, batch 4 x seq 128 (17.9M)      dp=2    0.70x -> 0.88x -> 0.92-0.94x (this round's two
-                                                              changes, below); aot_eager 0.43x before them
-
-``--profile`` showed where the larger step lost: one inductor kernel of 405-440 ms a step writing the stacked
-layers' gradients, row by row, into the kept layer-major bucket buffer and the kept stack buffer (eager's
-tricks to avoid page faults; recorded, each write into a slice of a kept buffer became a functional
-scatter, a copy of all of it: 17.7M-element loops of masked loads). While recorded, the buckets and the
-unstacking node now take the plain path (``torch.cat`` + all-reduce, ``torch.stack``): 0.88x. Then AdamW: a
-recorded step with donated params and moments updated them op by op (inductor's kernel: ~114 ms a step, fresh
-buffers copied back); it is now one op of the graph, ``funcshard::adamw_fused_`` (torch's fused CPU kernel,
-declared to write its operands, so inductor keeps it in place: ~16 ms, eager's), bitwise eager's numbers under
-aot_eager: 0.92-0.94x, the compiled step's CPU 6% over eager's (3 profiled steps: 1.457 s vs 1.372 s). What is
-left: the stacked layers' gradients stacked by a kernel (~32 ms a step; eager hands back strided views of the
-layer-major bucket, no copy) and the waits for the all-reduces (~47 ms a step, eager's ~39 ms).
-Page faults matter here too: the same launch with ``MALLOC_MMAP_MAX_=0`` (no fresh mmap per large buffer)
-went from 0.70x to 0.84x before this round's change.
+Measured figures: ``docs/guides/speed.md``.
 
 Usage:
     python bench/compile.py                        # dp=2, inductor (a few minutes on 2 cores: most is compiling)

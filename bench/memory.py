@@ -9,7 +9,7 @@ step itself needed (activations, saved tensors, gathered weights, gradients; the
 row: torch's ``.grad`` is set to None before the step). Every process runs with a fixed glibc mmap threshold,
 so freed tensors leave the RSS. tracemalloc would not see torch's tensors; on CPU, RSS does.
 
-Rows and the peer each is divided by:
+Rows and the peer (baseline) each is divided by:
 
 - one process (``1 proc``): ``module`` (``loss.backward()`` on the ``nn.Module`` twin, ``bench/_memory_peers.py``:
   same shapes and parameter count), ``module_ckpt`` (each block under
@@ -24,6 +24,7 @@ Rows and the peer each is divided by:
   counts four times): ``fsdp4_keep`` / ``fsdp4_reshard`` (``{"fsdp": 4}``, ``Config(remat=--fsdp-remat,
   reshard_after_forward=...)``), ``dp4`` (``{"dp": 4}``), ``cp4`` (``{"cp": 4}``: ring attention), each against
   the one-device module step that does the same work (``module_ckpt`` under ``--fsdp-remat full``, else ``module``);
+  not like for like (four devices' sum against one device), the ``4 procs`` rows are;
 - 4 gloo processes, one CPU process per device (``4 procs``: the MAX over the ranks of each rank's step memory,
   global batch ``--batch`` split over the ranks): the torch peers ``ddp4`` (``DistributedDataParallel``),
   ``fsdp2_keep`` / ``fsdp2_reshard`` (``fully_shard`` on every block and on the root, with
@@ -37,97 +38,12 @@ Rows and the peer each is divided by:
   peer ``fsdp2_bf16_keep``), ``cp4_dist``
   (``{"cp": 4}``; peer ``ddp4``, which holds the same number of tokens per device and the same replicated weights).
 
-Asking for a row runs its peer too. ``--json PATH`` writes the rows (variant, where, MiB, peer, peer MiB,
-ratio, loss, per-rank MiB) and the sizes.
+Asking for a row runs its peer too. Prints (stderr) each variant's MiB and seconds as it finishes, then one table:
+variant, where (``1 proc`` / ``sim x4`` / ``4 procs``), MiB, peer, peer MiB, ratio (lower is better) and loss.
+``--json PATH`` writes the rows (variant, where, MiB, peer, peer MiB, ratio, loss, per-rank MiB) and the sizes.
+The default sizes are the 13.2M-parameter Llama, global batch 8 x 256.
 
-Measured (2-core CPU shared with 3 other jobs, load 8-11; the default sizes: 13,179,264 parameters, global batch
-8 x 256; forward + backward; one run per row, every row of one ``python bench/memory.py`` run except the
-``fsdp4_dist_reshard_noremat`` lines after its first, each a ``--variants`` run of that row with its peer; MiB =
-the max over the 4 ranks for "4 procs"):
-
-    variant                    where         MiB  peer                 peer MiB   ratio
-    torch                      1 proc      520.5  module                  520.6   1.00x
-    torch_create_graph         1 proc     1389.7  module                  520.6   2.67x
-    torch_func                 1 proc     1318.6  module                  520.6   2.53x
-    funcshard                  1 proc      520.1  module                  520.6   1.00x
-    remat_full                 1 proc      129.5  module_ckpt             129.5   1.00x
-    remat_selective            1 proc      359.1  module                  520.6   0.69x
-    funcshard_bf16             1 proc      315.4  module_bf16             375.0   0.84x
-    fsdp4_keep                 sim x4      306.0  module_ckpt             129.5   2.36x
-    fsdp4_reshard              sim x4      151.1  module_ckpt             129.5   1.17x
-    dp4                        sim x4      520.7  module                  520.6   1.00x
-    cp4                        sim x4      525.8  module                  520.6   1.01x
-    dp4_dist                   4 procs     132.6  ddp4                    132.5   1.00x
-    fsdp4_dist_keep            4 procs     185.1  fsdp2_keep              184.7   1.00x
-    fsdp4_dist_reshard         4 procs      43.5  fsdp2_reshard_ckpt       53.1   0.82x
-    fsdp4_dist_reshard_noremat 4 procs     153.2  fsdp2_reshard           146.2   1.05x  (first version)
-    fsdp4_dist_reshard_noremat 4 procs     148.7  fsdp2_reshard           146.0   1.02x  (pending reductions settled
-                                                                                        before the next prefetch)
-    fsdp4_dist_reshard_noremat 4 procs     147.0  fsdp2_reshard           146.4   1.00x  (FUNCSHARD_OVERLAP=0)
-    fsdp4_dist_reshard_noremat 4 procs     144.9  fsdp2_reshard           146.1   0.99x  (the backward's prefetch
-                                                                                        issued half-way through
-                                                                                        the layer; load 2-3)
-    fsdp4_dist_reshard_noremat 4 procs     145.1  fsdp2_reshard           146.3   0.99x  (reduce-scatters waited for
-                                                                                        at the next regather's
-                                                                                        issue; load 13)
-    fsdp4_dist_reshard_noremat 4 procs     145.0  fsdp2_reshard           145.8   0.99x  (and the prefetched bucket
-                                                                                        settled once; keep 185.2
-                                                                                        vs 184.6; load 12-24)
-    fsdp4_dist_reshard_noremat 4 procs     144.6  fsdp2_reshard           146.1   0.99x  (norm + head one bucket,
-                                                                                        last regather at the
-                                                                                        logits, no dispatch mode:
-                                                                                        2eccd1c; keep 185.0 vs
-                                                                                        184.7, reshard 43.3;
-                                                                                        embed + norm + head in one
-                                                                                        bucket: keep 185.7-186.1
-                                                                                        vs 184.8, 1.01x once;
-                                                                                        load 10-15)
-    fsdp4_dist_reshard_noremat 4 procs     144.3  fsdp2_reshard           146.3   0.99x  (fsdp on the weights'
-                                                                                        outer dim, 3719c83; keep
-                                                                                        185.0 vs 184.2, 1.00x;
-                                                                                        load 8.8-10.9)
-    fsdp4_dist_bf16            4 procs      98.4  fsdp2_bf16_keep          98.3   1.00x
-    cp4_dist                   4 procs     132.1  ddp4                    132.5   1.00x
-
-The peers alone: module 520.6, module_ckpt 129.5, module_bf16 375.0 (1 proc); ddp4 132.5, fsdp2_keep 184.7,
-fsdp2_reshard 146.2, fsdp2_reshard_ckpt 53.1, fsdp2_bf16_keep 98.3 (4 procs). Losses: the module rows 5.6202 and
-the funcshard rows 5.6308 (another init), the 4-procs peers 5.6108 (rank 0's quarter of the batch).
-
-Reading the rows over 1.00x:
-
-- ``torch_create_graph`` / ``torch_func`` are the functional baselines that keep the backward's graph (issue #10's
-  cause (a)); funcshard's ``fs.value_and_grad`` does not (``funcshard`` 1.00x).
-- The ``sim x4`` rows are the SUM of four simulated devices against ONE device's module step: not like for like.
-  Each device holds what one device of a real 4-device run holds: under ``fsdp`` a full layer's gathered weights
-  (6.2 MiB fp32 here), the next layer's in flight and a full-size gradient bucket before its reduce-scatter, four
-  times over (sum 306.0 keep / 151.1 reshard with remat full vs module_ckpt's 129.5, which gathers nothing); under
-  ``cp`` every device computes the gradients of all the replicated weights before they are summed (4 x 50.3 MiB
-  of gradients where the module has one), the ring's k/v blocks besides. The like-for-like numbers are the
-  ``4 procs`` rows against torch's own 4-process peers: ``fsdp4_dist_*`` 0.82-1.02x, ``cp4_dist`` 1.00x.
-- ``dp4_dist`` 132.6 vs 132.5 and ``fsdp4_dist_keep`` 185.1 vs 184.7 (1.002-1.003x) are within one run's noise:
-  the ranks of one row spread over 0.5-1.1 MiB (dp4_dist 131.5-132.6, ddp4 131.9-132.5).
-- ``fsdp4_dist_reshard_noremat`` (issue #10's reshard-after-forward without remat): the first version held one
-  more layer's gradient bucket (6.2 MiB) at its peak than FSDP2: under ``FUNCSHARD_OVERLAP`` (the default) the
-  reduce-scatter of a layer's gradients travels during the next layer's backward and was waited for only after
-  the previous layer's regather had been issued. Settling it before that prefetch: 153.2 -> 148.7 MiB. The rest
-  (ranks 143.3 / 148.7 / 148.1 / 144.9 against FSDP2's 145.8-146.0; 148.5 and 150.7 in two more runs) was NOT a
-  reduce-scatter in flight: a trace of the RSS after every aten op on every rank puts every rank's peak (ours and
-  FSDP2's) in the first layer differentiated (layer 7), in its MLP backward (w2's matmul, then silu's product),
-  where no layer's reduce-scatter is pending yet; our peak RSS there exceeded the traced per-op maximum by up to
-  4 MiB on some ranks. The bytes: the previous layer's regather, prefetched at this layer's first restored weight,
-  in flight during those matmuls: gloo's all-gather (``ProcessGroupGloo::_allgather_base`` -> ``allgather``)
-  gathers into a flat temporary the size of the output and then copies it into the output, so while it travels
-  it holds two layers' gathered size (2 x 6.2 MiB), written by gloo's thread page by page (how much is resident at
-  the peak depends on timing, hence the spread over ranks). FSDP2 on CPU issues the same prefetch synchronously, so
-  its temporary is gone before the peak. Now the prefetch is issued once half of the layer's dropped saved weights
-  are restored (past its MLP backward, whose activations are freed by then): 144.6-145.0 MiB in 5 runs (ranks
-  141.8-145.0) against FSDP2's 145.9-146.3: 0.99x. Speed (the same step, 4 gloo processes, A/B interleaved, load
-  3-4): 1.00-1.05x wall, 1.01-1.04x CPU of rank 0; ``bench/vs_peers.py --size large --cases fsdp`` (Config()
-  reshards after forward) 1.045-1.049x FSDP2 after vs 1.037-1.042x before (CPU 1.065-1.072 vs 1.067-1.070, load 2-3).
-
-The issue's acceptance "dp=4 and fsdp=4 step peaks <= DDP's / FSDP2's" (13.2M params here): dp 132.6 vs 132.5
-(1.00x, noise), fsdp keep 185.1 vs 184.7 (1.00x, noise), fsdp reshard with remat 43.5 vs 53.1 (0.82x), fsdp reshard
-without remat 144.9 vs 146.1 (0.99x with the overlap on, after the prefetch fix above; 148.7 vs 146.0 before).
+Measured figures and their history: ``docs/guides/speed.md``.
 
 Usage:
     python bench/memory.py                      # the 13M-parameter Llama, every row: ~6 minutes on 2 cores

@@ -1,71 +1,29 @@
-"""What the machinery costs on the Llama train step (issue #11): a one-device ``sim`` mesh vs the eager step, and
-``check_vma`` on vs off on 2 gloo processes.
+"""What the machinery costs on the Llama train step: a one-device ``sim`` mesh vs the eager step, and ``check_vma``
+on vs off on 2 gloo processes.
 
 The step, the same pure function in every row (loss, gradients and the AdamW update):
 
     loss, grads = fs.value_and_grad(lambda p: llama.loss(p, tokens, targets, cfg))(params)
     params, state = adamw.update(grads, state, params)
 
-1. ``sim {"dp": 1}`` vs eager: the step run as it is on plain full tensors (no shard_map: the eager torch step)
-   and inside ``fs.shard_map`` over a simulated mesh of one device (``check_vma=True``, the default). Same math,
-   same process, one thread; the ratio is what shard_map, the vma tracking and the collectives (over a group of
-   one) cost. Target: <= 1.05.
+1. ``sim {"dp": 1}`` vs eager: the step run as it is on plain full tensors (no shard_map: the eager torch step,
+   the baseline) and inside ``fs.shard_map`` over a simulated mesh of one device (``check_vma=True``, the
+   default). Same math, same process, one thread; the ratio is what shard_map, the vma tracking and the
+   collectives (over a group of one) cost. Target: <= 1.05.
 2. ``check_vma`` on vs off under ``dist``: the step in ``fs.shard_map`` over ``--mesh`` (default tp=2) on 2 gloo
-   processes, with ``check_vma=True`` and ``False`` (each ``fs.pvary`` the model writes for the untracked case).
-   Target: <= 1.03.
+   processes, with ``check_vma=True`` and against ``check_vma=False`` (the baseline; each ``fs.pvary`` the model
+   writes for the untracked case). Target: <= 1.03.
 
-Both rows first check that the two steps agree (loss and params after one step), then time them A/B interleaved
-(the order flips every step) after warmup, each a real training step fed its own previous params and state.
-Reported: median wall time and median CPU time (the process's for sim; the calling thread's for dist, which
-leaves out waiting for the peer), their ratios, and the host's load average at launch (a shared 2-core host is
-noisy: the CPU ratios are the steadier).
+Both rows first check that the two steps agree (loss and params after one step, to 1e-5), then time them A/B
+interleaved (the order flips every step) after warmup, each a real training step fed its own previous params and
+state. The default model is the 13.2M-parameter Llama (dim 384, 8 layers, batch 4 x 128).
 
-Measured (torch 2.13 CPU, the default 13.2M-parameter Llama, 10 steps per variant, a 2-core host shared with 3
-other jobs; "before" = main at 2361aa9, launches of before and now alternating for the dist row):
+Prints: the model and host (load average at launch), then per row a check line (loss and params differences)
+and the median wall ms of the baseline and of funcshard, their ratio, the median CPU ms of each (the process's
+for sim; the calling thread's for dist, which leaves out waiting for the peer: the steadier measure on a shared
+host), their ratio and the target.
 
-    row                              before                         now                            target
-    sim {"dp": 1} vs eager           (1.021 CPU, an earlier round)  1.029-1.037 wall and CPU       1.05
-                                                                    (2 launches, load 2.2-2.7)
-    dist tp=2: vma on vs off         0.978-1.038 wall               0.949-1.017 wall               1.03
-                                     (CPU 1.028-1.029; 2 launches,  (CPU 1.019-1.047: 1.019, 1.047, 1.025,
-                                     load 2.8-2.9)                  1.027, 1.030; 5 launches, load 2.1-7.8)
-
-Both targets are met on the wall clock; on CPU the dist row is at or just over 1.03 in some launches (10 steps:
-+-2% between launches, as much as before and now differ). What vma tracking costs there: ~1,200 torch functions
-per step through the mode (~2 us each for any torch function mode, ~1.7 us for its handler; a third of them
-property reads such as ``x.shape``), and the pvarys it inserts where an invariant value meets a varying one: 84
-per device per step before, 17 now (an invariant constant is widened by a tagged view, with no Function).
-
-Issue #11's per-op round (vma mode: metadata reads handed straight to torch, invariant constants passed
-without a tagged view, results tagged inline), one launch each of main at 0f746b8 ("before") and this code:
-dist tp=2 vma on vs off 1.005 wall, CPU 1.060 (load 5.8) -> 0.988 wall, CPU 1.040 (load 22.7): the CPU target
-1.03 is still not met in these launches. The forward alone (one process, dp of 1, batch 4 x 256: one rank's
-share of vs_peers' dp step), CPU of vma on minus off: +11.9 ms (load 6.0) -> +6.1 ms (load 15.0) per forward, one
-launch each; load-independent, the Python bytecodes the tracking adds per forward (``sys.settrace``):
-159,745 -> 135,583 (-15%), for the 1,009 torch functions the mode sees (281 of them property reads).
-
-Issue #11 round 3 (per-call changes in shard_map and the vma mode's enter / exit; the per-op handler as before),
-one launch each: dist tp=2 vma on vs off at 5d63569 0.986 wall, CPU 1.002 (load 9.8; 488.7 vs 489.6 ms), and
-with this round's 8e4a4a7, 9130ade, 6bb6ba5 on it 0.955 wall, CPU 1.037 (load 2.3; 507.6 vs 526.4 ms): the CPU
-target 1.03 is met in one launch and missed in the other; with 10 steps a launch the ratio moves by ~3% from
-launch to launch, more than any change of this round could (a few us a call against ~500 ms a step).
-
-Issue #11 round 4 (helper V: the vma handler's untagged-operand and constant paths inline, ``_vma.one_op`` making
-``rms_norm`` / ``rope`` / ``_swiglu`` one dispatch each). Load-independent, the Python bytecodes the tracking adds per
-step (``sys.settrace``; one process, gloo world 1, this bench's 13.2M step with the axis of size 1; vma on minus off):
-tp 124,370 -> 114,866 (handler) -> 58,445 (with one_op), dp 110,451 -> 105,009 -> 45,125; torch functions through the
-mode per step 1,187 -> 763 (per forward 850 -> 498). Timed, one launch each on a host at load 8-11 (2 cores): tp=2
-CPU 1.032 (wall 0.958), dp=2 CPU 1.016 (wall 1.041): at that load the launch-to-launch spread (+-3%) is larger than
-what remains (~60k bytecodes, ~1-2 ms a step of ~450 ms CPU), so the CPU target is neither shown met nor missed here.
-
-Issue #11 round 5 (helper V: ``ops.attention`` a ``one_op``, ring_attention's shape check unseen by the mode; helper
-D's AdamW update quiet per leaf, so under tp too). Load-independent, per step of this bench's tp step (one process,
-the axis of size 1): torch functions through the vma mode 763 -> 595 (attention) -> 382 (with D's bc3a0f9); Python
-bytecodes the tracking adds 58,445 -> 53,837 -> 40,487; callgrind instructions it adds (vma on minus off, the same
-8-layer step at dims 64 / ffn 128 / batch 2 x 16: the same ops, small tensors) 8,688,638 -> 6,683,846 (-23%, at
-ea74d7a). A tag write (``out.__dict__[...]``, the dict made and freed with the tensor) is ~750 instructions, ~0.2 M a
-step: kept. Timed, one launch each at load 5.6-6.4 (2 cores): before (f3ea3a8) wall 1.005, CPU 1.068; now (df14fb5)
-wall 1.017, CPU 1.021: the launch spread still exceeds what the tracking costs (~0.3% of the step's CPU).
+Measured figures and their history: ``docs/guides/speed.md``.
 
 Usage:
     python bench/overhead.py                      # both rows at the ~13M-parameter Llama (a few minutes)

@@ -5,99 +5,37 @@ The same model chunks run under both libraries in the same job, step after step 
     funcshard : ``fs.pipeline.run`` inside ``fs.shard_map`` over a ``{"pp": 4}`` dist mesh
                 (``one_f_one_b`` / ``interleaved_1f1b(v=2)``)
     torch     : ``PipelineStage`` + ``Schedule1F1B`` / ``ScheduleInterleaved1F1B`` (looped placement, the
-                same chunk on the same rank)
+                same chunk on the same rank): the baseline
 
 Case A, stages that only sleep: a custom ``torch.autograd.Function`` sleeps F = 10 ms in its forward and
 B = 20 ms in its backward per stage (each of the v chunks of a stage sleeps F / v and B / v, so both
 schedules do the same work), so both libraries pay the same compute and what differs is how well each
-follows its schedule. For each of 1F1B and interleaved, m = 8 and 16 microbatches: the median wall time of a
-step (the slowest rank's), the ideal time (the makespan ``Schedule.simulate`` gives with those costs and free
-communication: ``(m + p - 1)(F + B)`` for 1F1B, ``(m + (p - 1) / v)(F + B)`` for interleaved), wall / ideal
-for each library and the ratio funcshard / torch. Targets: wall / ideal within 5% of torch's; interleaved
-faster than 1F1B.
+follows its schedule. For each of 1F1B and interleaved, m = 8 and 16 microbatches, it prints the median wall
+time of a step (the slowest rank's) of each library, the ideal time (the makespan ``Schedule.simulate`` gives
+with those costs and free communication: ``(m + p - 1)(F + B)`` for 1F1B, ``(m + (p - 1) / v)(F + B)`` for
+interleaved), wall / ideal for each library, the ratio funcshard / torch and the CPU time of the 4 ranks; then
+interleaved / 1F1B per library. Targets: wall / ideal within 5% of torch's; interleaved faster than 1F1B.
 
 Case B, small real stages: each stage two residual-MLP layers ``x + gelu(x @ W1) @ W2`` (D = 128, H = 512),
-m = 8 microbatches of 32 rows, 1F1B and interleaved: the step time funcshard / torch (target <= 1.10 for
-1F1B) and the point-to-point messages per step on both sides, counted where each library hands its
-operations to torch.distributed (target: equal). Before timing, both libraries' loss and gradients are
-checked against each other.
+m = 8 microbatches of 32 rows, 1F1B and interleaved, ``check_vma`` on and off: it prints the step time of each
+library, funcshard / torch (target <= 1.10 for 1F1B), the CPU time of the 4 ranks and its ratio, the
+point-to-point messages sent / received per step on both sides (target: equal) and the load. Before timing,
+both libraries' loss and gradients are checked against each other.
+
+Case P (``--case P``), one point-to-point message: rank pairs ping-pong a [32, 128] block through funcshard's
+``device.p2p`` and its works' ``wait()``, torch's ``batch_isend_irecv`` (what its pipelining calls), and the
+process group's own ``send`` / ``recv`` (the floor); it prints per message the wall time, the CPU of all ranks
+and the main threads' CPU.
+
+Messages are counted where both libraries end, the process group's ``send`` / ``recv`` (patched only while
+counting), so the counts do not depend on which Python layer each library goes through. Untimed warm-up steps of
+both libraries come first (whichever configuration runs first is otherwise measured slower).
+
+Measured figures and their history: ``docs/guides/speed.md``.
 
 Usage:
     torchrun --nproc-per-node 4 bench/pipeline_vs_torch.py [--steps 7] [--steps-b 21] [--case A|B|AB|P]
         [--f-ms 10 --b-ms 20]
-
-Case P (``--case P``), one point-to-point message: rank pairs ping-pong a [32, 128] block through funcshard's
-``device.p2p`` and its works' ``wait()``, torch's ``batch_isend_irecv`` (what its pipelining calls), and the
-process group's own ``send`` / ``recv`` (the floor); wall, CPU of all ranks and the main threads' CPU.
-
-Messages are counted where both libraries end, the process group's ``send`` / ``recv`` (patched only while
-counting), so the counts do not depend on which Python layer each library goes through.
-
-Measured on a 2-core host shared with 3-4 other jobs (load average 8-14 during these runs: 4 ranks and their
-gloo threads get a fraction of a core each, so wall times move by 10-25% from run to run; the CPU columns,
-``process_time`` summed over the ranks, move less). torch 2.13 CPU, gloo, medians, the two libraries
-interleaved step by step. This round (the dist backend's p2p path: one ``ProcessGroup.send`` / ``recv`` per
-message, a wait of one C++ call):
-
-    P, per message, 3 runs (load 6-14)  main threads     CPU (all ranks)   wall
-      fs before this round              224-258 us       280-369 us        311-622 us
-      fs now                            94-120 us        158-172 us        206-218 us
-      torch batch_isend_irecv           99-125 us        131-180 us        151-232 us
-      process group send / recv         55-69 us         110-120 us        126-172 us
-      (before: the old backend's module loaded beside the new one, in the same launches)
-
-    A, wall/ideal (fs | torch), fs/torch, 1 run each           interleaved / 1f1b (fs | torch)
-      F=10 B=20 ms (load 8-9), m=8:  1f1b 1.119x | 1.098x (1.020x)       0.875x | 0.934x
-                                     interleaved 1.134x | 1.187x (0.955x)
-                               m=16: 1f1b 1.106x | 1.110x (0.996x)       0.970x | 0.999x
-                                     interleaved 1.165x | 1.204x (0.968x)
-      F=30 B=60 ms (load 8-14), m=8: 1f1b 1.034x | 1.030x (1.004x)       0.890x | 0.902x
-                                     interleaved 1.066x | 1.075x (0.992x)
-                               m=16: 1f1b 1.038x | 1.034x (1.003x)       0.930x | 0.938x
-                                     interleaved 1.047x | 1.053x (0.994x)
-      every row within 5% of torch's wall/ideal, and interleaved faster than 1F1B for both libraries.
-
-    B, D=128 fs/torch step, 21 steps a library, 7 launches (load 1.9-5.2)
-                          vma on                              vma off
-      1f1b                0.97x-1.04x wall, median 1.005x     0.96x-1.05x, median 1.002x
-                          (CPU 0.97x-1.04x, median 1.005)     (CPU 0.90x-1.03x, median 0.987)
-      interleaved         0.74x-0.89x (CPU 0.80-0.91)         0.84x-0.90x (CPU 0.82-0.91)
-      with 6 busy loops beside it (2 launches, load 6-13): 1f1b 0.99x / 0.66x on (CPU 1.06 / 1.00), 0.79x /
-      0.92x off (CPU 0.85 / 0.97); interleaved 0.81x / 0.91x on, 0.90x / 0.79x off
-      before / after this round's runtime, A/B at the same load (2 launches each, load 1.9-3.7): 1f1b vma on
-      1.01-1.03x wall, CPU 1.07-1.09x -> 0.97-1.01x, CPU 1.01-1.02x; vma off CPU 1.02-1.04x -> 0.90-1.01x
-      the previous round (load 9-14, 7-step medians): 1f1b on median 1.14x (0.98-1.57x, CPU 1.10x), off 1.08x
-      (0.86-1.27x, CPU 1.03x); the load of this round was lower, so its wall ratios are not like for like
-    Messages sent/received per step: 48/48 (1f1b) and 112/112 (interleaved) on both sides, every run.
-
-    cProfile of a middle stage's main thread (thread-CPU timer, 1F1B, vma on, 30 steps, load 3-6), ms per step:
-                                   fs before   fs now     torch
-      stage forward (8 actions)    8.40        6.64       6.50 (forward_one_chunk)
-      stage backward (8)           10.72       11.88      11.78 (backward_one_chunk)
-      gradient accumulation        1.34        in the backward's engine, as torch's .grad
-      sends + receive posts        4.67        5.08       6.59 (_batch_p2p + get_*_ops)
-      waits before use             0.86        1.01       0.64
-      loss / result                0.27        0.07       -
-      step                         28.6        26.9       26.3 (the torch column of the before run: 25.2)
-    (cProfile inflates Python-heavy paths: the unprofiled CPU ratios above are the measure.) What changed: the
-    vma mode tracks ``stage_fn`` / ``first_fn`` / ``loss_fn`` once per chunk and step and the runtime replays the
-    later microbatches untracked where that is exact (~14 mode dispatches an action, 80-140 us, gone from 7 of
-    8 actions); parameter gradients accumulated by the autograd engine into ``.grad`` (no Python add_ / clone).
-
-What is left of the gap, with counters rather than the wall clock:
-- Per message, fs's Python is now ~4 us per op and wait (a fake process group:
-  ``tests/whitebox/runtime/test_dist_p2p_python_calls.py``
-  counts one Python call per op and none below ``wait()``); fs's main-thread CPU per message is at or under
-  torch's, ~40-50 us above the process group's own calls (gloo's ``send`` itself takes 0.4-1 ms of the
-  main thread under this load, for both libraries: cProfile of a middle stage, 20 steps).
-- What is left in 1F1B is ~1 tracked call per chunk and step under the vma mode (its first microbatch), and
-  the wall clock's noise: at load 6-13 the same code gave 0.66x and 0.99x; CPU stays within 0.85x-1.06x.
-  The <= 1.10x wall target was met in all 9 launches of this round; CPU <= 1.05 in 8 of 9 (1.058 once, at
-  load 6-8).
-- Whether interleaved beats 1F1B depended on the load: the previous round (load 12-20) had it slower for
-  both libraries even at F=30 B=60 ms; the next (load 8-14) had it faster for both at both costs. torch's
-  code did not change, so the inversion was the load (per-action scheduling of 4 processes on 2 cores, ~1-2
-  ms an action, is a large part of a 5 ms chunk), not funcshard's schedule or runtime.
 """
 
 from __future__ import annotations

@@ -1,73 +1,23 @@
 """The bf16 loss curve against the float32 one: the train job run twice, same seed, per-step relative difference.
 
 Runs ``python -m funcshard train`` (the default mesh, model, data and 200 steps unless told otherwise) once with
-``--dtype fp32`` and once with ``--dtype bf16`` (``fs.Precision``: float32 master weights and AdamW moments,
-bfloat16 compute, float32 loss / softmax statistics / RMSNorm / gradient reductions), each in a fresh process
-with the same ``--seed`` (the same init and the same batches), reads each run's ``metrics.csv`` and prints the
-relative difference of the training loss per step, ``|bf16 - fp32| / fp32``: its max (and at which step), mean,
-the mean and max over the last 50 steps, and the final step's; ``--show N`` prints the N worst steps. The issue's
-acceptance: within 2% of the float32 curve over 200 steps.
+``--dtype fp32`` (the baseline) and once with ``--dtype bf16`` (``fs.Precision``: float32 master weights and AdamW
+moments, bfloat16 compute, float32 loss / softmax statistics / RMSNorm / gradient reductions), each in a fresh
+process with the same ``--seed`` (the same init and the same batches), reads each run's ``metrics.csv`` and prints
+the relative difference ``|bf16 - fp32| / fp32``: of the validation loss (fixed held-out batches, every 25 steps:
+max and at which step, mean, final, and each evaluation's signed difference), of the training loss's 10-step
+moving average (max, mean), and of the training loss per step (max and at which step, how many steps over 2%,
+mean, the mean and max over the last 50 steps, the final step's); ``--show N`` prints the N worst steps. The
+acceptance: within 2% of the float32 curve over 200 steps. The training loss is a new batch every step, so its
+per-step difference is the noisiest of the three; ``bench/precision_peer.py`` measures how far torch's own bf16
+and a second float32 implementation move the same curve.
+
+Measured figures: ``docs/guides/speed.md``.
 
 Usage:
     python bench/precision_curve.py                         # 2 x 200 steps of the default job (bf16 is slow on CPU)
     python bench/precision_curve.py --steps 50 -- --mesh dp=2   # anything after -- goes to both train runs
     python bench/precision_curve.py --reuse /tmp/curves         # summarise runs already in that folder
-
-Measured (2-core CPU shared with 3 other jobs, load 7-11; the default job: dp=2 x tp=2 sim, 3.08M params, batch
-16 x 128, 200 steps, lr 3e-3 after 20 warmup steps, seed 0). The per-step training loss is a different batch each
-step and the run is chaotic around the peak learning rate (loss spikes at steps 18-30 in either dtype), so its
-per-step max mostly measures that: the same fp32 job on another mesh (``dp=4``: only the summation order differs)
-is itself 2.14% off at one step. The validation loss (fixed held-out batches, every 25 steps) is the steadier curve.
-
-    before the embedding fix (bf16 summed the embedding's gradient in bf16 on CPU: 2.75% off fp32, 4x the rest):
-      validation: max 2.36% at step 25, then <= 0.63% (50-200), final 0.45%
-      training, per step: max 5.42% at step 30 (14 of 200 steps over 2%), mean 0.83%, last 50 steps mean 0.70% /
-      max 2.08%, final 0.95%; 10-step moving average max 1.76% (step 29), mean 0.48%
-    fp32 dp=4 against fp32 dp=2 x tp=2 (the noise floor): validation max 0.80%; training per step max 2.14% (one
-      step over 2%), mean 0.35%, last 50 mean 0.47% / max 1.58%; moving average max 0.43%
-    after the fix (embedding gradient 0.57% off fp32, as the other weights), all 200 steps (fp32 re-run on the same
-    code: bitwise its earlier curve):
-      validation: +0.19% at step 25 (was +2.36%), then -1.12 -0.16 -0.72 -1.64 -1.55 -2.21 -1.99% (steps 50-200:
-      bf16 LOWER than fp32); max 2.21% at step 175, mean 1.06%, final 1.99%
-      training, per step: max 7.41% at step 30 (54 of 200 steps over 2%), mean 1.36%, last 50 steps mean 2.11% /
-      max 4.18%, final 2.37% (fp32 1.8988, bf16 1.8538); 10-step moving average max 2.56% (step 198), mean 1.17%
-    Not met: "within 2% of the fp32 curve over 200 steps" holds for neither run at every step; the gap is not a
-    bf16 loss of precision at one op (step 1-11 agree to 0.07%; loss, softmax statistics, RMSNorm, RoPE,
-    cross-entropy and AdamW's masters are fp32; the one op that summed in bf16, the CPU embedding backward, is
-    fixed) but the divergence of two chaotic trajectories, larger than the fp32 reorder floor.
-
-    The peer oracle (``bench/precision_peer.py``: the ``nn.Module`` twin on the same init, batches, clipping,
-    AdamW and schedule, one process; load 4-15, same machine): torch's own bf16 moves the curve as much or more.
-    Step 0's gradients (the default batch) against fp32, per leaf: funcshard bf16 0.51-0.77%, the twin's
-    FSDP2-style bf16 0.51-0.76% (each leaf within 0.011 points of funcshard's), autocast 0.44-0.68%; loss +6e-6 / +9e-6.
-      twin fp32 vs funcshard fp32 (two implementations, fp32: the summation order only): validation max 0.96%
-        (step 125), final 0.54%; per step max 3.45% (2 of 200 over 2%), mean 0.56%, last 50 mean 0.70%; moving
-        average max 1.30%
-      twin bf16 (FSDP2's MixedPrecisionPolicy: fp32 masters, weights cast to bf16 in the graph) vs twin fp32:
-        validation +4.12 +2.88 +2.00 +0.82 +2.57 +1.92 +1.87 +1.63% (steps 25-200: bf16 HIGHER); max 4.12%, mean
-        1.98%; per step max 6.83% at step 25 (91 of 200 steps over 2%), mean 1.85%, last 50 mean 1.94% / max
-        3.67%, final 2.30% (fp32 1.8893, bf16 1.9329); moving average max 3.12% (step 29), mean 1.81%
-      twin autocast (bf16 matmuls only; residual stream and norms fp32) vs twin fp32: validation +3.30% (25), then
-        within 0.78% (50-200), final -0.59%; per step max 5.80% at step 30 (13 of 200 over 2%), mean 0.83%, last 50
-        mean 0.76% / max 2.74%; moving average max 1.46%
-      funcshard bf16 vs twin bf16 (63 steps: the bf16 job stopped there): validation -3.75% (25), -3.62% (50);
-        per step max 6.00%, mean 1.86%
-    So funcshard's bf16 is not the outlier: torch's own bf16 is further from its fp32 curve (validation max 4.12%
-    vs 2.21%, 91 vs 54 steps over 2%), in the other direction. The 2% bar fails at the default lr 3e-3 in torch
-    too. At lr 1e-3 (the twin, all else the default): bf16 vs fp32 validation max 1.05%, final 0.44%; per step
-    max 5.25% at step 17 (4 of 200 over 2%), mean 0.50%, last 50 mean 0.44%; moving average max 0.70%; and the
-    fp32 run's final validation loss is lower: 1.8544 against 1.9263 (twin) / 1.9368 (funcshard) at lr 3e-3.
-    At lr 2e-3: bf16 vs fp32 validation max 0.91%, final 0.23%; per step max 3.09% (6 of 200 over 2%), mean 0.60%;
-    moving average max 0.94%; fp32 final validation 1.8719. The per-step rises at steps 18-30 are hard batches:
-    the same steps rise at every lr (16 steps over 200 exceed their 5-step mean by 8% at 1e-3, 2e-3 and 3e-3).
-
-    The job's default lr is 1e-3 since then (b7af064). funcshard itself at lr 1e-3, all else the default (fp32 and
-    bf16 runs of ``python -m funcshard train``, load 6-14, nice): fp32 final validation 1.8546 (1.9368 at 3e-3);
-    bf16 vs fp32 validation -0.00 -0.35 +1.27 +0.41 -0.10 +0.31 +0.37 +0.58 +0.43% (steps 0-200): max 1.27% at
-    step 50, mean 0.42%, final 0.43%; 10-step moving average max 0.93% (step 179), mean 0.46%; per step max 4.69%
-    at step 17 (6 of 200 over 2%), mean 0.60%, last 50 mean 0.69% / max 1.55%, final 0.47% (fp32 1.8246, bf16
-    1.8331). Within 2% of the fp32 curve on validation and on the moving average; single steps are not, as they
-    are not for torch's own bf16 (5.25%) nor for two fp32 implementations (3.45%).
 """
 
 from __future__ import annotations

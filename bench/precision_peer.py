@@ -26,7 +26,7 @@ Usage:
     python bench/precision_peer.py --reuse /tmp/peer --funcshard runs/precision_curve
     python bench/precision_peer.py --steps 20 -- --lr 1e-3                     # after --: train job options
 
-Measured: see the bottom of ``bench/precision_curve.py``'s docstring (the twin rows).
+Measured figures: ``docs/guides/speed.md``.
 """
 
 from __future__ import annotations

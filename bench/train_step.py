@@ -8,11 +8,11 @@ tensors, no shard_map):
 
 Meshes (4 devices): dp=4, fsdp=4, tp=4, tp=4 + sequence parallel, dp=2 x tp=2, fsdp=2 x tp=2.
 
-All meshes use the ``sim`` backend: the 4 devices are threads of THIS process, sharing this machine's CPU cores
-(2 here, when this was written). Sim tokens/s therefore measure the library's overhead plus the compute on a
-shared CPU: they are NOT a measure of parallel scaling, and a ratio below 1 does not mean the parallel style is
-slow on real devices. What they do show is the cost of the machinery (shard_map, vma tracking, collectives
-through the in-process exchange) relative to the plain torch step, measured in the same process.
+All meshes use the ``sim`` backend: the 4 devices are threads of THIS process, sharing this machine's CPU cores.
+Sim tokens/s therefore measure the library's overhead plus the compute on a shared CPU: they are NOT a measure of
+parallel scaling, and a ratio below 1 does not mean the parallel style is slow on real devices. What they do show
+is the cost of the machinery (shard_map, vma tracking, collectives through the in-process exchange) relative to
+the plain torch step, measured in the same process.
 
 Method: each mesh's step is first checked against the unsharded step (same loss, same gradients). Then,
 after warmup, unsharded and sharded steps alternate (A/B interleaved, the order flipping every step), each a
@@ -20,6 +20,10 @@ real training step fed the previous step's params and optimiser state; the table
 the unsharded steps interleaved with that mesh, so a slow spell on the host weighs on both sides alike. The
 communication per step is counted by ``fs.comm_stats`` on device 0 (forward and backward collectives, payload
 = the size of one device's input tensor).
+
+Prints: a banner saying the devices are simulated, the model, then one row per mesh (and the unsharded step):
+ms per step, tokens/s, the interleaved unsharded ms, the tokens/s ratio to the unsharded step (> 1: faster), the
+collectives one device makes per step and the MB it passes in; then each mesh's collectives by kind and axis.
 
 Usage:
     python bench/train_step.py                 # ~2 minutes on 2 cores

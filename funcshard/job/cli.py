@@ -205,6 +205,16 @@ def train_parser() -> ArgumentParser:
         "process, or one device per process under torchrun. Ctrl-C stops at the end of the\n"
         "running step (a second Ctrl-C, at once); --resume continues from the last checkpoint.",
     )
+    _add_mesh_options(ap)
+    _add_model_options(ap)
+    _add_training_options(ap)
+    _add_data_options(ap)
+    _add_output_options(ap)
+    return ap
+
+
+def _add_mesh_options(ap: ArgumentParser) -> None:
+    """The mesh options: its axes, sequence parallelism, the pipeline schedule, vma tracking, threads."""
     g = ap.add_argument_group("mesh")
     g.add_argument("--mesh", default="dp=2,tp=2", help="axis=size pairs over dp, fsdp, tp, cp, pp")
     g.add_argument("--sp", action="store_true", help="sequence parallelism over tp (activations split by sequence)")
@@ -218,6 +228,10 @@ def train_parser() -> ArgumentParser:
     )
     g.add_argument("--no-check-vma", dest="check_vma", action="store_false", help="turn varying-axes tracking off")
     g.add_argument("--threads", type=nonneg_int, default=0, help="torch threads per process (0: cores / processes)")
+
+
+def _add_model_options(ap: ArgumentParser) -> None:
+    """The model options: its shape, remat, the compute and gradient-reduction dtypes, ``--init-from``."""
     g = ap.add_argument_group("model")
     g.add_argument("--dim", type=positive_int, default=256, help="model width")
     g.add_argument("--layers", type=positive_int, default=4, help="transformer blocks")
@@ -253,6 +267,10 @@ def train_parser() -> ArgumentParser:
         "from it, and its tokenizer.json when it has one (pip install tokenizers); without one, byte tokens "
         "(default: a random init of the shape above)",
     )
+
+
+def _add_training_options(ap: ArgumentParser) -> None:
+    """The training options: steps, batch, accumulation, the learning-rate schedule, decay, clipping, seed."""
     g = ap.add_argument_group("training")
     g.add_argument("--steps", type=positive_int, default=200, help="total optimiser steps (the schedule's length)")
     g.add_argument("--batch", type=positive_int, default=16, help="global batch, in sequences")
@@ -280,6 +298,10 @@ def train_parser() -> ArgumentParser:
         default=None,
         help="stop (with a checkpoint) after N steps (default: run to --steps)",
     )
+
+
+def _add_data_options(ap: ArgumentParser) -> None:
+    """The data options: the corpus, how much of it is read, and the validation loss's cadence."""
     g = ap.add_argument_group("data")
     g.add_argument(
         "--data", default=None, help="a UTF-8 text file or a folder of them (default: the Python standard library)"
@@ -287,6 +309,10 @@ def train_parser() -> ArgumentParser:
     g.add_argument("--max-bytes", type=positive_int, default=8_000_000, help="read at most this much text")
     g.add_argument("--eval-every", type=positive_int, default=25, help="validation loss every N steps")
     g.add_argument("--eval-batches", type=positive_int, default=4, help="fixed held-out batches per evaluation")
+
+
+def _add_output_options(ap: ArgumentParser) -> None:
+    """The output options: checkpoints (where, how often, resume or overwrite), metrics, the MFU's peak."""
     g = ap.add_argument_group("output")
     g.add_argument("--ckpt-dir", default="runs/llama/ckpt", help="checkpoints (one subfolder per step, last 2 kept)")
     g.add_argument("--ckpt-every", type=positive_int, default=100, help="save a checkpoint every N steps")
@@ -304,7 +330,6 @@ def train_parser() -> ArgumentParser:
         default=0.5,
         help="assumed peak TFLOP/s of all the hardware running the mesh, for the MFU estimate (0.5: a few CPU cores)",
     )
-    return ap
 
 
 def generate_parser() -> ArgumentParser:

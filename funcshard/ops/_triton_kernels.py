@@ -28,6 +28,7 @@ import functools
 import math
 import os
 from types import SimpleNamespace
+from typing import Any
 
 __all__ = ["LN2", "LOG2E", "build", "interpreting"]
 
@@ -59,6 +60,21 @@ def build() -> SimpleNamespace:
 
 @functools.cache
 def _build(interpret: bool) -> SimpleNamespace:  # interpret: the cache key (triton.jit reads the mode itself)
+    """The four kernels, each defined now by its builder (``triton.jit`` reads ``TRITON_INTERPRET`` then)."""
+    import triton
+
+    return SimpleNamespace(
+        fwd=_fwd_kernel(),
+        bwd_preprocess=_bwd_preprocess_kernel(),
+        bwd_dkdv=_bwd_dkdv_kernel(),
+        bwd_dq=_bwd_dq_kernel(),
+        triton=triton,
+    )
+
+
+def _fwd_kernel() -> Any:
+    """The forward kernel: ``out`` and the natural ``lse`` of one block of query rows of one ``(batch, head)``,
+    by an online softmax over the key blocks (causal: up to the diagonal block)."""
     import triton
     import triton.language as tl
 
@@ -113,6 +129,14 @@ def _build(interpret: bool) -> SimpleNamespace:  # interpret: the cache key (tri
         tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=mask_m[:, None] & mask_d[None, :])
         tl.store(LSE + bh * SQ + rows, (m_i + tl.log2(l_i)) * 0.6931471805599453, mask=mask_m)  # natural log
 
+    return fwd
+
+
+def _bwd_preprocess_kernel() -> Any:
+    """The backward's first kernel: ``delta = rowsum(dout * out)`` for one block of rows of one ``(batch, head)``."""
+    import triton
+    import triton.language as tl
+
     @triton.jit
     def bwd_preprocess(
         Out, DO, DELTA,
@@ -132,6 +156,15 @@ def _build(interpret: bool) -> SimpleNamespace:  # interpret: the cache key (tri
         do = tl.load(DO + b * sdb + h * sdh + rows[:, None] * sdm + offs_d[None, :] * sdd, mask=mask, other=0.0)
         delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)  # [M]: rowsum(dout * out)
         tl.store(DELTA + bh * SQ + rows, delta, mask=mask_m)
+
+    return bwd_preprocess
+
+
+def _bwd_dkdv_kernel() -> Any:
+    """The backward's ``dk`` / ``dv`` kernel: one key block of one kv head, summed over the query heads of its
+    group and their query blocks (the GQA sum, without atomics)."""
+    import triton
+    import triton.language as tl
 
     @triton.jit
     def bwd_dkdv(
@@ -185,6 +218,14 @@ def _build(interpret: bool) -> SimpleNamespace:  # interpret: the cache key (tri
         tl.store(DK + out_ptrs, (dk * scale).to(DK.dtype.element_ty), mask=kv_mask)
         tl.store(DV + out_ptrs, dv.to(DV.dtype.element_ty), mask=kv_mask)
 
+    return bwd_dkdv
+
+
+def _bwd_dq_kernel() -> Any:
+    """The backward's ``dq`` kernel: one block of query rows of one ``(batch, head)``, over the key blocks."""
+    import triton
+    import triton.language as tl
+
     @triton.jit
     def bwd_dq(
         Q, K, V, DO, LSE, DELTA, DQ,
@@ -233,4 +274,4 @@ def _build(interpret: bool) -> SimpleNamespace:  # interpret: the cache key (tri
             DQ + (bh * SQ + rows[:, None]) * D + offs_d[None, :], (dq * scale).to(DQ.dtype.element_ty), mask=q_mask
         )
 
-    return SimpleNamespace(fwd=fwd, bwd_preprocess=bwd_preprocess, bwd_dkdv=bwd_dkdv, bwd_dq=bwd_dq, triton=triton)
+    return bwd_dq

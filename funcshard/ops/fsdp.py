@@ -119,33 +119,15 @@ def fsdp_gather(
         replicate_axis = None
     mixed = precision is not None and precision.is_mixed
     if axis is None:  # not sharded: at most the replicas' gradient sum (identity forward, psum backward)
-        if not mixed:
-            done = params if replicate_axis is None else lax.pvary(params, replicate_axis)
-        elif replicate_axis is None:
-            done = precision.cast_to_compute(params)
-        else:  # cast forward; backward: the gradients summed over the replicas in the reduce dtype, one bucket
-            done = _vary_cast(params, replicate_axis, precision.compute_dtype, precision.reduce_dtype)
+        done = _unsharded(params, replicate_axis, precision if mixed else None)
         return (lambda: done) if prefetch else done
     if replicate_axis is not None:
-        # identity forward; backward: one bucketed psum over the replicas of all the shards' gradients (in the
-        # reduce dtype under mixed precision: the gathered leaves are cast by their all-gather, so here only the
-        # backward's dtype changes)
-        if mixed:
-            params = _vary_cast(params, replicate_axis, precision.param_dtype, precision.reduce_dtype)
-        else:
-            params = lax.pvary(params, replicate_axis)
+        params = _vary_over_replicas(params, replicate_axis, precision if mixed else None)
     leaves, treedef = optree.tree_flatten(params)
     flat_specs = pytree.broadcast_prefix(
         specs, params, prefix_is_leaf=is_spec, where="fsdp_gather: ", full_treedef=treedef
     )
-    dims: dict[int, int] = {}
-    for i, (leaf, spec) in enumerate(zip(leaves, flat_specs, strict=True)):
-        if isinstance(leaf, torch.Tensor):
-            d = _fsdp_dim(spec, leaf.dim(), axis)
-            if d == -1:
-                raise _misplaced(spec, leaf.dim(), axis, pytree.leaves_with_path(params)[i][0])
-            if d is not None:
-                dims[i] = d
+    dims = _gathered_dims(params, leaves, flat_specs, axis)
     out = list(leaves)
     cast = (precision.compute_dtype, precision.reduce_dtype) if mixed else None
     issued = []
@@ -166,6 +148,41 @@ def fsdp_gather(
         return optree.tree_unflatten(treedef, out)
 
     return finish if prefetch else finish()
+
+
+def _unsharded(params: Any, replicate_axis: str | tuple[str, ...] | None, precision: Precision | None) -> Any:
+    """:func:`fsdp_gather` with ``axis=None``: ``params`` made varying over ``replicate_axis`` (the replicas'
+    gradient sum: identity forward, psum backward) and cast to the compute dtype under a mixed ``precision``
+    (``None``: no cast)."""
+    if precision is None:
+        return params if replicate_axis is None else lax.pvary(params, replicate_axis)
+    if replicate_axis is None:
+        return precision.cast_to_compute(params)
+    # cast forward; backward: the gradients summed over the replicas in the reduce dtype, one bucket
+    return _vary_cast(params, replicate_axis, precision.compute_dtype, precision.reduce_dtype)
+
+
+def _vary_over_replicas(params: Any, replicate_axis: str | tuple[str, ...], precision: Precision | None) -> Any:
+    """HSDP's shards made varying over ``replicate_axis`` before their gather: identity forward; backward: one
+    bucketed psum over the replicas of all the shards' gradients (in the reduce dtype under a mixed
+    ``precision``: the gathered leaves are cast by their all-gather, so here only the backward's dtype changes)."""
+    if precision is not None:
+        return _vary_cast(params, replicate_axis, precision.param_dtype, precision.reduce_dtype)
+    return lax.pvary(params, replicate_axis)
+
+
+def _gathered_dims(params: Any, leaves: list[Any], flat_specs: list[P], axis: str) -> dict[int, int]:
+    """Leaf index -> the dim ``axis`` shards, for every tensor leaf sharded over it (checked: ``axis`` must be
+    the minor-most axis of its dim)."""
+    dims: dict[int, int] = {}
+    for i, (leaf, spec) in enumerate(zip(leaves, flat_specs, strict=True)):
+        if isinstance(leaf, torch.Tensor):
+            d = _fsdp_dim(spec, leaf.dim(), axis)
+            if d == -1:
+                raise _misplaced(spec, leaf.dim(), axis, pytree.leaves_with_path(params)[i][0])
+            if d is not None:
+                dims[i] = d
+    return dims
 
 
 class _Settled(torch.autograd.Function):

@@ -28,6 +28,14 @@ class MultiStepsState(NamedTuple):
     acc_grads: PyTree
 
 
+def _check_args(fn: str, opt: Any, k: Any) -> None:
+    """:func:`multi_steps`'s arguments checked: ``opt`` an :class:`Optimizer`, ``k`` a positive int."""
+    if not isinstance(opt, Optimizer):
+        raise ConfigError(f"{fn}: opt must be an Optimizer (e.g. optim.adamw(3e-4)), found {type(opt).__name__}.")
+    if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+        raise ConfigError(f"{fn}: k must be a positive int (microbatches per update), found {k!r}.")
+
+
 def multi_steps(opt: Optimizer, k: int) -> Optimizer:
     """Accumulate ``k`` gradients and apply ``opt`` to their mean every ``k``-th call: optax's ``MultiSteps``.
 
@@ -63,10 +71,7 @@ def multi_steps(opt: Optimizer, k: int) -> Optimizer:
         (tensor([-2., -3.]), 1)
     """
     fn = "multi_steps"
-    if not isinstance(opt, Optimizer):
-        raise ConfigError(f"{fn}: opt must be an Optimizer (e.g. optim.adamw(3e-4)), found {type(opt).__name__}.")
-    if not isinstance(k, int) or isinstance(k, bool) or k < 1:
-        raise ConfigError(f"{fn}: k must be a positive int (microbatches per update), found {k!r}.")
+    _check_args(fn, opt, k)
     name = f"{fn}({opt.name}, {k})"
 
     def init(params: PyTree) -> MultiStepsState:

@@ -8,8 +8,7 @@ stage posts before unit ``i``: each one ``lookahead`` units before the unit that
 from one peer in the order that peer sends them (so no receive overtakes an earlier one from the same
 sender, which a backend matching in order, as NCCL does, needs).
 
-Nothing here runs a model or imports torch. :func:`ticks` is the older lock-step view of a schedule (unit-cost
-time steps and the ``ppermute`` shifts between them), kept for inspection; the runtime no longer uses it.
+Nothing here runs a model or imports torch.
 
 Example:
     >>> from funcshard.pipeline import one_f_one_b
@@ -28,10 +27,9 @@ from typing import Any
 
 from .schedules import Action, Schedule, ScheduleError
 
-__all__ = ["LOOKAHEAD", "Send", "StagePlan", "Step", "Tick", "loss_route", "messages", "plans", "stage_plan", "ticks"]
+__all__ = ["LOOKAHEAD", "Send", "StagePlan", "Step", "loss_route", "messages", "plans", "stage_plan"]
 
 LOOKAHEAD = 2  # units between posting a receive and the unit that waits on it
-UNIT_COSTS = {"F": 1.0, "B": 1.0, "W": 1.0, "comm": 0.0}
 
 
 @dataclass(frozen=True)
@@ -294,87 +292,4 @@ def plans(schedule: Schedule) -> tuple[StagePlan, ...]:
         while len(_CACHE) >= _CACHE_SIZE:
             del _CACHE[next(iter(_CACHE))]
         _CACHE[id(schedule)] = (schedule, contents, out)  # the schedule kept alive: its id is not reused
-    return out
-
-
-# -- the lock-step view ------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Tick:
-    """One unit-cost time step of a schedule, the same on every device (the lock-step view, see :func:`ticks`).
-
-    Attributes:
-        actions: ``actions[stage]``: the actions that stage starts at this tick (none, one, or an overlapped
-            F&B pair).
-        shifts: groups of sends in which every stage is at most once a source and once a destination (one
-            ``ppermute`` each in a lock-step runtime). Forward sends come first, then backward ones.
-        local: hand-offs within a stage (source and destination the same: the turn of a V), no communication.
-
-    Example:
-        >>> from funcshard.pipeline import one_f_one_b
-        >>> t = ticks(one_f_one_b(2, 2))[0]  # stage 0 starts F0 and sends it to stage 1
-        >>> [[str(a) for a in acts] for acts in t.actions], t.fwd, t.bwd
-        ([['F0'], []], ((0, 1),), ())
-    """
-
-    actions: tuple[tuple[Action, ...], ...]
-    shifts: tuple[tuple[Send, ...], ...]
-    local: tuple[Send, ...] = ()
-
-    @property
-    def fwd(self) -> tuple[tuple[int, int], ...]:
-        """``(src, dst)`` stage pairs of the activations sent at this tick."""
-        return tuple((x.src, x.dst) for shift in self.shifts for x in shift if x.kind == "F")
-
-    @property
-    def bwd(self) -> tuple[tuple[int, int], ...]:
-        """``(src, dst)`` stage pairs of the input gradients sent at this tick."""
-        return tuple((x.src, x.dst) for shift in self.shifts for x in shift if x.kind == "B")
-
-
-def _pack(sends: list[Send]) -> tuple[tuple[Send, ...], ...]:
-    """Sends in as few shifts as first-fit gives (each stage once a source, once a destination per shift),
-    forward ones apart from backward ones."""
-    shifts: list[list[Send]] = []
-    for kind in ("F", "B"):
-        mine: list[list[Send]] = []
-        for x in (x for x in sends if x.kind == kind):
-            for shift in mine:
-                if all(y.src != x.src and y.dst != x.dst for y in shift):
-                    shift.append(x)
-                    break
-            else:
-                mine.append([x])
-        shifts += mine
-    return tuple(tuple(s) for s in shifts)
-
-
-def ticks(schedule: Schedule) -> list[Tick]:
-    """The schedule as lock-step ticks: ``schedule.simulate`` with unit costs, cut at integer times.
-
-    ``len(ticks(s))`` is the unit-cost makespan. ``run`` does not work in ticks (each stage runs its own list
-    and sends as soon as a block is ready); this is the view of a lock-step SPMD loop, for comparison.
-
-    Example:
-        >>> from funcshard.pipeline import gpipe, zbv
-        >>> ts = ticks(gpipe(2, 2))
-        >>> len(ts), sum(bool(t.fwd) for t in ts), sum(bool(t.bwd) for t in ts)
-        (6, 2, 2)
-        >>> [len(t.local) for t in ticks(zbv(2, 2))][:4]  # the V turns on stage 1: no communication
-        [0, 1, 0, 1]
-    """
-    sim = schedule.simulate(dict(UNIT_COSTS))
-    n = round(sim.makespan)
-    acts: list[list[list[Action]]] = [[[] for _ in range(schedule.n_stages)] for _ in range(n)]
-    for s, row in enumerate(sim.timeline):
-        for start, _, a in row:
-            acts[round(start)][s].append(a)
-    out = []
-    for row in acts:
-        owner = _owner(schedule)
-        sends = [x for s, acts in enumerate(row) for a in acts if (x := _io(schedule, s, a, owner)[2])]
-        remote = [x for x in sends if x.src != x.dst]
-        local = tuple(x for x in sends if x.src == x.dst)
-        out.append(Tick(tuple(tuple(r) for r in row), _pack(remote), local))
     return out

@@ -71,12 +71,10 @@ from .._src.runtime.context import current
 from .._src.runtime.stats import capture, record
 from .plan import Send as Send
 from .plan import StagePlan, Step, plans
-from .plan import Tick as Tick
-from .plan import ticks as ticks
 from .schedules import Action, Schedule
 from .trace import active_trace, now
 
-__all__ = ["PipelineGrads", "Send", "Tick", "run", "stage_order", "ticks", "virtual_stage_order"]
+__all__ = ["PipelineGrads", "Send", "run", "stage_order", "virtual_stage_order"]
 
 PyTree = Any
 # dtypes an activation may have (its index travels in the shape probe)
@@ -144,6 +142,10 @@ def _check(
     axis: str,
     input_grad: bool,
 ) -> None:
+    """:func:`run`'s arguments checked, in order: no ``torch.func`` transform around, the axis' size, the
+    parameters' leading dims, the microbatches' and targets', ``input_grad``'s dtype."""
+    if torch._C._are_functorch_transforms_active():
+        raise ShardingError(_THROUGH.format(how="called under a torch.func transform (grad, vjp, vmap)"))
     n = lax.axis_size(axis)
     if n != schedule.n_stages:
         raise ShardingError(
@@ -190,21 +192,17 @@ def run(
 ) -> tuple[torch.Tensor, Any]:
     """Run one pipelined forward + backward step of ``schedule`` inside ``shard_map``; return loss and grads.
 
-    Call it inside ``fs.shard_map`` over a mesh whose axis ``axis`` has ``schedule.n_stages`` devices.
-    Device ``s`` on ``axis`` runs stage ``s``'s actions; its chunk ``c`` is virtual stage
-    ``schedule.virtual_stage(s, c)`` (``c * n_stages + s`` looped, ``s`` / ``2p-1-s`` for a V). The model
-    is ``loss_fn(f_{V-1}(... f_1(f_0(first_fn(x))) ...), target)`` with ``f_v`` = ``stage_fn(params of
-    virtual stage v, .)`` and ``V = n_stages * n_virtual``.
+    Call it inside ``fs.shard_map`` over a mesh whose axis ``axis`` has ``schedule.n_stages`` devices. Device ``s``
+    on ``axis`` runs stage ``s``'s actions; its chunk ``c`` is virtual stage ``schedule.virtual_stage(s, c)``
+    (``c * n_stages + s`` looped, ``s`` / ``2p-1-s`` for a V). The model is ``loss_fn(f_{V-1}(... f_1(f_0(first_fn(x)))
+    ...), target)`` with ``f_v`` = ``stage_fn(params of virtual stage v, .)`` and ``V = n_stages * n_virtual``.
 
-    Each device runs its own stage's list (no lock-step): activations and their gradients travel between
-    stages on ``axis`` as point-to-point messages of detached tensors, received where they are needed and
-    sent as soon as they are made; the gradients are accumulated here (no autograd across stages), so call
-    ``run`` directly, not under ``torch.autograd.grad`` (differentiating its loss raises). Other mesh axes
-    (dp, fsdp, tp, cp) work inside ``stage_fn``, ``first_fn`` and ``loss_fn`` as usual (the devices of one
-    stage run the same actions in the same order, so their collectives match). With ``check_vma=True``,
-    ``stage_fn``, ``first_fn`` and ``loss_fn`` are tracked on the first microbatch (of each chunk) and
-    replayed untracked on the others where that is exact (see the module's docstring): they must run the
-    same ops on every microbatch.
+    Each device runs its own stage's list (no lock-step; see the module's docstring): activations and their gradients
+    travel between stages on ``axis`` as point-to-point messages, and the gradients are accumulated here (no autograd
+    across stages), so call ``run`` directly, not under ``torch.autograd.grad`` (differentiating its loss raises).
+    Other mesh axes (dp, fsdp, tp, cp) work inside ``stage_fn``, ``first_fn`` and ``loss_fn`` as usual; with
+    ``check_vma=True`` these three run tracked on the first microbatch of each chunk and untracked on the others where
+    that is exact: they must run the same ops on every microbatch.
 
     Args:
         schedule: a validated ``Schedule`` (any of ``by_name``'s, V-shaped and overlapped ones included).
@@ -255,9 +253,26 @@ def run(
         >>> # loss, (g_stage, g_shared, _) = fs.shard_map(step, mesh=mesh, in_specs=(P("pp"), P(), P(), P()),
         >>> #                                             out_specs=(P(), (P("pp"), P(), None)))(...)
     """
-    if torch._C._are_functorch_transforms_active():
-        raise ShardingError(_THROUGH.format(how="called under a torch.func transform (grad, vjp, vmap)"))
     _check(schedule, stage_params, microbatches, targets, axis, input_grad)
+    return _run_step(
+        schedule, stage_fn, stage_params, microbatches, targets, loss_fn, axis, first_fn, shared_params, input_grad
+    )
+
+
+def _run_step(
+    schedule: Schedule,
+    stage_fn: Callable[[PyTree, torch.Tensor], torch.Tensor],
+    stage_params: PyTree,
+    microbatches: torch.Tensor,
+    targets: torch.Tensor | None,
+    loss_fn: Callable[..., torch.Tensor],
+    axis: str,
+    first_fn: Callable[..., torch.Tensor] | None,
+    shared_params: PyTree,
+    input_grad: bool,
+) -> tuple[torch.Tensor, Any]:
+    """:func:`run` on its checked arguments: this device's stage runs its plan, then hands back the loss (whose
+    backward raises) and the gradients."""
     plan = plans(schedule)  # validated
     # The runtime's own tensor work (slicing, detaching, receive buffers, the backward's autograd.grad, gradient
     # accumulation) runs with torch functions off, so the vma mode sees only the user's functions (the mode's

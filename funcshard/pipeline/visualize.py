@@ -15,10 +15,60 @@ from __future__ import annotations
 import math
 from fractions import Fraction
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-if TYPE_CHECKING:
-    from .schedules import Action, Schedule, Timeline
+
+# What the pictures read of a schedule, stated here (``schedules.Action`` / ``Timeline`` / ``Schedule`` have it), so
+# this module imports nothing of ``schedules``, which draws through it (``Schedule.text`` / ``Schedule.plot``).
+class Action(Protocol):
+    """One action of a stage, as drawn: :class:`funcshard.pipeline.Action`."""
+
+    @property
+    def kind(self) -> str: ...
+    @property
+    def microbatch(self) -> int: ...
+    @property
+    def chunk(self) -> int: ...
+    @property
+    def overlap(self) -> bool: ...
+
+
+class Timeline(Protocol):
+    """A simulated timeline, as drawn: :class:`funcshard.pipeline.Timeline`."""
+
+    @property
+    def timeline(self) -> list[list[tuple[float, float, Action]]]: ...
+    @property
+    def makespan(self) -> float: ...
+    @property
+    def bubble_fraction(self) -> float: ...
+    @property
+    def peak_in_flight(self) -> list[int]: ...
+    @property
+    def costs(self) -> dict[str, float]: ...
+
+
+class Schedule(Protocol):
+    """A schedule, as drawn: :class:`funcshard.pipeline.Schedule`."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def n_stages(self) -> int: ...
+    @property
+    def n_microbatches(self) -> int: ...
+    @property
+    def n_virtual(self) -> int: ...
+    @property
+    def actions(self) -> list[list[Action]]: ...
+    @property
+    def placement(self) -> tuple[tuple[int, ...], ...]: ...
+    @property
+    def placement_kind(self) -> str: ...
+    @property
+    def split_backward(self) -> bool: ...
+    def simulate(self, costs: dict[str, float] | None = None) -> Timeline: ...
+
 
 __all__ = ["plot", "text"]
 

@@ -27,9 +27,9 @@ FLOORS = {
     "ops": 6,
     "pipeline": 7,
     "models": 8,
-    "job": 8,
-    "__main__": 9,
-    "__init__": 9,
+    "__init__": 9,  # the public API: re-exports floors 0-7 (and models, ops, checkpoint on first use)
+    "job": 10,  # built on the public API only (``import funcshard as fs``), so above the package's root
+    "__main__": 10,
 }
 
 
@@ -53,18 +53,21 @@ def _module_name(path: Path) -> str:
     return ".".join(parts)
 
 
-def _drop_type_checking(tree: ast.AST) -> ast.AST:
-    """``tree`` without the bodies of ``if TYPE_CHECKING:`` blocks (imports for annotations only)."""
-    for node in ast.walk(tree):
-        if isinstance(node, ast.If) and getattr(node.test, "id", getattr(node.test, "attr", None)) == "TYPE_CHECKING":
-            node.body = [ast.Pass()]
-    return tree
+def _is_module(parts: list[str]) -> bool:
+    return bool(parts) and (ROOT.joinpath(*parts).with_suffix(".py").is_file() or ROOT.joinpath(*parts).is_dir())
 
 
-def _imports(path: Path, mod: str, *, runtime: bool = False) -> list[str]:
+def _named(base: list[str], name: str) -> str:
+    """What ``from <base> import <name>`` depends on: the module ``name`` if it is one, else ``base`` itself
+    (``__init__`` for the top-level package, so ``from funcshard import P`` is an import of ``funcshard``)."""
+    if _is_module([*base, name]):
+        return ".".join([*base, name])
+    return ".".join(base) or "__init__"
+
+
+def _imports(path: Path, mod: str) -> list[str]:
+    """Every package module ``path`` imports: at module level, inside functions, and under ``if TYPE_CHECKING:``."""
     tree = ast.parse(path.read_text())
-    if runtime:
-        tree = _drop_type_checking(tree)
     pkg = mod.split(".")[:-1] if not path.name == "__init__.py" else mod.split(".")
     if path.name == "__init__.py" and mod == "__init__":
         pkg = []
@@ -74,13 +77,19 @@ def _imports(path: Path, mod: str, *, runtime: bool = False) -> list[str]:
             base = pkg[: len(pkg) - (node.level - 1)] if node.level > 1 else pkg
             target = ".".join([*base, node.module] if node.module else base)
             if node.module is None:
-                out.extend(".".join([*base, a.name]) for a in node.names)
+                out.extend(_named(base, a.name) for a in node.names)
             elif target:
                 out.append(target)
+        elif isinstance(node, ast.ImportFrom) and node.module == "funcshard":
+            out.extend(_named([], a.name) for a in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("funcshard."):
             out.append(node.module.removeprefix("funcshard."))
         elif isinstance(node, ast.Import):
-            out.extend(a.name.removeprefix("funcshard.") for a in node.names if a.name.startswith("funcshard."))
+            for a in node.names:
+                if a.name == "funcshard":
+                    out.append("__init__")
+                elif a.name.startswith("funcshard."):
+                    out.append(a.name.removeprefix("funcshard."))
     return out
 
 
@@ -89,7 +98,7 @@ def test_imports_point_down() -> None:
     for path in sorted(ROOT.rglob("*.py")):
         mod = _module_name(path)
         floor = _floor(mod)
-        for target in _imports(path, mod):
+        for target in sorted(set(_imports(path, mod))):
             if target and _floor(target) > floor:
                 upward.append(f"funcshard.{mod} (floor {floor}) imports funcshard.{target} (floor {_floor(target)})")
     assert not upward, "imports pointing up:\n" + "\n".join(upward)
@@ -110,13 +119,13 @@ def test_only_backend_imports_torch_distributed() -> None:
 
 
 def _graph() -> dict[str, set[str]]:
-    """Module -> the package modules it imports when it runs (function-level imports too; imports for
-    annotations only, under ``if TYPE_CHECKING:``, are no dependency)."""
+    """Module -> the package modules it imports: function-level imports and imports for annotations only
+    (under ``if TYPE_CHECKING:``) count too, so no circle hides behind either."""
     mods = {_module_name(p): p for p in sorted(ROOT.rglob("*.py"))}
     graph: dict[str, set[str]] = {}
     for mod, path in mods.items():
         deps = set()
-        for target in _imports(path, mod, runtime=True):
+        for target in _imports(path, mod):
             # "from . import lax" names a module; "from ._spec import P" names one too (its prefix)
             while target and target not in mods:
                 target = target.rpartition(".")[0]
@@ -229,3 +238,19 @@ def test_no_module_imports_a_private_name() -> None:
                 where = f"funcshard/{path.relative_to(ROOT)}:{node.lineno}"
                 offenders.append(f"{where}: from {'.' * node.level}{node.module} import {', '.join(bad)}")
     assert not offenders, "private names imported across modules:\n" + "\n".join(offenders)
+
+
+MAX_FUNCTION_LINES = 80
+
+
+def test_no_function_longer_than_80_lines() -> None:
+    """Every function under ``funcshard/`` (kernels too) fits in 80 lines, counted from its ``def`` line to its
+    last line."""
+    offenders = []
+    for path in sorted(ROOT.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                length = node.end_lineno - node.lineno + 1
+                if length > MAX_FUNCTION_LINES:
+                    offenders.append(f"funcshard/{path.relative_to(ROOT)}:{node.lineno} {node.name} {length}")
+    assert not offenders, f"functions longer than {MAX_FUNCTION_LINES} lines:\n" + "\n".join(offenders)

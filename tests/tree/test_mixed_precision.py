@@ -16,7 +16,8 @@ import pytest
 import torch
 
 import funcshard as fs
-from funcshard import P, lax
+from funcshard import P
+from funcshard._src.collectives import lax
 from funcshard.models import llama
 
 CFG = llama.Config(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=16)

@@ -215,11 +215,8 @@ class _ValueAndGrad:
                 for i, c in zip(nums, leaves, strict=True):
                     args[i] = c
             else:
-                start = 0
-                for i, (lv, treedef) in zip(nums, flat, strict=True):
-                    part = leaves[start : start + len(lv)]
-                    args[i] = part[0] if treedef is _LEAF else optree.tree_unflatten(treedef, part)
-                    start += len(lv)
+                for i, tree in zip(nums, _unflatten_args(leaves, flat), strict=True):
+                    args[i] = tree
         outer = torch.is_grad_enabled()
         aux_tags = None
         if not outer:  # like torch.func.grad, an outer no_grad does not stop the differentiation
@@ -240,7 +237,7 @@ class _ValueAndGrad:
                 keep, last = graph_walk([value], leaves) if outer and differentiable else (False, None)
             if differentiable:
                 # dist: the gradient reductions travel while the backward goes on (the last node's: synchronous)
-                with Overlap(None if keep else last):  # overlap_scope's context, made directly
+                with Overlap(None if keep else last):
                     found = _autograd_grad(value, leaves, keep)
             else:  # f does not depend on its inputs: zero gradients, as torch.func gives
                 found = (None,) * len(leaves)
@@ -266,12 +263,7 @@ class _ValueAndGrad:
         if flat is None:  # each gradient is one tensor
             grads = grads_flat[0] if isinstance(self._argnums, int) else tuple(grads_flat)
         else:
-            per_arg = []
-            start = 0
-            for lv, treedef in flat:
-                part = grads_flat[start : start + len(lv)]
-                per_arg.append(part[0] if treedef is _LEAF else optree.tree_unflatten(treedef, part))
-                start += len(lv)
+            per_arg = _unflatten_args(grads_flat, flat)
             grads = per_arg[0] if isinstance(self._argnums, int) else tuple(per_arg)
         if not has_aux:
             return value, grads
@@ -443,6 +435,18 @@ def _flatten(x: Any) -> tuple[list[Any], Any]:
     if isinstance(x, torch.Tensor):
         return [x], _LEAF
     return optree.tree_flatten(x)
+
+
+def _unflatten_args(leaves: list[Any], flat: list[tuple[list[Any], Any]]) -> list[Any]:
+    """``leaves`` (the differentiated arguments' leaves, or their gradients, in order) cut back into one tree per
+    argument by ``flat`` (:func:`_flatten` of each argument): a bare leaf is itself, no tree rebuilt."""
+    trees = []
+    start = 0
+    for lv, treedef in flat:
+        part = leaves[start : start + len(lv)]
+        trees.append(part[0] if treedef is _LEAF else optree.tree_unflatten(treedef, part))
+        start += len(lv)
+    return trees
 
 
 def _check_differentiable(f: Callable[..., Any], args: tuple[Any, ...], nums: tuple[int, ...]) -> None:

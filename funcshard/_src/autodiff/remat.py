@@ -675,6 +675,16 @@ def remat(
     if not isinstance(static, tuple) or not all(isinstance(i, int) and not isinstance(i, bool) for i in static):
         raise ConfigError(f"remat: static_argnums must be an int or a tuple of ints, found {static_argnums!r}.")
 
+    return _rematerialising(f, policy, save_collectives, static)
+
+
+def _rematerialising(
+    f: Callable[..., Any], policy: Policy, save_collectives: bool, static: tuple[int, ...]
+) -> Callable[..., Any]:
+    """The function :func:`remat` returns, for its checked arguments: each call checks its static arguments, runs
+    ``f`` as it is where nothing is to be saved (no gradient wanted, ``policy`` saves everything, vmap / jvp
+    around), else through :class:`_Remat` on the tensors among its arguments."""
+
     @functools.wraps(f)
     def wrapped(*args: Any, **kwargs: Any) -> Any:
         for i in static:

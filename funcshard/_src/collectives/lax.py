@@ -119,8 +119,8 @@ def psum(x: PyTree, axis: _Axis) -> PyTree:
     """
     if type(x) is torch.Tensor and _getrefcount(x) == _TEMP_REFS:
         # a temporary no one else can see (``psum(a @ b, "tp")``): summed in its own buffer, as psum_owned does, where
-        # _sole_holder says so (asked by _reduce_tensor under its DisableTorchFunction; it asks for the transforms;
-        # the backend falls back to a copy in a compiled graph)
+        # _sole_holder_now says so (asked by _reduce_tensor under its DisableTorchFunction; it asks for the
+        # transforms; the backend falls back to a copy in a compiled graph)
         return _reduce(x, axis, "sum", "psum", _TEMPORARY)
     return _reduce(x, axis, "sum", "psum")
 
@@ -142,18 +142,13 @@ del _HELD
 _storage_uses = torch._C._storage_Use_Count
 
 
-def _sole_holder(x: torch.Tensor) -> bool:
+def _sole_holder_now(x: torch.Tensor) -> bool:
     """Whether ``x`` is worth summing in place (:data:`INPLACE_MIN_BYTES`) and its memory is seen through ``x``
     alone, for a tensor whose Python object only the caller's frame holds: its C++ tensor is held by nothing else
     (no backward saved it as an input, no view's base, no DLPack capsule), and its storage by nothing else (no view
     or ``detach`` of it, no backward saved it as an output, no copy-on-write clone shares it; the storage object
-    made here to ask is the second holder)."""
-    with torch._C.DisableTorchFunction():  # metadata reads the vma mode need not see
-        return _sole_holder_now(x)
-
-
-def _sole_holder_now(x: torch.Tensor) -> bool:
-    """:func:`_sole_holder`, called with torch functions disabled."""
+    made here to ask is the second holder). Called with torch functions disabled (metadata reads the vma mode need
+    not see)."""
     if _transforms_active() or _is_wrapped(x):  # (a torch.func wrapper, live or dead: no storage of its own to ask)
         return False
     return (
@@ -164,7 +159,7 @@ def _sole_holder_now(x: torch.Tensor) -> bool:
     )
 
 
-#: :func:`psum`'s mark of a temporary (for ``_reduce_tensor``: AllReduceOwned where :func:`_sole_holder` says so)
+#: :func:`psum`'s mark of a temporary (for ``_reduce_tensor``: AllReduceOwned where :func:`_sole_holder_now` says so)
 _TEMPORARY = object()
 
 

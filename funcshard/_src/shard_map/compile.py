@@ -366,8 +366,8 @@ def sink_waits(gm: torch.fx.GraphModule) -> int:
     return moved
 
 
-_HERE = os.path.dirname(os.path.abspath(__file__))
-_OWN_FILES = {os.path.join(_HERE, "_vma.py"), os.path.join(_HERE, "_compile.py")}
+_HERE = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the funcshard package
+_OWN_FILES = {os.path.join(_HERE, "_src", "collectives", "vma.py"), os.path.abspath(__file__)}
 
 
 def _value_read(name: str, err: RuntimeError) -> ShardingError:

@@ -4,7 +4,7 @@ during the backward pass, so the collectives of the backward meet their peers.""
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
@@ -15,12 +15,18 @@ from ..runtime.context import DeviceContext, enter
 from ..runtime.mesh import Mesh
 from ..tree.spec import P, block_index
 
-if TYPE_CHECKING:
-    from .executor import DeviceBody
-
-__all__ = ["SimState", "run_differentiable"]
+__all__ = ["SimBody", "SimState", "run_differentiable"]
 
 Result = tuple[list[Any], Any]
+
+
+class SimBody(Protocol):
+    """What a differentiable ``"sim"`` call runs on each device (``executor.DeviceBody`` is one; stated here so
+    this module imports nothing of the executor, which calls it)."""
+
+    mesh: Mesh
+
+    def __call__(self, dev: Any, leaves: list[list[Any]]) -> Result: ...
 
 
 class _SimGrad(torch.autograd.Function):
@@ -63,7 +69,7 @@ class SimState:
 
     def __init__(
         self,
-        body: DeviceBody,
+        body: SimBody,
         world: SimWorld,
         per_dev: list[list[list[Any]]],
         coords: list[tuple[int, ...]],

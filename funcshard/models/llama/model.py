@@ -13,8 +13,9 @@ The model is written once: each op takes its axis from the plan, ``None`` (the r
 local math, and each decoder layer is :func:`funcshard.models.transformer.transformer_block`. The plan and
 the specs derived from it are computed once per (config, plan, mesh) and cached, not per call.
 
-Seams for later: :func:`attention_fn` is the one place attention is called (context parallelism plugs in
-there), and :func:`layer` is one decoder layer on its own parameters (a pipeline stage runs a slice of them).
+Attention is called in one place, :func:`funcshard.models.transformer.causal_attention` inside each block (ring
+attention over ``cp``, plain local attention without it), and :func:`layer` is one decoder layer on its own
+parameters (a pipeline stage runs a slice of them).
 
 Example:
     >>> import torch, funcshard as fs
@@ -48,13 +49,12 @@ from ...ops.fsdp import reshard_after_forward
 from ...pipeline import Schedule
 from ..plan import ParallelPlan
 from ..stacked import unstack
-from ..transformer import causal_attention, rms_norm, transformer_block, use_params
+from ..transformer import rms_norm, transformer_block, use_params
 from .config import Config
 from .sharding import model_plan, param_shapes, pipeline_schedule, specs_for
 
 __all__ = [
     "Layout",
-    "attention_fn",
     "embed_tokens",
     "forward",
     "head_logits",
@@ -101,34 +101,6 @@ def layout(cfg: Config, plan: ParallelPlan | None) -> Layout:
     """The (cached) layout for the running ``shard_map``'s mesh, or the unsharded one outside."""
     ctx = maybe_current()
     return _layout_on(cfg, plan, None if ctx is None else ctx.mesh)
-
-
-def attention_fn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: Config, plan: ParallelPlan) -> torch.Tensor:
-    """Causal grouped-query attention on ``[b, heads, s, hd]``; with a ``cp`` axis the sequence is split
-    in contiguous blocks over it and k/v go around the ring.
-
-    Args:
-        q: ``[b, n_heads, s, hd]`` queries (``n_heads/tp`` heads and ``s/cp`` positions inside ``shard_map``).
-        k: ``[b, n_kv_heads, s, hd]`` keys (grouped-query: fewer heads than ``q``).
-        v: ``[b, n_kv_heads, s, hd]`` values.
-        cfg: the model config.
-        plan: the parallel plan (``ParallelPlan()`` outside ``shard_map``).
-        gather: with ``p`` the sharded blocks, the gather to run inside the layer (reshard-after-forward:
-            see :func:`~funcshard.models.transformer.transformer_block`).
-
-    Returns:
-        ``[b, n_heads, s, hd]``, the attention output.
-
-    Example:
-        >>> import torch
-        >>> from funcshard.models import ParallelPlan
-        >>> from funcshard.models.llama import Config
-        >>> cfg = Config(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, max_seq_len=32)
-        >>> q, kv = torch.randn(2, 4, 16, 16), torch.randn(2, 2, 16, 16)
-        >>> attention_fn(q, kv, kv, cfg, ParallelPlan()).shape
-        torch.Size([2, 4, 16, 16])
-    """
-    return causal_attention(q, k, v, plan)  # [b, h, s(/cp), hd] -> [b, h, s(/cp), hd]
 
 
 def layer(

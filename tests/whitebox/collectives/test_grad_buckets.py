@@ -20,6 +20,7 @@ import torch
 
 import funcshard as fs
 from funcshard import P
+from funcshard._src.collectives import lax as core_lax
 from funcshard.models import llama
 
 pytestmark = pytest.mark.counters
@@ -58,7 +59,7 @@ def _dp_grads(mesh: fs.Mesh, ws: dict[str, torch.Tensor], x: torch.Tensor, profi
         if not cast:
             rest = fs.pvary(rest, "dp")  # one pvary call for the others
             return fs.psum(_loss({"w00": first, **rest}, x), "dp")
-        rest = fs.lax.pvary_cast(rest, "dp", dtype=torch.float64, grad_dtype=torch.float64)
+        rest = core_lax.pvary_cast(rest, "dp", dtype=torch.float64, grad_dtype=torch.float64)
         return fs.psum(_loss({"w00": first.double(), **rest}, x.double()), "dp")
 
     def step(ws: dict[str, torch.Tensor], x: torch.Tensor) -> tuple:

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 import funcshard as fs
-from funcshard import P, pytree
+from funcshard import P
+from funcshard._src.tree import pytree
 from funcshard._src.tree.spec import is_spec
 
 Pair = namedtuple("Pair", ["a", "b"])

@@ -26,7 +26,6 @@ __all__ = [
     "group_members",
     "order_key",
     "overlap_last",
-    "overlap_scope",
     "prefetch_scope",
     "prefetching",
     "settle",
@@ -311,7 +310,22 @@ class _Flag(contextlib.AbstractContextManager):
 
 
 class Overlap(contextlib.AbstractContextManager):
-    """:func:`overlap_scope`: this thread's overlap flag on, and the backward node that runs last, for the block."""
+    """This thread's overlap flag on, and the backward node that runs last, for the block.
+
+    Within it (``fs.value_and_grad``'s own ``torch.autograd.grad``), the dist backend may issue the backward's
+    gradient reductions asynchronously: every gradient leaves through that call and is :func:`settle`-d there,
+    and inside the graph a pending result waits at its first use. A plain ``.backward()``, which stores gradients
+    in ``.grad`` where nothing settles them, stays synchronous.
+
+    ``last``: the graph's node that the backward runs last, when known (the engine runs ready nodes latest-made
+    first, so the node made first in the forward runs after every other); a reduction it makes has nothing
+    left to overlap with, and is made synchronously (cheaper: no pending result to wrap and wait for).
+
+    Example:
+        >>> with Overlap(None):
+        ...     overlap_allowed()
+        True
+    """
 
     __slots__ = ("last", "prev")
 
@@ -326,31 +340,13 @@ class Overlap(contextlib.AbstractContextManager):
         _scope.on, _scope.last = self.prev
 
 
-def overlap_scope(last: Any = None) -> contextlib.AbstractContextManager[None]:
-    """Within it (``fs.value_and_grad``'s own ``torch.autograd.grad``), the dist backend may issue the backward's
-    gradient reductions asynchronously: every gradient leaves through that call and is :func:`settle`-d there,
-    and inside the graph a pending result waits at its first use. A plain ``.backward()``, which stores gradients
-    in ``.grad`` where nothing settles them, stays synchronous.
-
-    ``last``: the graph's node that the backward runs last, when known (the engine runs ready nodes latest-made
-    first, so the node made first in the forward runs after every other); a reduction it makes has nothing
-    left to overlap with, and is made synchronously (cheaper: no pending result to wrap and wait for).
-
-    Example:
-        >>> with overlap_scope():
-        ...     overlap_allowed()
-        True
-    """
-    return Overlap(last)
-
-
 def overlap_allowed() -> bool:
-    """Whether this thread is inside :func:`overlap_scope`."""
+    """Whether this thread is inside :class:`Overlap`."""
     return getattr(_scope, "on", False)
 
 
 def overlap_last() -> Any:
-    """The backward node :func:`overlap_scope` was told runs last (None: not known)."""
+    """The backward node :class:`Overlap` was told runs last (None: not known)."""
     return getattr(_scope, "last", None)
 
 

@@ -90,7 +90,7 @@ def _issued(t: Any) -> Any:
 
 
 def _in_backward() -> bool:
-    """In a backward that ``fs.value_and_grad`` runs (``overlap_scope``): its gradients are settled on the way out;
+    """In a backward that ``fs.value_and_grad`` runs (``Overlap``): its gradients are settled on the way out;
     not in the node that backward runs last (nothing is left to overlap: synchronous is cheaper)."""
     if not overlap_allowed():
         return False
