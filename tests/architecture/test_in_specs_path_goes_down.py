@@ -10,7 +10,7 @@ from types import FrameType
 from typing import Any
 
 import torch
-from test_layers import _floor, _module_name
+from test_floors_import_down import _floor, _module_name
 
 import funcshard as fs
 from funcshard import P
