@@ -9,6 +9,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
+import pytest
 import torch
 from test_floors_import_down import _floor, _module_name
 
@@ -83,6 +84,7 @@ def _stays(in_specs: tuple[P, ...]) -> list[tuple[str, int, str]]:
     return stays
 
 
+@pytest.mark.slow
 def test_in_specs_climbs_to_a_higher_floor_at_most_five_times() -> None:
     stays = _stays((P("dp", None), P(None, "tp")))
     assert len(stays) > 3, stays  # the tracer sees the path (the transform, the specs, the reshard moves)

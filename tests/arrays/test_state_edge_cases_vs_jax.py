@@ -257,6 +257,7 @@ FLOATS = [(torch.float32, "float32"), (torch.float16, "float16"), (torch.bfloat1
 SHAPES = [(), (7,), (3, 5, 7), (0, 3)]
 
 
+@pytest.mark.slow
 def test_random_odd_shapes_and_keys_match_jax(jax_x64) -> None:
     """Shapes (), odd and empty ones, every 16/32-bit float dtype, split into 1, 5 and a shape of keys,
     fold_in up to 2**32 - 1: bit for bit JAX's (x64 off, its default)."""

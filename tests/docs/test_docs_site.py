@@ -94,6 +94,7 @@ def test_coming_names_are_said_to_be_coming() -> None:
                 assert "coming" in text, f"{page.relative_to(DOCS)} mentions {name}, not there yet, as if it were"
 
 
+@pytest.mark.slow
 def test_mkdocs_build_strict(tmp_path: Path) -> None:
     for module in ("mkdocs", "mkdocstrings_handlers.python", "mkdocs_jupyter", "material"):
         if importlib.util.find_spec(module.split(".")[0]) is None or importlib.util.find_spec(module) is None:

@@ -47,6 +47,7 @@ def jupyter_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
 def test_notebook_runs(path: Path, jupyter_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # JUPYTER_PATH comes before the user / system dirs, so "python3" resolves to the spec above

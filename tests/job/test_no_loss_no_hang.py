@@ -146,6 +146,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow
 @pytest.mark.dist
 @pytest.mark.timeout(120)
 def test_stopped_gloo_process_every_other_exits_naming_axis_and_rank(tmp_path: Path) -> None:

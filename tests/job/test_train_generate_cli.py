@@ -120,6 +120,7 @@ def test_module_entry_runs_without_warnings(tmp_path: Path) -> None:
     assert "val loss" in p.stdout and (tmp_path / "out" / "loss.png").is_file()
 
 
+@pytest.mark.slow
 @pytest.mark.dist
 def test_train_under_torchrun_matches_sim(tmp_path: Path) -> None:
     """The same command under torchrun (4 gloo processes, dp=2 x tp=2) gives the simulated run's losses."""

@@ -193,6 +193,7 @@ def test_without_pp_it_is_value_and_grad_of_loss() -> None:
     _close(grads, ref_grads, "grad")
 
 
+@pytest.mark.slow
 @pytest.mark.dist
 def test_train_job_under_torchrun_with_pp(tmp_path) -> None:
     """`train --mesh pp=2,dp=2 --schedule zbv` on 4 gloo processes gives the losses of the same run on a

@@ -192,6 +192,7 @@ def test_dist_equals_sim_and_reference(mode, seed):
 # ------------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("jax") is None, reason='needs jax: pip install "jax[cpu]"')
 @given(data=st.data())
 @fuzz_settings("jax")
