@@ -480,8 +480,12 @@ def assemble_outputs(
             _check_replicated(name, path, spec, mesh, all_coords, vals)
         owned = _owned(vals)
         if owned:  # no storage shared with another device's block or another output (returned twice)
-            ptrs = [v.untyped_storage().data_ptr() for v in vals if v.numel()]
-            owned = len(set(ptrs)) == len(ptrs) and not seen.intersection(ptrs)
+            try:
+                ptrs = [v.untyped_storage().data_ptr() for v in vals if v.numel()]
+                owned = len(set(ptrs)) == len(ptrs) and not seen.intersection(ptrs)
+            except RuntimeError:  # a ZeroTensor block (a zero tangent / cotangent): no memory of its own to hand on
+                ptrs = [v.untyped_storage().data_ptr() for v in vals if v.numel() and not v._is_zerotensor()]
+                owned = False
             seen.update(ptrs)
         out.append(Array(mesh, spec, gshape, v0.dtype, dict(zip(all_coords, vals, strict=True)), owned))
     return optree.tree_unflatten(out_def, out)
@@ -518,9 +522,13 @@ def _assemble(
         if v._base is None and not _is_cow(v):  # _owned((v,))
             # no storage shared with another output (returned twice); a storage with no memory (no elements) is
             # none's (its address is 0)
-            ptr = v.untyped_storage().data_ptr()
-            owned = not ptr or ptr not in seen
-            seen.add(ptr)
+            try:
+                ptr = v.untyped_storage().data_ptr()
+            except RuntimeError:  # a ZeroTensor (a zero tangent / cotangent): no memory of its own to hand on
+                owned = False
+            else:
+                owned = not ptr or ptr not in seen
+                seen.add(ptr)
         else:
             owned = False
         out.append(Array(mesh, spec, gshape, v.dtype, {coords: v}, owned))

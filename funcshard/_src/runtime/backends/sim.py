@@ -470,6 +470,8 @@ def _reduce(vals: list[torch.Tensor], op: str) -> torch.Tensor:
     with torch.no_grad():
         if op == "sum":
             out = torch.add(vals[0], vals[1])
+            if out._is_zerotensor():  # two zero tangents (torch's ZeroTensors) add up to one, which is immutable
+                out = torch.zeros_like(out)  # [*s] -> [*s]: zeros the others are added into
             for v in vals[2:]:
                 out.add_(v)
         elif vals[0].is_floating_point():  # NaN wins and -0 < +0, the same bits as under dist
