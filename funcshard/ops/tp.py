@@ -153,8 +153,9 @@ class ColumnParallel(Op):
         if not isinstance(x_axes, Audited) and not x_axes.isdisjoint(axes):
             return None
         tag = frozenset(x_axes | axes)
-        if any(wt != tag for wt in w_axes):
-            return None
+        for wt in w_axes:
+            if wt != tag:
+                return None
         return Audited(tag) if isinstance(x_axes, Audited) else tag
 
 

@@ -301,12 +301,18 @@ def bind(
         ShardingError: outside shard_map, or ``axis`` not in the mesh (the message names ``name``).
     """
     with torch._C.DisableTorchFunction():  # (attribute reads and the call: the results' tags are set here)
-        if need_grad and not any(t.requires_grad for t in operands):
-            return None
+        if need_grad:
+            for t in operands:  # (loops, not generators: one frame less each, on every call)
+                if t.requires_grad:
+                    break
+            else:
+                return None
         ctx = current(name)
         axes = axes_of(axis, ctx.mesh, name)
         tracked = ctx.check_vma
-        have = [known_vma(t, tracked) for t in operands]
+        have = []
+        for t in operands:
+            have.append(known_vma(t, tracked))
         unknown = have.count(None)
         if unknown == 0:
             tag = op.vma(frozenset(axes), *have)  # type: ignore[arg-type]
