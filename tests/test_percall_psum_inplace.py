@@ -34,7 +34,7 @@ def _aliases_body(mesh: fs.Mesh) -> dict[str, Any]:
 @contextlib.contextmanager
 def _any_size() -> Iterator[None]:
     """Every temporary summed in place, however small (these tests' tensors are below ``INPLACE_MIN_BYTES``)."""
-    from funcshard import lax
+    from funcshard._src.collectives import lax
 
     size, lax.INPLACE_MIN_BYTES = lax.INPLACE_MIN_BYTES, 0
     try:

@@ -240,7 +240,7 @@ def _mse(y, t):
 
 
 def _slowed(params, x):
-    time.sleep(0.002 * fs.lax.axis_index_int("pp"))  # later stages slower: the devices drift apart
+    time.sleep(0.002 * fs.extend.axis_index_int("pp"))  # later stages slower: the devices drift apart
     return _aliasing(params, x)
 
 
@@ -289,7 +289,7 @@ def test_an_error_on_one_stage_ends_the_step_on_all() -> None:
     sched = by_name("1f1b", 4, 8)
 
     def bad(params, x):
-        if fs.lax.axis_index_int("pp") == 2:
+        if fs.extend.axis_index_int("pp") == 2:
             raise ValueError("stage 2 is broken")
         return _aliasing(params, x)
 
