@@ -1,4 +1,4 @@
-"""``_backend.base.settle`` waits for a pending collective below its Python autograd kernel (issue #11).
+"""``settle`` (``_src/collectives/vma.py``) waits for a pending collective below its Python autograd kernel (issue #11).
 
 Under ``dist``'s overlap, each gradient the backward hands back from a bucket is its own pending view
 (``AsyncCollectiveTensor``), settled once the gradients are stacked (``models.stacked.Unstack``): 72 waits a step of
@@ -16,7 +16,7 @@ import torch
 from _llama_dp import llama_step
 
 import funcshard as fs
-from funcshard._src.runtime.backends import base
+from funcshard._src.collectives import vma as base
 from funcshard.models import llama
 
 CFG = llama.Config(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=16)

@@ -22,6 +22,7 @@ FLOORS = {
     "_src.arrays": 4,
     "_src.autodiff": 4,
     "random": 5,
+    "extend": 5,
     "optim": 5,
     "checkpoint": 5,
     "ops": 6,
@@ -171,14 +172,96 @@ def test_no_import_circle() -> None:
     assert not circles, "import circles: " + "; ".join(" <-> ".join(c) for c in circles)
 
 
-def test_vma_tags_are_read_and_written_only_in_vma() -> None:
+#: every spelling that reads or writes a tensor's vma tag by hand: the attribute's name or constant, ``getattr`` /
+#: ``setattr`` / ``delattr`` / ``hasattr`` with it, and a tensor's ``__dict__`` read, written, updated or popped
+TAG_FORMS = re.compile(
+    r"_fs_vma|\bTAG_ATTR\b|\b_ATTR\b|__dict__\s*(\[|\.\s*(update|pop|get|setdefault|clear)\b)"
+    r"|\b(get|set|del|has)attr\([^)]*\b(TAG_ATTR|_ATTR)\b"
+)
+
+
+def test_vma_tags_are_read_and_written_only_in_collectives() -> None:
     offenders = []
     for path in sorted(ROOT.rglob("*.py")):
-        if path.relative_to(ROOT).as_posix() == "_src/collectives/vma.py":
+        if path.relative_to(ROOT).as_posix().startswith("_src/collectives/"):
             continue
-        if re.search(r"_fs_vma|__dict__\[", path.read_text()):
-            offenders.append(_module_name(path))
-    assert not offenders, f"modules touching vma tags directly (use funcshard._src.collectives.vma): {offenders}"
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            if TAG_FORMS.search(line):
+                offenders.append(f"funcshard/{path.relative_to(ROOT)}:{n}: {line.strip()}")
+    assert not offenders, (
+        "vma tags touched outside funcshard/_src/collectives/ (use the functions of its vma module):\n"
+        + ("\n".join(offenders))
+    )
+
+
+def test_tag_forms_regex_sees_every_spelling() -> None:
+    for line in (
+        "setattr(t, TAG_ATTR, v)",
+        "v = getattr(t, TAG_ATTR, None)",
+        "t.__dict__.update(s.__dict__)",
+        "t.__dict__.pop(TAG_ATTR, None)",
+        "t.__dict__[k] = v",
+        "x._fs_vma = v",
+    ):
+        assert TAG_FORMS.search(line), line
+    assert not TAG_FORMS.search("setattr(_scope, self.name, self.on)")
+
+
+def test_one_fast_path_predicate() -> None:
+    """torch's "is a torch.func transform active?" is asked through ``transforms_active`` (runtime/backends/base.py,
+    re-exported by ``funcshard.extend``), nowhere spelled out again."""
+    offenders = [
+        _module_name(path)
+        for path in sorted(ROOT.rglob("*.py"))
+        if path.relative_to(ROOT).as_posix() != "_src/runtime/backends/base.py"
+        and "_are_functorch_transforms_active" in path.read_text()
+    ]
+    assert not offenders, f"modules asking torch directly (use transforms_active): {offenders}"
+
+
+#: the packages above the core, which reach it only through ``funcshard.extend`` and the public modules
+ABOVE_CORE = ("ops", "models", "optim", "pipeline", "checkpoint", "job")
+
+
+def test_packages_above_the_core_use_the_door() -> None:
+    """``ops``, ``models``, ``optim``, ``pipeline``, ``checkpoint`` and ``job`` import nothing from ``funcshard._src``
+    (relative or absolute, at module or function level), no private module or name of another package: only
+    ``funcshard.extend``, the public modules (``funcshard.lax``, ``pytree``, ``random``, ...) and each other."""
+    offenders = []
+    for pkg in ABOVE_CORE:
+        for path in sorted((ROOT / pkg).rglob("*.py")):
+            mod = _module_name(path)
+            parts = mod.split(".")
+            base_pkg = parts if path.name == "__init__.py" else parts[:-1]
+            where = f"funcshard/{path.relative_to(ROOT)}"
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.Import):
+                    targets = [
+                        (a.name.removeprefix("funcshard."), []) for a in node.names if a.name.startswith("funcshard.")
+                    ]
+                elif isinstance(node, ast.ImportFrom) and node.level:
+                    base = base_pkg[: len(base_pkg) - (node.level - 1)] if node.level > 1 else base_pkg
+                    names = [a.name for a in node.names]
+                    target = ".".join([*base, node.module] if node.module else base)
+                    targets = (
+                        [(target, names)] if node.module else [(".".join([*base, n]).strip("."), []) for n in names]
+                    )
+                    if not node.module and not base:  # from the root: public names only
+                        targets = [(n, []) for n in names]
+                elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("funcshard"):
+                    target = node.module.removeprefix("funcshard").removeprefix(".")
+                    names = [a.name for a in node.names]
+                    targets = [(target, names)] if target else [(n, []) for n in names]
+                else:
+                    continue
+                for target, names in targets:
+                    own = target == pkg or target.startswith(pkg + ".")
+                    steps = target.split(".")
+                    if steps[0] == "_src" or (not own and any(_private(p) for p in steps)):
+                        offenders.append(f"{where}:{node.lineno}: {target}")
+                    elif not own and any(_private(n) for n in names):
+                        offenders.append(f"{where}:{node.lineno}: {target} import {', '.join(names)}")
+    assert not offenders, "imports past the door (use funcshard.extend or the public API):\n" + "\n".join(offenders)
 
 
 def _private(name: str) -> bool:

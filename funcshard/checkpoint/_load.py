@@ -9,8 +9,7 @@ from typing import Any
 import optree
 import torch
 
-from .._src.arrays.transfers import Array
-from .._src.tree.pytree import PyTree
+from ..extend import Array, PyTree
 from ._checksums import verify as verify_checksums
 from ._files import resolve
 from ._manifest import CheckpointError, check_data, parse_dtype, read_manifest
@@ -189,7 +188,7 @@ def _agree(err: CheckpointError | None, where: str) -> None:
     Raises:
         CheckpointError: this process's own error, or the first other rank's, named.
     """
-    from .._src.runtime.backends import dist as dist_backend
+    from ..extend import dist_backend
 
     found = dist_backend.all_gather_object(None if err is None else str(err))
     if err is not None:
@@ -204,7 +203,7 @@ def _real(dev: torch.device, a: Array | None) -> torch.device:
     if dev.type != "meta":
         return dev
     if a is not None and a.mesh.backend == "dist":
-        from .._src.runtime.backends import dist as dist_backend
+        from ..extend import dist_backend
 
         return dist_backend.tensor_device() or torch.device("cpu")
     return torch.device("cpu")

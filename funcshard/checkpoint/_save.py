@@ -15,8 +15,7 @@ from typing import Any
 import torch
 
 from .. import checkpoint as _package  # swap_in is called through the package (as _swap_in), where tests patch it
-from .._src.arrays.transfers import Array
-from .._src.tree.pytree import PyTree
+from ..extend import Array, PyTree
 from ._checksums import record as record_checksums
 from ._files import check_replaceable, fsync_dir
 from ._manifest import FORMAT, MANIFEST, VALUE_TYPES, VERSION, CheckpointError, dtype_name, manifest_text, spec_json
@@ -60,7 +59,7 @@ def save(path: str | os.PathLike[str], tree: PyTree, *, step: int | None = None,
         raise CheckpointError(f"{where}: metadata must be JSON-serialisable ({e}).") from None
     check_replaceable(path)
 
-    from .._src.runtime.backends import dist as dist_backend
+    from ..extend import dist_backend
 
     rank0 = not distributed or dist_backend.process_rank() == 0
     entries, state = _entries_and_blocks(leaves, where, rank0=rank0)

@@ -6,9 +6,8 @@ from typing import Any
 
 import optree
 
-from .._src.arrays.transfers import Array
-from .._src.tree.pytree import PyTree, tree_path
-from .._src.tree.spec import shard_slices
+from ..extend import Array, PyTree, shard_slices
+from ..pytree import tree_path
 from ._manifest import CheckpointError
 
 
@@ -39,7 +38,7 @@ def backend_of(leaves: list[tuple[str, Any]], where: str) -> str:
         raise CheckpointError(f"{where}: the tree mixes 'sim' and 'dist' arrays; put every array on one backend.")
     if backends:
         return backends.pop()
-    from .._src.runtime.backends import dist as dist_backend
+    from ..extend import dist_backend
 
     return "dist" if dist_backend.initialized() else "sim"
 

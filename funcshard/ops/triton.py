@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from .._src.errors import ConfigError, ShardingError
+from ..extend import ConfigError, ShardingError
 from . import _triton_kernels as _kernels
 from ._attention_torch import attention_torch as attention
 from ._attention_torch import needs_autograd_ring

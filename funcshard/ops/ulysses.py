@@ -25,8 +25,8 @@ from __future__ import annotations
 
 import torch
 
-from .._src.collectives import lax
-from .._src.errors import ShardingError
+from .. import lax
+from ..extend import ShardingError
 from .attention import attention
 
 __all__ = ["ulysses_attention"]

@@ -19,11 +19,11 @@ from collections.abc import Callable
 from typing import Any
 
 import optree
-import torch
 
 from ..arrays.array import Array, is_array
 from ..collectives.vma import clear_vma
 from ..errors import ShardingError
+from ..runtime.backends.base import transforms_active
 from ..runtime.context import maybe_current
 from ..runtime.mesh import Mesh
 from .compile import CompiledBody, compile_options, eager_body, opaque_to_dynamo, warn_sim
@@ -113,9 +113,6 @@ def shard_map(
     return opaque_to_dynamo(mapped, name, tell=options is None and mesh.backend != "sim")
 
 
-_transforms_active = torch._C._are_functorch_transforms_active
-
-
 def _call(
     f: Callable[..., Any],
     mesh: Mesh,
@@ -136,7 +133,7 @@ def _call(
             f"{name}: called inside another shard_map; nesting is not supported. Call the inner function "
             f"directly on the local shards, using collectives for communication."
         )
-    if _transforms_active():  # (sim: the devices' threads are outside the transform, jvp gave a zero tangent)
+    if transforms_active():  # (sim: the devices' threads are outside the transform, jvp gave a zero tangent)
         raise ShardingError(
             f"{name}: called inside a torch.func transform (grad / vjp / jvp / vmap) from outside shard_map, "
             f"which does not reach the devices' computation. Differentiate from outside with torch.autograd "

@@ -32,8 +32,8 @@ import torch
 
 from ..arrays.array import Coords, local_shards
 from ..arrays.reshard import apply_reshard
-from ..collectives.vma import TAG_ATTR, VmaMode, vary_output
-from ..runtime.backends.base import settle
+from ..collectives.vma import VmaMode, find_vma, settle, tag_tensors, vary_output
+from ..runtime.backends.base import transforms_active
 from ..runtime.backends.sim import SimWorld
 from ..runtime.context import DeviceContext, enter
 from ..runtime.mesh import Mesh
@@ -57,7 +57,7 @@ def _own(t: Any) -> Any:
     make copy-on-write: memory it does not own, as ``torch.from_numpy``'s or one that gloo handed back)."""
     if not isinstance(t, torch.Tensor):
         return t
-    if _lazy_clone is None or torch._C._are_functorch_transforms_active():
+    if _lazy_clone is None or transforms_active():
         return t.clone()
     with _clone_lock:
         return _cow(t)
@@ -73,7 +73,7 @@ def _cow(t: torch.Tensor) -> torch.Tensor:
 
 def _own_all(leaves: list[list[Any]], donated: list[list[bool]] | None) -> list[list[Any]]:
     """:func:`_own` of every leaf (per argument) but the donated ones, under one hold of the lock."""
-    if _lazy_clone is None or torch._C._are_functorch_transforms_active():
+    if _lazy_clone is None or transforms_active():
         if donated is None:
             return [[_own(t) for t in arg] for arg in leaves]
         return [[t if d else _own(t) for t, d in zip(arg, ds, strict=True)] for arg, ds in zip(leaves, donated)]
@@ -90,12 +90,8 @@ def _own_all(leaves: list[list[Any]], donated: list[list[bool]] | None) -> list[
 def _tag_args(leaves: list[list[Any]], tags: list[list[frozenset[str]]], tagged: list[torch.Tensor]) -> None:
     """Tag each tensor argument with the axes its spec names (``tags``: per argument and leaf; both vma modes:
     the optimisers and the collectives under ``check_vma=False`` read them)."""
-    T, push = torch.Tensor, tagged.append
     for arg_leaves, arg_tags in zip(leaves, tags, strict=True):
-        for t, v in zip(arg_leaves, arg_tags, strict=True):
-            if isinstance(t, T):
-                setattr(t, TAG_ATTR, v)  # set_vma
-                push(t)
+        tag_tensors(arg_leaves, arg_tags, tagged)
 
 
 def _spec_tags(specs: list[list[Any]]) -> list[list[frozenset[str]]]:
@@ -118,7 +114,7 @@ def audit_env() -> bool:
 
 def _differentiable(leaves: list[Any]) -> bool:
     """Whether a cotangent can flow back into any of ``leaves`` (else an output's pvary would do nothing)."""
-    if torch._C._are_functorch_transforms_active():
+    if transforms_active():
         return True
     T = torch.Tensor
     for t in leaves:  # (a loop: a generator's frame per leaf costs more than the reads)
@@ -209,7 +205,7 @@ class DeviceBody:
         out = []
         for t, (path, _, _), axes in zip(leaves, plan, plan.allowed, strict=True):
             if axes and isinstance(t, torch.Tensor):
-                have = getattr(t, TAG_ATTR, None)  # (its own tag: vary_output's first read, which it returns on)
+                have = find_vma(t)  # (vary_output's first read, which it returns on)
                 if have is None or not axes <= have:
                     t = vary_output(t, axes, dev, self.check_vma, path)
             out.append(t)
@@ -236,7 +232,7 @@ def run_local(body: DeviceBody, executor: DistExecutor, sig: Any, leaves: list[A
         else:
             blocks.append(local_shards(leaf, mesh, spec)[coords])
     T = torch.Tensor
-    if _lazy_clone is None or torch._C._are_functorch_transforms_active():
+    if _lazy_clone is None or transforms_active():
         owned = [_own(t) for t in blocks]
     else:
         with _clone_lock:
@@ -244,11 +240,7 @@ def run_local(body: DeviceBody, executor: DistExecutor, sig: Any, leaves: list[A
                 owned = [_lazy_clone(t) if isinstance(t, T) else t for t in blocks]
             except RuntimeError:  # a storage torch cannot make copy-on-write: each leaf on its own
                 owned = [_cow(t) if isinstance(t, T) else t for t in blocks]
-    push = body.tagged.append
-    for t, v in zip(owned, sig.flat_tags, strict=True):
-        if isinstance(t, T):
-            setattr(t, TAG_ATTR, v)  # set_vma
-            push(t)
+    tag_tensors(owned, sig.flat_tags, body.tagged)
     if sig.all_bare:  # (every argument one leaf: the blocks are the arguments)
         args = owned
     else:

@@ -14,7 +14,7 @@ import torch
 
 from ..arrays.array import Array, Coords, is_array, local_coords, local_shards
 from ..arrays.reshard import Step, comparable, reshard_plan
-from ..collectives.vma import EMPTY, TAG_ATTR, get_vma
+from ..collectives.vma import EMPTY, get_vma, take_vma
 from ..errors import ShardingError
 from ..runtime.mesh import Mesh
 from ..tree import pytree
@@ -514,7 +514,7 @@ def _assemble(
         if gshape is None:  # a non-tensor leaf (its spec checked P() with the plan): as it is
             out.append(v)
             continue
-        tag = v.__dict__.pop(TAG_ATTR, None) if clear else None
+        tag = take_vma(v) if clear else None
         if check_vma:
             vma = get_vma(v) if tag is None else tag  # (its own tag, else a view's base's or a wrapper's)
             if not vma <= allowed:

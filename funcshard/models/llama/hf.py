@@ -39,8 +39,7 @@ from typing import Any
 
 import torch
 
-from ..._src.arrays.transfers import Array, device_get
-from ..._src.errors import ConfigError
+from ...extend import Array, ConfigError, device_get
 from .config import Config
 from .hf_config import config_to_hf, model_folder, read_config, read_json
 from .safetensors_io import read_header, read_tensor, write_file
@@ -282,7 +281,7 @@ def to_hf(
     full = device_get(params)
     dtype = full["embed"].dtype if dtype is None else dtype
     hf = config_to_hf(cfg, dtype)  # ConfigError for a dtype it cannot write
-    from ..._src.runtime.backends import dist as dist_backend
+    from ...extend import dist_backend
 
     up = together or dist_backend.initialized()
     folder = Path(path).expanduser()

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from ..._src.errors import ConfigError, FuncshardError
+from ...extend import ConfigError, FuncshardError
 from ..rope_scaling import RopeScaling
 from .config import Config
 

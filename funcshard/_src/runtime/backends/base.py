@@ -28,9 +28,10 @@ __all__ = [
     "overlap_last",
     "prefetch_scope",
     "prefetching",
-    "settle",
     "trace_scope",
     "tracing",
+    "transforms_active",
+    "wait_pending",
 ]
 
 DEFAULT_TIMEOUT = 300.0
@@ -267,26 +268,15 @@ class DeviceHandle:
         raise NotImplementedError
 
 
-def settle(t: Any) -> Any:
-    """``t`` itself, or, for the pending result of an asynchronous collective (torch's
-    ``AsyncCollectiveTensor``: the dist backend's gradient reductions during a backward), that result once it
-    is done, as a plain tensor. Cheap for anything else (no torch.distributed import).
-
-    Example:
-        >>> import torch
-        >>> x = torch.ones(2)
-        >>> settle(x) is x
-        True
+def wait_pending(t: Any) -> torch.Tensor:
+    """The pending result ``t`` of an asynchronous collective (torch's ``AsyncCollectiveTensor``: the dist
+    backend's gradient reductions during a backward) once it is done, as a plain tensor. Its tags stay on ``t``:
+    ``collectives.vma.settle`` carries them over (and passes anything else through): call that one.
     """
-    if type(t).__name__ != "AsyncCollectiveTensor":
-        return t
-    if (t.requires_grad and torch.is_grad_enabled()) or torch._C._are_functorch_transforms_active():
-        out = t.wait()  # a gradient may flow through the wait (autograd's, or a torch.func transform's level)
-    else:  # no gradient through the wait: the op itself, below its Python autograd kernel (~12 Python calls)
-        with torch._C._AutoDispatchBelowAutograd():
-            out = torch.ops._c10d_functional.wait_tensor.default(t.elem)
-    out.__dict__.update(t.__dict__)  # its tags (the varying axes) go with it
-    return out
+    if (t.requires_grad and torch.is_grad_enabled()) or transforms_active():
+        return t.wait()  # a gradient may flow through the wait (autograd's, or a torch.func transform's level)
+    with torch._C._AutoDispatchBelowAutograd():  # no gradient through the wait: the op itself, below its Python
+        return torch.ops._c10d_functional.wait_tensor.default(t.elem)  # autograd kernel (~12 Python calls)
 
 
 _scope = threading.local()
@@ -378,3 +368,9 @@ def tracing() -> bool:
 #: whether ``torch.compile``'s dynamo is tracing the calling code (then a value read or an in-place write into
 #: a buffer made outside the graph is not what it can hold: the functional paths are taken)
 dynamo_tracing: Callable[[], bool] = getattr(torch.compiler, "is_compiling", lambda: False)
+
+#: THE predicate for "may the fast path run?": whether a ``torch.func`` transform (grad, vjp, jvp, vmap) is active on
+#: this thread. Its tensors are wrappers: no storage to read or write in place, no hand-made autograd node, no kept
+#: buffer. Where a fast path has further conditions (:func:`tracing`, grad mode, an operand's flags) they are
+#: spelled beside it at the call site. torch's own function, bound once (no Python frame added).
+transforms_active: Callable[[], bool] = torch._C._are_functorch_transforms_active
