@@ -27,8 +27,8 @@ import torch
 from torch.autograd.function import _SingleLevelFunction
 
 from .._src.collectives.prims import BucketPool
-from .._src.runtime.backends.base import settle, tracing
-from .._src.runtime.context import maybe_current
+from .._src.runtime.comm import settle
+from .._src.runtime.context import maybe_current, tracing
 
 __all__ = ["Unstack", "unstack"]
 
@@ -161,7 +161,7 @@ def unstack(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
     ctx = maybe_current()
     if (
         ctx is None
-        or ctx.mesh.backend != "dist"
+        or not ctx.mesh.is_multiprocess
         or not (x.requires_grad and torch.is_grad_enabled())
         or torch._C._are_functorch_transforms_active()
     ):

@@ -33,7 +33,7 @@ from .._src.autodiff.remat import remat as rematerialize
 from .._src.collectives import lax
 from .._src.collectives.vma import EMPTY, find_vma, one_op, set_vma
 from .._src.errors import ConfigError
-from .._src.runtime.backends.base import tracing as _tracing
+from .._src.runtime.context import tracing as _tracing
 from .._src.tree.precision import Precision
 from ..ops import column_parallel_linear, fsdp_gather, ring_attention, row_parallel_linear
 from .plan import ParallelPlan

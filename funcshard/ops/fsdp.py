@@ -40,8 +40,8 @@ from .._src.autodiff.remat import current_vma_mode, device_scope, only_grad_tran
 from .._src.collectives import lax
 from .._src.collectives.vma import known_vma
 from .._src.errors import ConfigError, ShardingError
-from .._src.runtime.backends.base import prefetch_scope, settle
-from .._src.runtime.context import maybe_current
+from .._src.runtime.comm import settle
+from .._src.runtime.context import maybe_current, prefetch_scope
 from .._src.tree import pytree
 from .._src.tree.precision import Precision
 from .._src.tree.spec import P, is_spec

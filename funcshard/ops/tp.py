@@ -36,8 +36,7 @@ from .._src.collectives import lax
 from .._src.collectives import prims as _prims
 from .._src.collectives.vma import Audited, known_vma, one_op, set_vma
 from .._src.errors import ShardingError
-from .._src.runtime.backends.base import tracing
-from .._src.runtime.context import axes_of, current
+from .._src.runtime.context import axes_of, current, tracing
 
 __all__ = [
     "column_parallel_linear",

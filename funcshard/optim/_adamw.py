@@ -11,8 +11,7 @@ import torch
 
 from .._src.collectives.vma import get_vma
 from .._src.errors import ConfigError
-from .._src.runtime.backends.base import dynamo_tracing, tracing
-from .._src.runtime.context import is_donated
+from .._src.runtime.context import dynamo_tracing, is_donated, tracing
 from .._src.tree import pytree
 from .._src.tree.spec import P
 from ._base import (

@@ -8,7 +8,7 @@ import optree
 import torch
 
 from .._src.errors import ConfigError, ShardingError
-from .._src.runtime.backends.base import tracing
+from .._src.runtime.context import tracing
 from .._src.tree.spec import P
 from ._base import (
     Optimizer,

@@ -66,8 +66,8 @@ from torch.autograd.function import BackwardCFunction
 from .._src.collectives import lax
 from .._src.collectives.vma import find_vma, get_vma, pvary_to, set_vma
 from .._src.errors import ShardingError
-from .._src.runtime.backends.base import P2POp, P2PWork, tracing
-from .._src.runtime.context import current
+from .._src.runtime.comm import P2POp, P2PWork
+from .._src.runtime.context import current, tracing
 from .._src.runtime.stats import capture, record
 from .plan import Send as Send
 from .plan import StagePlan, Step, plans

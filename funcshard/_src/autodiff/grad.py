@@ -51,7 +51,8 @@ from ..collectives.vma import (
     tags_of,
 )
 from ..errors import ConfigError
-from ..runtime.backends.base import Overlap, dynamo_tracing, settle
+from ..runtime.comm import settle
+from ..runtime.context import Overlap, dynamo_tracing
 
 __all__ = ["graph_walk", "has_tangent", "reaches_other_leaf", "value_and_grad"]
 

@@ -68,7 +68,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..collectives.vma import VmaMode, find_vma, set_vma, tag_leaves
 from ..errors import ConfigError
-from ..runtime.backends.base import settle
+from ..runtime.comm import settle
 from ..runtime.context import enter, maybe_current
 from .grad import has_tangent, reaches_other_leaf
 

@@ -40,7 +40,7 @@ import torch
 from ... import random as fsr
 from ..._src.collectives import lax
 from ..._src.errors import ConfigError
-from ..._src.runtime.backends.base import settle
+from ..._src.runtime.comm import settle
 from ..._src.runtime.context import maybe_current
 from ..._src.tree.spec import P, is_spec, shard_shape
 from ...ops import column_parallel_linear, vocab_parallel_cross_entropy, vocab_parallel_embedding
