@@ -54,8 +54,6 @@ Example:
 
 from __future__ import annotations
 
-from typing import Any
-
 from ._src.arrays.transfers import Array as Array
 from ._src.arrays.transfers import device_get as device_get
 from ._src.autodiff.grad import has_tangent as has_tangent
@@ -94,16 +92,18 @@ from ._src.collectives.vma import settle as settle
 from ._src.errors import ConfigError as ConfigError
 from ._src.errors import FuncshardError as FuncshardError
 from ._src.errors import ShardingError as ShardingError
-from ._src.runtime.backends.base import P2POp as P2POp
-from ._src.runtime.backends.base import P2PWork as P2PWork
-from ._src.runtime.backends.base import dynamo_tracing as dynamo_tracing
-from ._src.runtime.backends.base import prefetch_scope as prefetch_scope
-from ._src.runtime.backends.base import tracing as tracing
-from ._src.runtime.backends.base import transforms_active as transforms_active
+from ._src.runtime.comm import P2POp as P2POp
+from ._src.runtime.comm import P2PWork as P2PWork
 from ._src.runtime.context import axes_of as axes_of
 from ._src.runtime.context import current as current
+from ._src.runtime.context import dynamo_tracing as dynamo_tracing
 from ._src.runtime.context import is_donated as is_donated
 from ._src.runtime.context import maybe_current as maybe_current
+from ._src.runtime.context import prefetch_scope as prefetch_scope
+from ._src.runtime.context import tracing as tracing
+from ._src.runtime.context import transforms_active as transforms_active
+from ._src.runtime.mesh import BackendImpl as BackendImpl
+from ._src.runtime.mesh import get_backend as get_backend
 from ._src.runtime.stats import capture as capture
 from ._src.runtime.stats import record as record
 from ._src.shard_map.api import shard_map as shard_map
@@ -120,6 +120,7 @@ __all__ = [
     "AllReduce",
     "Array",
     "Audited",
+    "BackendImpl",
     "BucketPool",
     "ConfigError",
     "FuncshardError",
@@ -147,6 +148,7 @@ __all__ = [
     "device_scope",
     "dynamo_tracing",
     "find_vma",
+    "get_backend",
     "get_vma",
     "has_tangent",
     "is_donated",
@@ -177,13 +179,3 @@ __all__ = [
     "transforms_active",
     "value_and_grad",
 ]
-
-
-def __getattr__(name: str) -> Any:
-    """``dist_backend``: the torch.distributed backend module (process rank, barrier, object broadcast), imported
-    on first use (so ``import funcshard`` does not import torch.distributed)."""
-    if name == "dist_backend":
-        from ._src.runtime.backends import dist
-
-        return dist
-    raise AttributeError(f"module 'funcshard.extend' has no attribute {name!r}")

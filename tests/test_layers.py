@@ -208,12 +208,12 @@ def test_tag_forms_regex_sees_every_spelling() -> None:
 
 
 def test_one_fast_path_predicate() -> None:
-    """torch's "is a torch.func transform active?" is asked through ``transforms_active`` (runtime/backends/base.py,
+    """torch's "is a torch.func transform active?" is asked through ``transforms_active`` (runtime/context.py,
     re-exported by ``funcshard.extend``), nowhere spelled out again."""
     offenders = [
         _module_name(path)
         for path in sorted(ROOT.rglob("*.py"))
-        if path.relative_to(ROOT).as_posix() != "_src/runtime/backends/base.py"
+        if path.relative_to(ROOT).as_posix() != "_src/runtime/context.py"
         and "_are_functorch_transforms_active" in path.read_text()
     ]
     assert not offenders, f"modules asking torch directly (use transforms_active): {offenders}"
@@ -335,3 +335,79 @@ def test_no_function_longer_than_80_lines() -> None:
                 if length > MAX_FUNCTION_LINES:
                     offenders.append(f"funcshard/{path.relative_to(ROOT)}:{node.lineno} {node.name} {length}")
     assert not offenders, f"functions longer than {MAX_FUNCTION_LINES} lines:\n" + "\n".join(offenders)
+
+
+BACKENDS = "_src.runtime.backends"  # the backends and their registry: the one place that knows them by name
+BACKEND_NAMES = frozenset({"sim", "dist", "dtensor", "abstract"})
+REGISTRY_USERS = {"_src.runtime.mesh"}  # the one module that asks the registry; the rest ask the mesh
+
+
+def _outside_backends() -> list[tuple[str, Path]]:
+    mods = [(_module_name(p), p) for p in sorted(ROOT.rglob("*.py"))]
+    return [(m, p) for m, p in mods if not (m == BACKENDS or m.startswith(BACKENDS + "."))]
+
+
+def _names_a_backend(node: ast.AST) -> bool:
+    """A string constant that is a backend's name, or a tuple / list / set of values holding one."""
+    if isinstance(node, ast.Constant):
+        return node.value in BACKEND_NAMES
+    if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+        return any(_names_a_backend(e) for e in node.elts)
+    return False
+
+
+def test_no_backend_name_is_compared_outside_the_backends() -> None:
+    """Backends declare, the rest asks: no ``mesh.backend == "sim"`` (nor ``!=``, ``in ("sim", ...)``, ``match``)
+    outside ``runtime/backends/``. Ask ``mesh.is_multiprocess``, a capability of ``mesh.backend_impl`` or of the
+    device handle, or a process question of the mesh (``mesh.process_index()``, ...); ``mesh.backend`` may be read
+    to print it."""
+    offenders = []
+    for _, path in _outside_backends():
+        for node in ast.walk(ast.parse(path.read_text())):
+            where = f"funcshard/{path.relative_to(ROOT)}:{getattr(node, 'lineno', '?')}"
+            if isinstance(node, ast.Compare):
+                sides = [node.left, *node.comparators]
+                backend_attr = any(isinstance(s, ast.Attribute) and s.attr == "backend" for s in sides)
+                if backend_attr or any(_names_a_backend(s) for s in sides):
+                    offenders.append(f"{where}: {ast.unparse(node)}")
+            elif isinstance(node, ast.Match) and any(
+                isinstance(c.pattern, ast.MatchValue) and _names_a_backend(c.pattern.value) for c in node.cases
+            ):
+                offenders.append(f"{where}: match on a backend name")
+    assert not offenders, (
+        "backend names compared outside funcshard/_src/runtime/backends/ (ask the mesh or the backend's declared "
+        "capabilities instead: mesh.is_multiprocess, mesh.backend_impl.<capability>, dev.<capability>, "
+        "mesh.process_index(), ...):\n" + "\n".join(offenders)
+    )
+
+
+def test_backends_are_reached_only_through_the_mesh() -> None:
+    """Outside ``runtime/`` nothing imports ``runtime.backends`` (or one of its modules); inside ``runtime/``
+    only ``runtime.mesh`` asks the registry (the package itself, never a backend's module): everything else gets a
+    backend from a mesh (``mesh.backend_impl``) or from ``runtime.mesh.get_backend``."""
+    offenders = []
+    for mod, path in _outside_backends():
+        for target in _imports(path, mod):
+            if target == BACKENDS and mod in REGISTRY_USERS:
+                continue
+            if target == BACKENDS or target.startswith(BACKENDS + "."):
+                offenders.append(f"funcshard.{mod} imports funcshard.{target}")
+    assert not offenders, (
+        "backend modules imported outside funcshard/_src/runtime/backends/ (only runtime.mesh may import the "
+        "registry, runtime.backends; the rest ask the mesh: mesh.backend_impl, runtime.mesh.get_backend):\n"
+        + "\n".join(offenders)
+    )
+
+
+def test_no_probe_for_optional_device_methods() -> None:
+    """A device handle's optional powers are declared capabilities (``dev.inplace_sum``, ``dev.pending_results``,
+    ``dev.point_to_point``, with defaults in ``DeviceHandle``), read as attributes, not probed with
+    ``getattr(dev, "...", None)`` / ``hasattr(dev, "...")``."""
+    probe = re.compile(r"\b(getattr|hasattr)\(\s*(ctx\.|self\.)?(dev|device|handle)\s*,\s*[\"']")
+    offenders = [
+        f"funcshard/{path.relative_to(ROOT)}:{i}: {line.strip()}"
+        for _, path in _outside_backends()
+        for i, line in enumerate(path.read_text().splitlines(), 1)
+        if probe.search(line)
+    ]
+    assert not offenders, "device handles probed for optional methods (declare a capability):\n" + "\n".join(offenders)

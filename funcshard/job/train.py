@@ -174,7 +174,7 @@ def _threads(args: argparse.Namespace, mesh: fs.Mesh) -> int:
     then share the process's threads: the sim backend gives each device thread its part)."""
     if args.threads:
         return args.threads
-    local = 1 if mesh.backend == "sim" else int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if mesh.is_multiprocess else 1
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     return max(1, cores // local)
 

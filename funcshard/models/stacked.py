@@ -158,7 +158,7 @@ def unstack(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
     ctx = maybe_current()
     if (
         ctx is None
-        or ctx.mesh.backend != "dist"
+        or not ctx.mesh.is_multiprocess
         or not (x.requires_grad and torch.is_grad_enabled())
         or transforms_active()
     ):

@@ -52,7 +52,7 @@ from ..collectives.vma import (
     tags_of,
 )
 from ..errors import ConfigError
-from ..runtime.backends.base import Overlap, dynamo_tracing, transforms_active
+from ..runtime.context import Overlap, dynamo_tracing, transforms_active
 
 __all__ = ["graph_walk", "has_tangent", "reaches_other_leaf", "value_and_grad"]
 

@@ -68,8 +68,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..collectives.vma import VmaMode, find_vma, set_vma, settle, tag_leaves
 from ..errors import ConfigError
-from ..runtime.backends.base import transforms_active
-from ..runtime.context import enter, maybe_current
+from ..runtime.context import enter, maybe_current, transforms_active
 from .grad import has_tangent, reaches_other_leaf
 
 __all__ = ["Policy", "checkpoint_name", "remat", "remat_policies"]

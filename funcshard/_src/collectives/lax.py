@@ -33,8 +33,7 @@ import optree
 import torch
 
 from ..errors import ConfigError, ShardingError
-from ..runtime.backends.base import tracing, transforms_active
-from ..runtime.context import DeviceContext, axes_of, current
+from ..runtime.context import DeviceContext, axes_of, current, tracing, transforms_active
 from . import prims as _prims
 from . import prims_cast as _prims_cast
 from .vma import EMPTY, Audited, bind_operand, bind_result, get_vma, known_vma, set_vma

@@ -30,7 +30,7 @@ import torch
 from torch._functorch.autograd_function import custom_function_call as _custom_function_call
 from torch._functorch.utils import unwrap_dead_wrappers as _unwrap_dead
 
-from ..runtime.backends.base import tracing, transforms_active
+from ..runtime.context import tracing, transforms_active
 from ..runtime.stats import record
 
 _is_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
@@ -214,11 +214,10 @@ class AllReduceOwned(AllReduce):
 
     @staticmethod
     def forward(x: torch.Tensor, dev: Any, axes: tuple[str, ...], op: str, name: str) -> torch.Tensor:  # type: ignore[override]
-        inplace = getattr(dev, "all_reduce_inplace", None)
-        if inplace is None or op != "sum" or not x.is_contiguous():
+        if not dev.inplace_sum or op != "sum" or not x.is_contiguous():
             return AllReduce.forward(x, dev, axes, op, name)
         record(dev.rank, name, axes, _nbytes(x))
-        return inplace(x, axes)  # [*s] -> [*s], in x's buffer
+        return dev.all_reduce_inplace(x, axes)  # [*s] -> [*s], in x's buffer
 
 
 class AllReducePending(AllReduce):
@@ -231,11 +230,10 @@ class AllReducePending(AllReduce):
 
     @staticmethod
     def forward(x: torch.Tensor, dev: Any, axes: tuple[str, ...], op: str, name: str) -> torch.Tensor:  # type: ignore[override]
-        pending = getattr(dev, "all_reduce_pending", None)
-        if pending is None or op != "sum":
+        if not dev.pending_results or op != "sum":
             return AllReduce.forward(x, dev, axes, op, name)
         record(dev.rank, name, axes, _nbytes(x))
-        return pending(x, axes)  # [*s] -> [*s] (pending)
+        return dev.all_reduce_pending(x, axes)  # [*s] -> [*s] (pending)
 
 
 class Pvary(Prim):
@@ -408,8 +406,14 @@ class PvaryBucket(Prim):
         ctx.dev, ctx.axes = inputs[0], inputs[1]
         ctx.shapes = [x.shape for x in inputs[2:]]
         # rows of stacked leaves (a stacked model's layer): the bucket is a row of one buffer for all the layers
-        share = getattr(ctx.dev, "pending_sums_share_storage", None)
-        ok = share is not None and not transforms_active() and not tracing() and share()
+        dev = ctx.dev
+        ok = (
+            dev.pending_results
+            and dev.inplace_sum
+            and not transforms_active()
+            and not tracing()
+            and dev.pending_sums_share_storage()
+        )
         ctx.rows = _layer_major(inputs[2:]) if ok else None
 
     @staticmethod
@@ -419,8 +423,8 @@ class PvaryBucket(Prim):
             return (None, None, *gs)
         # one copy: every cotangent written once into one flat buffer (the bucket)
         flat_gs = [g.reshape(-1) for g in gs]
-        inplace = getattr(ctx.dev, "all_reduce_inplace", None)
-        if inplace is None or torch.is_grad_enabled() or transforms_active() or tracing():
+        dev = ctx.dev
+        if not dev.inplace_sum or torch.is_grad_enabled() or transforms_active() or tracing():
             # (differentiated again, a backend with no in-place sum, or recorded into a compiled graph, where a
             # write into a kept buffer would become a copy of all of it: the AllReduce Function, which copies)
             flat = torch.cat(flat_gs)  # k x [*s_i] -> [sum |s_i|]
@@ -437,10 +441,8 @@ class PvaryBucket(Prim):
                 out = BUCKETS.take(n, dtype, device)
             flat = torch.cat(flat_gs, out=out)  # k x [*s_i] -> [sum |s_i|]
             record(ctx.dev.rank, "psum", ctx.axes, _nbytes(flat))
-            cut = getattr(ctx.dev, "all_reduce_inplace_parts", None)
-            if cut is not None:  # the backend cuts the (pending) sum into the gradients' views itself
-                return (None, None, *cut(flat, ctx.axes, ctx.shapes))  # [sum |s_i|] -> k x [*s_i]
-            total = inplace(flat, ctx.axes)  # [sum |s_i|] -> [sum |s_i|]
+            # the backend cuts the (pending) sum into the gradients' views itself
+            return (None, None, *ctx.dev.all_reduce_inplace_parts(flat, ctx.axes, ctx.shapes))  # -> k x [*s_i]
         parts = total.split([s.numel() for s in ctx.shapes])
         return (None, None, *(p.view(s) for p, s in zip(parts, ctx.shapes, strict=True)))
 

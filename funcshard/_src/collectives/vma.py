@@ -24,8 +24,8 @@ import torch._functorch.vmap as _vmap_impl
 from torch.overrides import TorchFunctionMode
 
 from ..errors import ShardingError
-from ..runtime.backends.base import transforms_active, wait_pending
-from ..runtime.context import axes_of, current
+from ..runtime.comm import wait_pending
+from ..runtime.context import axes_of, current, transforms_active
 from .prims import Prim, Pvary, call
 
 __all__ = [

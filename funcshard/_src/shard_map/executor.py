@@ -33,9 +33,7 @@ import torch
 from ..arrays.array import Coords, local_shards
 from ..arrays.reshard import apply_reshard
 from ..collectives.vma import VmaMode, find_vma, settle, tag_tensors, vary_output
-from ..runtime.backends.base import transforms_active
-from ..runtime.backends.sim import SimWorld
-from ..runtime.context import DeviceContext, enter
+from ..runtime.context import DeviceContext, enter, transforms_active
 from ..runtime.mesh import Mesh
 from .io import ARRAY, VALUE, WHOLE, Inputs, OutPlan, device_args, flatten
 from .sim_grad import SimState, run_differentiable
@@ -139,7 +137,7 @@ class DeviceBody:
         self.f, self.mesh, self.check_vma, self.inputs, self.plan = f, mesh, check_vma, inputs, plan
         # check_vma=False under sim: the vma mode audits the program (see _vma.Audited); dist with
         # FUNCSHARD_AUDIT=1 too (``audit``: found by the caller)
-        self.audit = (not check_vma and (mesh.backend == "sim" or audit_env())) if audit is None else audit
+        self.audit = (not check_vma and (mesh.backend_impl.audit or audit_env())) if audit is None else audit
         self.tagged: list[torch.Tensor] = []  # every tensor tagged during the call (cleared after it)
         self.compiled: Any = None  # under dist with shard_map(compile=...): its _compile.CompiledBody
         # the outputs' plan :meth:`_vary_outputs` found, and the tree structure it is for (the caller assembles the
@@ -255,7 +253,7 @@ def run_local(body: DeviceBody, executor: DistExecutor, sig: Any, leaves: list[A
 def _context_of(mesh: Mesh, dev: Any, check_vma: bool) -> DeviceContext:
     """The context of a call without donation on ``dev``: made once per device and mode where the device lives
     on (``"dist"``: the process's one device; a sim device lives for one call only)."""
-    if mesh.backend == "sim":
+    if not mesh.is_multiprocess:
         return DeviceContext(mesh, dev, check_vma)
     key = (id(dev), id(mesh), check_vma)
     ctx = _CONTEXTS.get(key)
@@ -288,7 +286,7 @@ class SimExecutor:
         self.coords: list[Coords] = [tuple(c.values()) for c in mesh.device_coords()]
 
     def run(self, body: DeviceBody, plan: PlanFn) -> list[Result]:
-        world = SimWorld(self.mesh)
+        world = self.mesh.backend_impl.world(self.mesh)
         per_dev = [device_args(c, body.inputs.blocks) for c in self.coords]
         if torch.is_grad_enabled():
             state = SimState(body, world, per_dev, self.coords, body.inputs.layouts)
@@ -302,17 +300,16 @@ class DistExecutor:
     """This process's device of a ``"dist"`` mesh."""
 
     def __init__(self, mesh: Mesh) -> None:
-        from ..runtime.backends import dist as dist_backend
-
+        impl = mesh.backend_impl
         self.mesh = mesh
-        self.device = dist_backend.device_for(mesh)
+        self.device = impl.device(mesh)
         self.coords: list[Coords] = [tuple(self.device.coords.values())]
-        self._devices = dist_backend._DEVICES  # the backend's devices (emptied when torch.distributed restarts)
+        self._devices = impl.live_devices()  # the backend's devices (emptied when torch.distributed restarts)
 
     def stale(self) -> bool:
         """Whether the process's device for this mesh is no longer the one held (torch.distributed restarted)."""
         # (the device is registered under its mesh only: looked for among the values, no Mesh hash, a Python call)
-        return self.device not in self._devices.values()
+        return self.device not in self._devices
 
     def run(self, body: DeviceBody, plan: PlanFn) -> list[Result]:
         leaves = device_args(self.coords[0], body.inputs.blocks)
@@ -327,7 +324,7 @@ def executor_for(mesh: Mesh) -> Executor:
     if ex is None or (isinstance(ex, DistExecutor) and ex.stale()):
         if len(_EXECUTORS) > 64:
             _EXECUTORS.clear()
-        ex = _EXECUTORS[mesh] = SimExecutor(mesh) if mesh.backend == "sim" else DistExecutor(mesh)
+        ex = _EXECUTORS[mesh] = DistExecutor(mesh) if mesh.is_multiprocess else SimExecutor(mesh)
     return ex
 
 

@@ -320,15 +320,13 @@ class InputCache:
     def local_device(self, mesh: Mesh) -> tuple[Coords, torch.device | None]:
         """Under ``"dist"``: this process's coords in ``mesh`` and the device its tensors live on (found once)."""
         if self.dist_local is None:
-            from ..runtime.backends import dist as dist_backend
-
-            self.dist_local = (local_coords(mesh)[0], dist_backend.tensor_device())
+            self.dist_local = (local_coords(mesh)[0], mesh.local_device())
         return self.dist_local
 
     def whole_blocks(self, mesh: Mesh, x: torch.Tensor) -> dict[Coords, torch.Tensor] | None:
         """The blocks of a replicated full tensor ``x`` under ``"dist"``: ``x`` itself, where it already lives on
         this process's device (what ``local_shards`` would cut, without its per-call slicing); else None."""
-        if mesh.backend != "dist":
+        if not mesh.is_multiprocess:
             return None
         coords, dev = self.local_device(mesh)
         if dev is not None and x.device != dev:

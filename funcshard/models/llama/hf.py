@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 
-from ...extend import Array, ConfigError, device_get
+from ...extend import Array, ConfigError, device_get, get_backend
 from .config import Config
 from .hf_config import config_to_hf, model_folder, read_config, read_json
 from .safetensors_io import read_header, read_tensor, write_file
@@ -277,22 +277,21 @@ def to_hf(
     """
     _check_params(params, cfg)
     leaves = [v for k, v in params.items() if k != "layers"] + list(params["layers"].values())
-    together = any(isinstance(a, Array) and a.mesh.backend == "dist" for a in leaves)  # every process calls
+    meshes = [a.mesh for a in leaves if isinstance(a, Array) and a.mesh.is_multiprocess]
+    together = bool(meshes)  # every process calls
     full = device_get(params)
     dtype = full["embed"].dtype if dtype is None else dtype
     hf = config_to_hf(cfg, dtype)  # ConfigError for a dtype it cannot write
-    from ...extend import dist_backend
-
-    up = together or dist_backend.initialized()
+    procs = meshes[0].backend_impl if together else get_backend()  # (no such array: the backend the job runs on)
     folder = Path(path).expanduser()
     err: BaseException | None = None
-    if (dist_backend.process_rank() if up else int(os.environ.get("RANK", "0"))) == 0:
+    if (procs.process_index() if procs.multiprocess else int(os.environ.get("RANK", "0"))) == 0:
         try:
             _write_folder(folder, full, cfg, dtype, hf, max_shard_bytes)
         except BaseException as e:  # noqa: BLE001 - re-raised below, after the other processes hear of it
             err = e
     if together:  # a collective: no process returns before the folder is complete
-        msg = dist_backend.broadcast_object(None if err is None else f"{type(err).__name__}: {err}")
+        msg = procs.broadcast_object(None if err is None else f"{type(err).__name__}: {err}")
         if msg is not None and err is None:
             raise ConfigError(f"to_hf: process 0 could not write '{folder}' ({msg}).")
     if err is not None:

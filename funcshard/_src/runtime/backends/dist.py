@@ -35,7 +35,7 @@ import os
 import re
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -44,6 +44,7 @@ import torch.distributed as dist
 
 from ...errors import ConfigError, MeshError, ShardingError
 from .base import (
+    BackendImpl,
     DeviceHandle,
     P2POp,
     P2PWork,
@@ -60,6 +61,7 @@ from .base import (
 )
 
 __all__ = [
+    "DistBackend",
     "DistDevice",
     "any_process",
     "barrier",
@@ -427,6 +429,10 @@ class _DistWork(P2PWork):
 
 class DistDevice(DeviceHandle):
     """This process, as a device of ``mesh``."""
+
+    inplace_sum = True
+    pending_results = True
+    point_to_point = True
 
     def __init__(self, mesh: Any) -> None:
         self.mesh = mesh
@@ -877,3 +883,76 @@ def any_process(flag: bool) -> bool:
     with _waiting("any_process", (), list(range(dist.get_world_size()))):
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return bool(t.item())
+
+
+class DistBackend(BackendImpl):
+    """The ``"dist"`` backend: one device per torch.distributed process; it answers the process questions over
+    the default process group, and hands arrays off to torch's DTensor.
+
+    Example:
+        >>> DistBackend().multiprocess, DistBackend().dtensor
+        (True, True)
+    """
+
+    name = "dist"
+    multiprocess = True
+    dtensor = True
+
+    def requested(self) -> bool:
+        return requested()
+
+    def started(self) -> bool:
+        return initialized()
+
+    def setup(self, mesh: Any) -> None:
+        setup(mesh)
+
+    def shutdown(self) -> None:
+        shutdown()
+
+    def process_index(self) -> int:
+        return process_rank()
+
+    def process_count(self) -> int:
+        return dist.get_world_size()
+
+    def local_ranks(self, mesh: Any) -> list[int]:
+        return [process_rank()]
+
+    def local_device(self) -> torch.device | None:
+        return tensor_device()
+
+    def barrier(self) -> None:
+        barrier()
+
+    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+        return broadcast_object(obj, src)
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        return all_gather_object(obj)
+
+    def any_process(self, flag: bool) -> bool:
+        return any_process(flag)
+
+    def device(self, mesh: Any) -> DistDevice:
+        return device_for(mesh)
+
+    def live_devices(self) -> Collection[DistDevice]:
+        return _DEVICES.values()  # (a live view: emptied when torch.distributed restarts)
+
+    def is_dtensor(self, x: Any) -> bool:
+        from . import dtensor
+
+        return dtensor.is_dtensor(x)
+
+    def dtensor_layout(self, dt: Any) -> tuple[tuple[str, ...] | None, tuple[int, ...], list[Any], torch.Tensor]:
+        from . import dtensor
+
+        return dtensor.layout(dt)
+
+    def dtensor_from_local(
+        self, local: torch.Tensor, mesh: Any, shard_dims: list[int | None], shape: tuple[int, ...]
+    ) -> Any:
+        from . import dtensor
+
+        return dtensor.from_local(local, mesh, shard_dims, shape)
