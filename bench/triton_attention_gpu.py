@@ -120,7 +120,7 @@ def ring(shape: tuple, dtype: torch.dtype, iters: int, device: str = "cuda") -> 
     from funcshard import P
     from funcshard.ops import attention, ring_attention, zigzag_indices, zigzag_inverse_indices
 
-    attention_module = importlib.import_module("funcshard.ops.attention")
+    attention_module = importlib.import_module("funcshard.ops.attention.local")
     b, hq, hkv, s, d, _ = shape
     cp = 2
     gen = torch.Generator(device=device).manual_seed(0)

@@ -15,7 +15,7 @@ import torch
 import funcshard as fs
 from funcshard import P
 from funcshard.pipeline import PipelineGrads, by_name, gpipe, interleaved_1f1b, one_f_one_b, run, zero_bubble_h1
-from funcshard.pipeline.plan import loss_route, plans, stage_plan
+from funcshard.pipeline.messages import loss_route, plans, stage_plan
 from funcshard.pipeline.runtime import stage_order, virtual_stage_order
 
 D, H, MB = 4, 6, 3  # feature dim, hidden dim, rows per microbatch

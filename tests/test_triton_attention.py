@@ -166,7 +166,7 @@ def test_attention_with_lse_runs_the_kernels_on_flash_devices(monkeypatch: pytes
 
     from funcshard.ops import triton
 
-    attention_module = importlib.import_module("funcshard.ops.attention")
+    attention_module = importlib.import_module("funcshard.ops.attention.local")
     calls: list[int] = []
     apply = triton._FlashAttention.apply
     monkeypatch.setattr(triton._FlashAttention, "apply", lambda *a: calls.append(1) or apply(*a))
@@ -222,7 +222,7 @@ def _ring_kernels_body(mesh, causal: bool, layout: str, dtype: torch.dtype, grad
     from funcshard.ops import ring_attention, zigzag_indices, zigzag_inverse_indices
     from funcshard.ops import triton as flash
 
-    attention_module = importlib.import_module("funcshard.ops.attention")
+    attention_module = importlib.import_module("funcshard.ops.attention.local")
     n, s = mesh.shape["cp"], 32
     q, k, v = (t.detach() for t in _qkv(1, 4, 2, s, 16, dtype=dtype))
     r = _rand(1, 4, s, 16, seed=4).detach()

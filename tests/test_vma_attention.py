@@ -19,7 +19,7 @@ import funcshard as fs
 from funcshard import P
 from funcshard._src.collectives import vma as _vma
 from funcshard.ops import attention, ring_attention
-from funcshard.ops._attention_torch import attention_torch
+from funcshard.ops.attention._torch_kernel import attention_torch
 
 _plain = attention_torch.__wrapped__  # the undecorated torch path: op by op through the mode
 B, S, D = 4, 6, 8  # batch (split over dp), sequence, head dim

@@ -79,8 +79,8 @@ from ..extend import (
     tracing,
     transforms_active,
 )
-from .plan import Send as Send
-from .plan import StagePlan, Step, plans
+from .messages import Send as Send
+from .messages import StagePlan, Step, plans
 from .schedules import Action, Schedule
 from .trace import active_trace, now
 

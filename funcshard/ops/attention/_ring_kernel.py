@@ -40,10 +40,10 @@ from typing import Any
 
 import torch
 
-from .. import lax
-from ..extend import Ppermute, axis_index_int, call
-from ._attention_torch import attention_torch as attention
-from ._attention_torch import needs_autograd_ring
+from ... import lax
+from ...extend import Ppermute, axis_index_int, call
+from ._torch_kernel import attention_torch as attention
+from ._torch_kernel import needs_autograd_ring
 
 __all__ = ["RingAttention", "block_plan", "needs_autograd_ring", "ring_through_autograd"]
 
@@ -271,7 +271,7 @@ class RingAttention(torch.autograd.Function):
 
 def _flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> ModuleType | None:
     """:mod:`funcshard.ops.triton` where its kernels compute the ring's blocks (CUDA, inputs they take), else None."""
-    from .attention import flash_kernels  # (here: the attention module imports the kernels', which imports this)
+    from .local import flash_kernels  # (here: the attention module imports the kernels', which imports this)
 
     return flash_kernels(q, k, v)
 

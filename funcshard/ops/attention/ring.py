@@ -45,8 +45,8 @@ import math
 
 import torch
 
-from .. import lax
-from ..extend import (
+from ... import lax
+from ...extend import (
     Audited,
     ShardingError,
     axes_of,
@@ -61,7 +61,7 @@ from ..extend import (
     split_invariant,
 )
 from ._ring_kernel import RingAttention, needs_autograd_ring, ring_through_autograd
-from .attention import attention
+from .local import attention
 
 __all__ = [
     "ring_attention",

@@ -40,10 +40,10 @@ from typing import Any
 
 import torch
 
-from ..extend import ConfigError, ShardingError
+from ...extend import ConfigError, ShardingError
 from . import _triton_kernels as _kernels
-from ._attention_torch import attention_torch as attention
-from ._attention_torch import needs_autograd_ring
+from ._torch_kernel import attention_torch as attention
+from ._torch_kernel import needs_autograd_ring
 
 __all__ = ["MAX_HEAD_DIM", "flash_attention", "kernels_take", "uses_triton"]
 

@@ -39,11 +39,11 @@ from typing import Any
 
 import torch
 
-from ...extend import Array, ConfigError, device_get, get_backend
-from .config import Config
-from .hf_config import config_to_hf, model_folder, read_config, read_json
-from .safetensors_io import read_header, read_tensor, write_file
-from .sharding import param_shapes
+from ....extend import Array, ConfigError, device_get, get_backend
+from ..config import Config
+from ..sharding import param_shapes
+from .config import config_to_hf, model_folder, read_config, read_json
+from .safetensors import read_header, read_tensor, write_file
 
 __all__ = ["from_hf", "hf_names", "to_hf"]
 

@@ -31,7 +31,7 @@ from typing import Any, BinaryIO
 
 import torch
 
-from ...extend import ConfigError
+from ....extend import ConfigError
 
 __all__ = ["DTYPES", "read_header", "read_tensor", "write_file"]
 

@@ -11,7 +11,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from ..extend import ShardingError, has_tangent, one_op, transforms_active
+from ...extend import ShardingError, has_tangent, one_op, transforms_active
 
 __all__ = ["attention_torch", "needs_autograd_ring", "sdpa_has_no_rule"]
 

@@ -25,9 +25,9 @@ from __future__ import annotations
 
 import torch
 
-from .. import lax
-from ..extend import ShardingError
-from .attention import attention
+from ... import lax
+from ...extend import ShardingError
+from .local import attention
 
 __all__ = ["ulysses_attention"]
 
