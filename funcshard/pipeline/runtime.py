@@ -2,7 +2,7 @@
 
 Device ``s`` on the pipeline axis runs stage ``s``'s actions in the schedule's order, each as soon as its
 input has arrived; there are no global ticks and no round in which every device takes part. What it sends
-and receives is planned from the schedule alone (:func:`funcshard.pipeline.plan.stage_plan`): every block
+and receives is planned from the schedule alone (:func:`funcshard.pipeline.messages.stage_plan`): every block
 (an activation going to the stage holding the next virtual stage, or an input gradient going to the one
 holding the previous; ``Schedule.stage_of``, so looped, interleaved and V-shaped placements run alike) is
 one point-to-point message. The receive of a block is posted a couple of actions before the action that

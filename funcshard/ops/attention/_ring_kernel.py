@@ -15,9 +15,10 @@ output and the log-sum-exp of its rows (``[b, h, s/n]``, float32): O(s/n) memory
   k/v and the float32 dk/dv as two), and one last hop after the ``n``-th step brings every block's complete
   dk/dv home: ``n - 1`` ring steps plus that hop.
 
-On CUDA (``ops.attention.FLASH_DEVICES``), where the kernels of :mod:`funcshard.ops.triton` take the inputs, each
-block's forward and backward are those kernels (the output stored in float32 for the merge; the backward's
-blocks given the whole rows' lse and delta); a backward that is itself differentiated keeps the torch path.
+On CUDA (``ops.attention.local.FLASH_DEVICES``), where the kernels of :mod:`funcshard.ops.triton` take the
+inputs, each block's forward and backward are those kernels (the output stored in float32 for the merge; the
+backward's blocks given the whole rows' lse and delta); a backward that is itself differentiated keeps the
+torch path.
 
 The causal mask and the layouts skip or halve blocks as the forward does (:func:`block_plan`). All
 communication goes through the backend's ``Ppermute`` (counted by ``fs.comm_stats``), with the device handle

@@ -1,5 +1,5 @@
 """The torch path of :func:`funcshard.ops.attention`: SDPA, or the softmax written out (with the log-sum-exp,
-or under transforms SDPA has no derivative for). Kept apart from ``attention.py`` so that the Triton kernels'
+or under transforms SDPA has no derivative for). Kept apart from ``local.py`` so that the Triton kernels'
 module (which falls back to it) and the ring (which calls it under transforms) do not import the dispatcher;
 with :func:`needs_autograd_ring`, which both ask.
 """

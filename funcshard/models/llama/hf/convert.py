@@ -2,9 +2,9 @@
 
 A folder is ``config.json`` and the weights as safetensors: one ``model.safetensors``, or shards named by
 ``model.safetensors.index.json`` (its ``weight_map``). The format is read and written here, with no
-dependency (:mod:`funcshard.models.llama.safetensors_io`); tensors are read one at a time (a buffer the size
+dependency (:mod:`funcshard.models.llama.hf.safetensors`); tensors are read one at a time (a buffer the size
 of one tensor beside the parameters), in F32, F16, BF16 or F64, and ``config.json`` is mapped by
-:mod:`funcshard.models.llama.hf_config`.
+:mod:`funcshard.models.llama.hf.config`.
 
 The layouts agree without any permutation: funcshard's RoPE rotates halves (as transformers' ``rotate_half``),
 q/k/v heads are contiguous blocks of ``head_dim`` rows in both, and weights are ``F.linear``'s

@@ -1,4 +1,4 @@
-"""The safetensors file format, read and written with no dependency (for :mod:`funcshard.models.llama.hf`).
+"""The safetensors file format, read and written with no dependency (for :mod:`funcshard.models.llama.hf.convert`).
 
 A file is an 8-byte little-endian header length ``n``, ``n`` bytes of JSON (each tensor's ``dtype``, ``shape``
 and ``data_offsets`` ``[begin, end)`` into the data; an optional ``__metadata__`` of strings; padded with
