@@ -164,7 +164,7 @@ def test_attention_with_lse_runs_the_kernels_on_flash_devices(monkeypatch: pytes
     added here, interpreted): its results and gradients are the torch path's; without the lse it stays SDPA."""
     import importlib
 
-    from funcshard.ops import triton
+    from funcshard.ops.attention import triton
 
     attention_module = importlib.import_module("funcshard.ops.attention.local")
     calls: list[int] = []
@@ -220,7 +220,7 @@ def _ring_kernels_body(mesh, causal: bool, layout: str, dtype: torch.dtype, grad
     import funcshard as fs
     from funcshard import P
     from funcshard.ops import ring_attention, zigzag_indices, zigzag_inverse_indices
-    from funcshard.ops import triton as flash
+    from funcshard.ops.attention import triton as flash
 
     attention_module = importlib.import_module("funcshard.ops.attention.local")
     n, s = mesh.shape["cp"], 32

@@ -12,11 +12,9 @@ Example:
     True
 """
 
-import sys as _sys
-
+from . import triton as triton  # funcshard.ops.triton.flash_attention; imports no Triton until it runs
 from .attention import attention as attention
 from .attention import ring_attention as ring_attention
-from .attention import triton as triton  # funcshard.ops.triton.flash_attention; imports no Triton until it runs
 from .attention import ulysses_attention as ulysses_attention
 from .attention import zigzag_indices as zigzag_indices
 from .attention import zigzag_inverse_indices as zigzag_inverse_indices
@@ -31,10 +29,6 @@ from .tp import sequence_gather as sequence_gather
 from .tp import sequence_scatter as sequence_scatter
 from .tp import vocab_parallel_cross_entropy as vocab_parallel_cross_entropy
 from .tp import vocab_parallel_embedding as vocab_parallel_embedding
-
-# ``import funcshard.ops.triton`` / ``from funcshard.ops.triton import flash_attention`` (the public path): the
-# same module object as funcshard.ops.attention.triton, so there is one set of globals to read or patch
-_sys.modules[f"{__name__}.triton"] = triton
 
 __all__ = [
     "attention",
