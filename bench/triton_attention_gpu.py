@@ -9,7 +9,7 @@ For each shape (``[batch, heads, seq, head_dim]``, causal or not, GQA where ``hk
 2. times the forward and forward + backward (CUDA events, median of ``--iters``) of both, and prints TFLOP/s
    (forward ``4 b h s^2 d`` FLOPs, halved when causal; backward 2.5x the forward) and the ratio flash / SDPA;
 3. runs ``ring_attention`` (zigzag, causal, GQA) on a simulated ``{"cp": 2}`` mesh on this GPU with its blocks by
-   the kernels and by the torch path (``ops.attention.FLASH_DEVICES`` emptied), and prints both errors against
+   the kernels and by the torch path (``ops.attention.local.FLASH_DEVICES`` emptied), and prints both errors against
    the float32 unsharded attention (the kernels' more than 4x the torch path's plus 1e-3: FAIL) and both times.
 
 ``--cpu-dry-run`` runs steps 1 and 3 at small shapes on CPU through Triton's interpreter (``TRITON_INTERPRET=1``
@@ -120,7 +120,7 @@ def ring(shape: tuple, dtype: torch.dtype, iters: int, device: str = "cuda") -> 
     from funcshard import P
     from funcshard.ops import attention, ring_attention, zigzag_indices, zigzag_inverse_indices
 
-    attention_module = importlib.import_module("funcshard.ops.attention")
+    attention_module = importlib.import_module("funcshard.ops.attention.local")
     b, hq, hkv, s, d, _ = shape
     cp = 2
     gen = torch.Generator(device=device).manual_seed(0)

@@ -60,7 +60,7 @@ __version__ = "0.1.0"
 
 # Subpackages imported on first use (``fs.ops``, ``fs.checkpoint``, ``fs.models``): all of funcshard is one
 # ``import funcshard as fs`` away, without paying for DCP or the Llama at import time.
-_LAZY = ("checkpoint", "models", "ops", "process")
+_LAZY = ("checkpoint", "extend", "models", "ops", "process")
 
 
 def __getattr__(name: str) -> object:

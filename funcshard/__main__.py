@@ -47,7 +47,7 @@ def _dispatch(cmd: str, rest: list[str]) -> int:
 
         return train_main(rest)
     if cmd == "generate":
-        from .job.train import generate_main
+        from .job.generate import main as generate_main
 
         return generate_main(rest)
     if cmd == "demo":

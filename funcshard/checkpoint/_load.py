@@ -9,8 +9,7 @@ from typing import Any
 import optree
 import torch
 
-from .._src.arrays.transfers import Array
-from .._src.tree.pytree import PyTree
+from ..extend import Array, BackendImpl, PyTree
 from ._checksums import verify as verify_checksums
 from ._files import resolve
 from ._manifest import CheckpointError, check_data, parse_dtype, read_manifest
@@ -59,7 +58,7 @@ def load(path: str | os.PathLike[str], like: PyTree, *, strict: bool = True) -> 
     path = Path(os.fspath(path))
     where = f"load('{path}')"
     leaves, treedef = flatten(like, where)
-    backend = backend_of(leaves, where)
+    procs = backend_of(leaves, where)
     ckpt = resolve(path, where)
     saved = read_manifest(ckpt, where)["leaves"]
     _check_names([n for n, _ in leaves], saved, where, strict=strict)
@@ -69,7 +68,7 @@ def load(path: str | os.PathLike[str], like: PyTree, *, strict: bool = True) -> 
         if blocks is not None:
             requests[name] = blocks
     if requests:
-        _read(ckpt, requests, saved, where, distributed=backend == "dist")
+        _read(ckpt, requests, saved, where, procs)
     out = []
     for name, leaf in leaves:
         if isinstance(leaf, Array):
@@ -138,9 +137,11 @@ def _request(name: str, leaf: Any, entry: dict[str, Any], where: str) -> dict[tu
     return blocks
 
 
-def _read(ckpt: Path, requests: dict[str, Any], saved: dict[str, Any], where: str, *, distributed: bool) -> None:
-    """Fill the requested blocks from the checkpoint at ``ckpt``, after checking its data files and checksums."""
+def _read(ckpt: Path, requests: dict[str, Any], saved: dict[str, Any], where: str, procs: BackendImpl) -> None:
+    """Fill the requested blocks from the checkpoint at ``ckpt``, after checking its data files and checksums
+    (``procs``: the backend whose processes read it together, where it is multiprocess)."""
     dcp, _, load_planner, _ = dcp_api()
+    distributed = procs.multiprocess
     err = None
     try:
         _check_files(ckpt, requests, saved, where)
@@ -149,7 +150,7 @@ def _read(ckpt: Path, requests: dict[str, Any], saved: dict[str, Any], where: st
             raise
         err = e
     if distributed:
-        _agree(err, where)  # every process raises, or none: DCP's read below is a collective
+        _agree(err, where, procs)  # every process raises, or none: DCP's read below is a collective
     try:
         with quiet():
             reader = dcp.FileSystemReader(str(ckpt))
@@ -181,7 +182,7 @@ def _check_files(ckpt: Path, requests: dict[str, Any], saved: dict[str, Any], wh
         verify_checksums(ckpt, meta, index_cls, name, saved[name], wanted, where)
 
 
-def _agree(err: CheckpointError | None, where: str) -> None:
+def _agree(err: CheckpointError | None, where: str, procs: BackendImpl) -> None:
     """Under ``"dist"``, before any process starts DCP's collective read: raise on every process when any
     found damage. Each process checks only the saved blocks it reads, so a damaged block may be seen by one
     rank alone; the others would wait in the read until the collective timeout, then report that timeout.
@@ -189,9 +190,7 @@ def _agree(err: CheckpointError | None, where: str) -> None:
     Raises:
         CheckpointError: this process's own error, or the first other rank's, named.
     """
-    from .._src.runtime.backends import dist as dist_backend
-
-    found = dist_backend.all_gather_object(None if err is None else str(err))
+    found = procs.all_gather_object(None if err is None else str(err))
     if err is not None:
         raise err
     for rank, msg in enumerate(found):
@@ -203,8 +202,6 @@ def _real(dev: torch.device, a: Array | None) -> torch.device:
     """Where a loaded block goes: ``dev``, unless ``like`` was made of meta tensors."""
     if dev.type != "meta":
         return dev
-    if a is not None and a.mesh.backend == "dist":
-        from .._src.runtime.backends import dist as dist_backend
-
-        return dist_backend.tensor_device() or torch.device("cpu")
+    if a is not None and a.mesh.is_multiprocess:
+        return a.mesh.local_device() or torch.device("cpu")
     return torch.device("cpu")

@@ -13,8 +13,7 @@ from typing import Any
 
 import torch
 
-from .._src.errors import FuncshardError
-from .._src.tree.spec import P
+from ..extend import FuncshardError, P
 
 MANIFEST = "funcshard.json"
 FORMAT = "funcshard.checkpoint"

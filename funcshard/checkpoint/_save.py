@@ -15,8 +15,7 @@ from typing import Any
 import torch
 
 from .. import checkpoint as _package  # swap_in is called through the package (as _swap_in), where tests patch it
-from .._src.arrays.transfers import Array
-from .._src.tree.pytree import PyTree
+from ..extend import Array, PyTree
 from ._checksums import record as record_checksums
 from ._files import check_replaceable, fsync_dir
 from ._manifest import FORMAT, MANIFEST, VALUE_TYPES, VERSION, CheckpointError, dtype_name, manifest_text, spec_json
@@ -51,7 +50,8 @@ def save(path: str | os.PathLike[str], tree: PyTree, *, step: int | None = None,
     path = Path(os.fspath(path))
     where = f"save('{path}')"
     leaves, treedef = flatten(tree, where)
-    distributed = backend_of(leaves, where) == "dist"
+    procs = backend_of(leaves, where)
+    distributed = procs.multiprocess
     if step is not None and (isinstance(step, bool) or not isinstance(step, int)):
         raise CheckpointError(f"{where}: step must be an int or None, found {step!r}.")
     try:
@@ -60,9 +60,7 @@ def save(path: str | os.PathLike[str], tree: PyTree, *, step: int | None = None,
         raise CheckpointError(f"{where}: metadata must be JSON-serialisable ({e}).") from None
     check_replaceable(path)
 
-    from .._src.runtime.backends import dist as dist_backend
-
-    rank0 = not distributed or dist_backend.process_rank() == 0
+    rank0 = not distributed or procs.process_index() == 0
     entries, state = _entries_and_blocks(leaves, where, rank0=rank0)
     manifest = {
         "format": FORMAT,
@@ -74,11 +72,11 @@ def save(path: str | os.PathLike[str], tree: PyTree, *, step: int | None = None,
     }
     uid = uuid.uuid4().hex[:12]
     if distributed:
-        uid = dist_backend.broadcast_object(uid)  # every process writes into rank 0's temp dir
+        uid = procs.broadcast_object(uid)  # every process writes into rank 0's temp dir
     tmp = path.with_name(f"{path.name}.tmp-{uid}")
     _write_blocks(tmp, state, where, path, distributed=distributed, rank0=rank0)
     if distributed:
-        dist_backend.barrier()  # every process has written and fsync'd its blocks
+        procs.barrier()  # every process has written and fsync'd its blocks
     err: BaseException | None = None
     if rank0:
         try:
@@ -87,7 +85,7 @@ def save(path: str | os.PathLike[str], tree: PyTree, *, step: int | None = None,
             shutil.rmtree(tmp, ignore_errors=True)
             err = e
     if distributed:
-        msg = dist_backend.broadcast_object(None if err is None else f"{type(err).__name__}: {err}")
+        msg = procs.broadcast_object(None if err is None else f"{type(err).__name__}: {err}")
         if msg is not None and err is None:
             raise CheckpointError(f"{where}: rank 0 could not put the checkpoint in place ({msg}); nothing changed.")
     if err is not None:

@@ -6,9 +6,8 @@ from typing import Any
 
 import optree
 
-from .._src.arrays.transfers import Array
-from .._src.tree.pytree import PyTree, tree_path
-from .._src.tree.spec import shard_slices
+from ..extend import Array, BackendImpl, PyTree, get_backend, shard_slices
+from ..pytree import tree_path
 from ._manifest import CheckpointError
 
 
@@ -32,16 +31,15 @@ def flatten(tree: PyTree, where: str) -> tuple[list[tuple[str, Any]], Any]:
     return out, treedef
 
 
-def backend_of(leaves: list[tuple[str, Any]], where: str) -> str:
-    """``"dist"`` when the arrays are on a dist mesh (or, with no arrays, when torch.distributed is up)."""
-    backends = {leaf.mesh.backend for _, leaf in leaves if isinstance(leaf, Array)}
-    if len(backends) > 1:
+def backend_of(leaves: list[tuple[str, Any]], where: str) -> BackendImpl:
+    """The backend of the arrays' mesh (or, with no arrays, the one the job runs on: ``"dist"`` when
+    torch.distributed is up), which answers the process questions of a save or load."""
+    meshes = {leaf.mesh.backend: leaf.mesh for _, leaf in leaves if isinstance(leaf, Array)}
+    if len(meshes) > 1:
         raise CheckpointError(f"{where}: the tree mixes 'sim' and 'dist' arrays; put every array on one backend.")
-    if backends:
-        return backends.pop()
-    from .._src.runtime.backends import dist as dist_backend
-
-    return "dist" if dist_backend.initialized() else "sim"
+    if meshes:
+        return next(iter(meshes.values())).backend_impl
+    return get_backend()
 
 
 def block_offsets(a: Array, coords: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:

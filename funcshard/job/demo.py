@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import sys
 from typing import Any
 
@@ -66,7 +65,7 @@ def run_demo(mesh_shape: dict[str, int], *, steps: int, lr: float, d: int = 32, 
     from tqdm.auto import tqdm
 
     mesh = fs.make_mesh(mesh_shape)
-    lead = mesh.backend == "sim" or int(os.environ.get("RANK", "0")) == 0
+    lead = mesh.process_index() == 0
     axes = mesh.axis_names
     dp = tuple(a for a in axes if a in ("dp", "fsdp"))
     tp = "tp" if "tp" in axes else None

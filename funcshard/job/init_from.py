@@ -26,7 +26,7 @@ import torch
 
 import funcshard as fs
 from funcshard.models import llama
-from funcshard.models.llama.hf_config import read_config
+from funcshard.models.llama.hf.config import read_config
 
 from .cli import UsageError, train_parser
 from .data import Corpus

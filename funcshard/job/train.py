@@ -13,7 +13,7 @@ Nothing is lost and nothing hangs: a run refuses a ``--ckpt-dir`` holding an ear
 (:mod:`funcshard.job.preflight`); Ctrl-C stops after the running step, every device and process at the same step,
 with one line naming the checkpoint that is intact (exit code 130).
 
-``python -m funcshard generate`` samples bytes from the latest checkpoint with the unsharded ``llama.forward``.
+``python -m funcshard generate`` samples from the checkpoints a run leaves (:mod:`funcshard.job.generate`).
 
 Example:
     >>> from funcshard.job import train
@@ -35,20 +35,18 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 import funcshard as fs
 from funcshard import P, checkpoint, optim
 from funcshard import random as fsr
 from funcshard.models import llama
-from funcshard.models.llama.sharding import param_shapes
 from funcshard.process import PeerError, any_process, collective_timeout
 
 from . import init_from, preflight
-from .cli import Interrupted, StopOnCtrlC, UsageError, finite_positive, generate_parser, parse_mesh, run, train_parser
+from .cli import Interrupted, StopOnCtrlC, UsageError, parse_mesh, run, train_parser
 from .data import eval_batches, load_corpus, train_batch
 
-__all__ = ["generate", "generate_main", "main", "train"]
+__all__ = ["main", "train"]
 
 CSV_FIELDS = ("step", "train_loss", "val_loss", "tokens_per_s")
 
@@ -174,7 +172,7 @@ def _threads(args: argparse.Namespace, mesh: fs.Mesh) -> int:
     then share the process's threads: the sim backend gives each device thread its part)."""
     if args.threads:
         return args.threads
-    local = 1 if mesh.backend == "sim" else int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if mesh.is_multiprocess else 1
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     return max(1, cores // local)
 
@@ -573,95 +571,6 @@ def _remove_checkpoint(ckpt_dir: Path, step: int) -> None:
     shutil.rmtree(trash, ignore_errors=True)
 
 
-# ---------------------------------------------------------------------------------------------- generate
-
-
-def load_model(ckpt_dir: str | os.PathLike[str]) -> tuple[llama.Config, Any, int]:
-    """``(cfg, params, step)``: the latest checkpoint under ``ckpt_dir`` as plain full tensors.
-
-    Args:
-        ckpt_dir: the ``--ckpt-dir`` of a train run (holding ``config.json`` and ``step_N`` folders).
-
-    Returns:
-        ``(cfg, params, step)``: the model config, its parameters as full tensors, and the checkpoint's step.
-
-    Raises:
-        UsageError: no checkpoint, or no readable ``config.json``, under ``ckpt_dir``.
-
-    Example:
-        >>> cfg, params, step = load_model("runs/llama/ckpt")  # doctest: +SKIP
-        >>> llama.forward(params, torch.tensor([list(b"def ")]), cfg).shape  # doctest: +SKIP
-        torch.Size([1, 4, 256])
-    """
-    ckpt_dir = Path(ckpt_dir)
-    steps = checkpoint.list_steps(ckpt_dir)
-    if not steps:
-        raise UsageError(f"--ckpt-dir '{ckpt_dir}' has no checkpoint; train first (python -m funcshard train).")
-    try:
-        model = json.loads((ckpt_dir / "config.json").read_text())["model"]
-    except (OSError, ValueError, KeyError):
-        raise UsageError(f"--ckpt-dir '{ckpt_dir}' has no readable config.json; it was not written by train.") from None
-    cfg = llama.Config(**{**model, "sequence_parallel": False})
-    mesh = fs.make_mesh({"dp": 1}, backend="sim")
-    zeros = {
-        k: ({a: torch.zeros(s) for a, s in v.items()} if isinstance(v, dict) else torch.zeros(v))
-        for k, v in param_shapes(cfg).items()
-    }
-    like = fs.device_put(zeros, mesh, llama.param_specs(cfg, mesh))
-    tree = checkpoint.load(checkpoint.step_path(ckpt_dir, steps[-1]), {"params": like}, strict=False)
-    return cfg, fs.device_get(tree["params"]), steps[-1]
-
-
-def generate(args: argparse.Namespace) -> str:
-    """Sample ``args.tokens`` bytes after ``args.prompt`` from the latest checkpoint; returns (and prints) the text.
-
-    Args:
-        args: parsed ``funcshard generate`` options: ``ckpt_dir``, ``prompt``, ``tokens``, ``temperature``
-            (0: greedy), ``seed``.
-
-    Returns:
-        The prompt followed by the sampled bytes, decoded as UTF-8 (bad bytes replaced).
-
-    Raises:
-        UsageError: a negative temperature, or no checkpoint under ``args.ckpt_dir``.
-
-    Example:
-        >>> from funcshard.job.cli import generate_parser
-        >>> text = generate(generate_parser().parse_args(["--tokens", "20"]))  # doctest: +SKIP
-    """
-    finite_positive("--temperature", args.temperature, zero=True)
-    cfg, params, _ = load_model(args.ckpt_dir)
-    encode, decode = init_from.checkpoint_codec(args.ckpt_dir)  # bytes, or the run's tokenizer
-    ids = encode(args.prompt) or encode("\n")
-    key = fsr.key(args.seed)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # one token at a time: ops too small to split, and spinning threads cost more
-    try:
-        ids = _sample(params, cfg, ids, key, args.tokens, args.temperature)
-    finally:
-        torch.set_num_threads(threads)
-    text = decode(ids)
-    print(text)
-    return text
-
-
-def _sample(params: Any, cfg: llama.Config, ids: list[int], key: torch.Tensor, n: int, temperature: float) -> list[int]:
-    """``ids`` followed by ``n`` sampled bytes (inverse-CDF draws from ``fs.random``, so the seed fixes them)."""
-    ids = list(ids)
-    with torch.no_grad():
-        for i in range(n):
-            ctx = torch.tensor([ids[-cfg.max_seq_len :]])  # [1, s]
-            logits = llama.forward(params, ctx, cfg)[0, -1].float()  # [1, s, V] -> [V]
-            if temperature == 0:
-                nxt = int(logits.argmax())
-            else:
-                cdf = F.softmax(logits / temperature, dim=-1).cumsum(0)  # [V]
-                u = fsr.uniform(fsr.fold_in(key, i), ()) * cdf[-1]
-                nxt = min(int(torch.searchsorted(cdf, u, right=True)), cfg.vocab_size - 1)
-            ids.append(nxt)
-    return ids
-
-
 def main(argv: list[str] | None = None) -> int:
     """``funcshard train``: exit code 0, or 2 with one ``error: ...`` line on bad input.
 
@@ -676,19 +585,3 @@ def main(argv: list[str] | None = None) -> int:
         2
     """
     return run(train_parser(), train, argv)
-
-
-def generate_main(argv: list[str] | None = None) -> int:
-    """``funcshard generate``: exit code 0, or 2 with one ``error: ...`` line on bad input.
-
-    Args:
-        argv: the command-line options (default ``sys.argv[1:]``).
-
-    Returns:
-        The exit code.
-
-    Example:
-        >>> generate_main(["--tokens", "0"])  # bad input: one error line on stderr
-        2
-    """
-    return run(generate_parser(), generate, argv)

@@ -25,9 +25,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .._src.collectives import lax
-from .._src.errors import ShardingError
-from .._src.tree.spec import P
+from .. import lax
+from ..extend import P, ShardingError
 from .plan import ParallelPlan, plan_from_mesh
 from .transformer import transformer_block, use_params
 

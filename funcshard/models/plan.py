@@ -32,8 +32,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from .._src.errors import ConfigError
-from .._src.tree.rules import logical_to_mesh
+from ..extend import ConfigError, logical_to_mesh
 
 __all__ = ["ROLES", "ParallelPlan", "plan_from_mesh"]
 

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from .._src.errors import ConfigError
+from ..extend import ConfigError
 
 __all__ = ["RopeScaling"]
 

@@ -26,9 +26,7 @@ from typing import Any
 import torch
 from torch.autograd.function import _SingleLevelFunction
 
-from .._src.collectives.prims import BucketPool
-from .._src.runtime.backends.base import settle, tracing
-from .._src.runtime.context import maybe_current
+from ..extend import BucketPool, keep_tags, maybe_current, settle, tracing, transforms_active
 
 __all__ = ["Unstack", "unstack"]
 
@@ -106,8 +104,7 @@ def _pending_rows(gs: tuple[torch.Tensor | None, ...], shape: torch.Size, dtype:
     if strided is None:
         return None
     out = kind(strided)  # [n, *s], pending: waited for at its first use
-    out.__dict__.update(first.__dict__)  # its tags (the varying axes) go with it, as settle's
-    return out
+    return keep_tags(out, first)  # its tags (the varying axes) go with it, as settle's
 
 
 def _strided_rows(gs: tuple[torch.Tensor | None, ...], shape: torch.Size, dtype: torch.dtype) -> torch.Tensor | None:
@@ -161,9 +158,9 @@ def unstack(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
     ctx = maybe_current()
     if (
         ctx is None
-        or ctx.mesh.backend != "dist"
+        or not ctx.mesh.is_multiprocess
         or not (x.requires_grad and torch.is_grad_enabled())
-        or torch._C._are_functorch_transforms_active()
+        or transforms_active()
     ):
         return torch.unbind(x, 0)  # [n, *s] -> n x [*s]
     if type(x) is torch.Tensor and not torch._C._functorch.is_functorch_wrapped_tensor(x):

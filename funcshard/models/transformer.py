@@ -28,13 +28,23 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import _disable_current_modes
 
-from .._src.autodiff.remat import checkpoint_name, remat_policies
-from .._src.autodiff.remat import remat as rematerialize
-from .._src.collectives import lax
-from .._src.collectives.vma import EMPTY, find_vma, one_op, set_vma
-from .._src.errors import ConfigError
-from .._src.runtime.backends.base import tracing as _tracing
-from .._src.tree.precision import Precision
+from .. import lax
+from ..extend import (
+    ConfigError,
+    Precision,
+    checkpoint_name,
+    find_vma,
+    one_op,
+    remat_policies,
+    set_vma,
+    transforms_active,
+)
+from ..extend import (
+    remat as rematerialize,
+)
+from ..extend import (
+    tracing as _tracing,
+)
 from ..ops import column_parallel_linear, fsdp_gather, ring_attention, row_parallel_linear
 from .plan import ParallelPlan
 from .rope_scaling import RopeScaling
@@ -116,7 +126,7 @@ def _rope_cached(
     if (
         type(offset) is not int
         or type(x) is not torch.Tensor
-        or torch._C._are_functorch_transforms_active()
+        or transforms_active()
         or torch.compiler.is_compiling()
         or torch.is_inference_mode_enabled()
         or _tracing()
@@ -136,10 +146,10 @@ def _rope_cached(
     # rope's four products has operands of one tag (an invariant constant beside a varying operand takes the vma
     # mode's mixed path, ~17 Python calls an op); the tables need no gradient, so no pvary is owed. An own tag
     # also keeps the mode from looking through a view to the kept table. The same numbers
-    axes = find_vma(x)
+    axes = find_vma(x) or frozenset()  # (untagged, or an empty Audited set: a plain empty one)
     with torch._C.DisableTorchFunction():
         cos, sin = (t.view_as(t) for t in hit)  # [1, s, 1, hd/2] each, views
-    return set_vma(cos, axes or EMPTY), set_vma(sin, axes or EMPTY)
+    return set_vma(cos, axes), set_vma(sin, axes)
 
 
 @one_op  # one dispatch through the vma mode, not one per op inside (plain local math)

@@ -14,21 +14,21 @@ Example:
 
 from . import triton as triton  # funcshard.ops.triton.flash_attention; imports no Triton until it runs
 from .attention import attention as attention
+from .attention import ring_attention as ring_attention
+from .attention import ulysses_attention as ulysses_attention
+from .attention import zigzag_indices as zigzag_indices
+from .attention import zigzag_inverse_indices as zigzag_inverse_indices
+from .attention import zigzag_merge as zigzag_merge
+from .attention import zigzag_positions as zigzag_positions
+from .attention import zigzag_split as zigzag_split
 from .fsdp import fsdp_gather as fsdp_gather
 from .fsdp import fsdp_unsharded_specs as fsdp_unsharded_specs
-from .ring import ring_attention as ring_attention
-from .ring import zigzag_indices as zigzag_indices
-from .ring import zigzag_inverse_indices as zigzag_inverse_indices
-from .ring import zigzag_merge as zigzag_merge
-from .ring import zigzag_positions as zigzag_positions
-from .ring import zigzag_split as zigzag_split
 from .tp import column_parallel_linear as column_parallel_linear
 from .tp import row_parallel_linear as row_parallel_linear
 from .tp import sequence_gather as sequence_gather
 from .tp import sequence_scatter as sequence_scatter
 from .tp import vocab_parallel_cross_entropy as vocab_parallel_cross_entropy
 from .tp import vocab_parallel_embedding as vocab_parallel_embedding
-from .ulysses import ulysses_attention as ulysses_attention
 
 __all__ = [
     "attention",

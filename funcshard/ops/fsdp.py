@@ -36,15 +36,23 @@ import optree
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .._src.autodiff.remat import current_vma_mode, device_scope, only_grad_transforms
-from .._src.collectives import lax
-from .._src.collectives.vma import known_vma
-from .._src.errors import ConfigError, ShardingError
-from .._src.runtime.backends.base import prefetch_scope, settle
-from .._src.runtime.context import maybe_current
-from .._src.tree import pytree
-from .._src.tree.precision import Precision
-from .._src.tree.spec import P, is_spec
+from .. import lax, pytree
+from ..extend import (
+    ConfigError,
+    P,
+    Precision,
+    ShardingError,
+    all_gather_cast,
+    current_vma_mode,
+    device_scope,
+    is_spec,
+    known_vma,
+    maybe_current,
+    only_grad_transforms,
+    prefetch_scope,
+    pvary_cast,
+    settle,
+)
 
 __all__ = ["fsdp_gather", "fsdp_unsharded_specs", "reshard_after_forward"]
 
@@ -207,7 +215,7 @@ def _vary_cast(params: Any, axis: str | tuple[str, ...], dtype: torch.dtype, gra
     others = [i for i in range(len(leaves)) if i not in set(floats)]
     out = list(leaves)
     if floats:
-        for i, y in zip(floats, lax.pvary_cast([leaves[i] for i in floats], axis, dtype=dtype, grad_dtype=grad_dtype)):
+        for i, y in zip(floats, pvary_cast([leaves[i] for i in floats], axis, dtype=dtype, grad_dtype=grad_dtype)):
             out[i] = y
     if others:
         for i, y in zip(others, lax.pvary([leaves[i] for i in others], axis)):
@@ -238,7 +246,7 @@ def _issue_bucket(
     x = shards[0] if len(shards) == 1 else torch.cat([t.reshape(-1) for t in shards])  # [sum numel_i]
     if cast is None or not x.is_floating_point():
         return lax.all_gather(x, axis, dim=0, tiled=False)  # [*s] -> [n, *s]
-    return lax.all_gather_cast(x, axis, dim=0, tiled=False, dtype=cast[0], grad_dtype=cast[1])  # [*s] -> [n, *s]
+    return all_gather_cast(x, axis, dim=0, tiled=False, dtype=cast[0], grad_dtype=cast[1])  # [*s] -> [n, *s]
 
 
 def _unpack_bucket(g: torch.Tensor, shards: list[torch.Tensor], dims: list[int]) -> list[torch.Tensor]:

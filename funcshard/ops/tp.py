@@ -32,12 +32,23 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from .._src.collectives import lax
-from .._src.collectives import prims as _prims
-from .._src.collectives.vma import Audited, known_vma, one_op, set_vma
-from .._src.errors import ShardingError
-from .._src.runtime.backends.base import tracing
-from .._src.runtime.context import axes_of, current
+from .. import lax
+from ..extend import (
+    AllReduce,
+    Audited,
+    Op,
+    ShardingError,
+    axes_of,
+    bind,
+    call,
+    current,
+    known_vma,
+    one_op,
+    psum_owned,
+    split_invariant,
+    tracing,
+    transforms_active,
+)
 
 __all__ = [
     "column_parallel_linear",
@@ -97,7 +108,7 @@ def column_parallel_linear(
     return tuple(F.linear(x, wi, bi) for wi, bi in zip(w, bs, strict=True))  # [..., in] @ [in, out_i/n]
 
 
-class ColumnParallel(_prims.Prim):
+class ColumnParallel(Op):
     """Column-parallel ``F.linear`` of one input ``x`` (invariant over ``axes``) with ``k`` weights, no bias.
 
     - forward: ``ys_i = x @ w_i.T`` (``[..., in] @ [in, out_i/n] -> [..., out_i/n]``), varying over ``axes``.
@@ -131,36 +142,32 @@ class ColumnParallel(_prims.Prim):
                 part = g.mm(w)  # [n, out_i/tp] @ [out_i/tp, in] -> [n, in]
                 dx = part if dx is None else dx + part
         if dx is not None:  # issued now (under dist, pending); the weights' gradients compute meanwhile
-            dx = _prims.call(_prims.AllReduce, dx.view(x.shape), ctx.dev, ctx.axes, "sum", "psum")  # type: ignore[attr-defined]
+            dx = call(AllReduce, dx.view(x.shape), ctx.dev, ctx.axes, "sum", "psum")  # type: ignore[attr-defined]
         dws = [None if g is None else g.t().mm(x2) for g in g2]  # [out_i/tp, n] @ [n, in] -> [out_i/tp, in]
         return (None, None, dx, *dws)
+
+    @staticmethod
+    def vma(axes: frozenset[str], x_axes: frozenset[str], *w_axes: frozenset[str]) -> frozenset[str] | None:
+        """``pvary`` + ``F.linear``'s: the results vary over ``x``'s axes and ``axes``; declined where ``x`` already
+        varies over one of ``axes`` (no all-reduce in its backward), or a weight varies over other axes."""
+        if not isinstance(x_axes, Audited) and not x_axes.isdisjoint(axes):
+            return None
+        tag = frozenset(x_axes | axes)
+        for wt in w_axes:
+            if wt != tag:
+                return None
+        return Audited(tag) if isinstance(x_axes, Audited) else tag
 
 
 def _column_overlapped(x: torch.Tensor, ws: list[torch.Tensor], axis: str) -> tuple[torch.Tensor, ...] | None:
     """:class:`ColumnParallel` of ``x`` and ``ws``, tagged as ``pvary`` + ``F.linear`` would be; None where the
     plain ops must run instead: a gradient-less call, a ``torch.func`` transform, a compiled graph, ``x``
     already varying over ``axis`` (no all-reduce in its backward), or operands whose varying axes differ."""
-    if not torch.is_grad_enabled() or torch._C._are_functorch_transforms_active() or tracing():
+    if not torch.is_grad_enabled() or transforms_active() or tracing():
         return None
-    with torch._C.DisableTorchFunction():  # (attribute reads and the call: their tags are set below)
-        if not (x.requires_grad or any(w.requires_grad for w in ws)):
-            return None
-        ctx = current("column_parallel_linear")
-        axes = axes_of(axis, ctx.mesh, "column_parallel_linear")
-        have = known_vma(x, ctx.check_vma)
-        if have is not None and not isinstance(have, Audited) and any(a in have for a in axes):
-            return None
-        tag = None if have is None else have | frozenset(axes)
-        for w in ws:
-            wt = known_vma(w, ctx.check_vma)
-            if (wt is None) != (tag is None) or (tag is not None and frozenset(wt) != frozenset(tag)):
-                return None
-        ys = _prims.call(ColumnParallel, ctx.device, axes, x, *ws)  # [..., in] -> k x [..., out_i/n]
-        if tag is not None:
-            out = Audited(tag) if isinstance(have, Audited) else frozenset(tag)
-            for y in ys:
-                set_vma(y, out)
-    return ys
+    return bind(
+        ColumnParallel, x, *ws, axis=axis, name="column_parallel_linear", need_grad=True
+    )  # -> k x [.., out_i/n]
 
 
 def row_parallel_linear(
@@ -197,7 +204,7 @@ def row_parallel_linear(
         return F.linear(x, w, b)  # [..., in] @ [in, out] -> [..., out]
     y = F.linear(x, w)  # [..., in/n] @ [in/n, out] -> [..., out] (partial sums)
     if scatter_dim is None:
-        y = lax.psum_owned(y, axis)  # [..., out] -> [..., out] (summed in the matmul's own buffer)
+        y = psum_owned(y, axis)  # [..., out] -> [..., out] (summed in the matmul's own buffer)
     else:
         y = lax.psum_scatter(y, axis, dim=scatter_dim, tiled=True)  # [.., s, .., out] -> [.., s/n, .., out]
     if b is not None:
@@ -291,7 +298,7 @@ def vocab_parallel_embedding(
     _check_ids(ids, rows * n, "ids", "vocab_parallel_embedding")
     emb = _embedding_slice(ids, table, lax.axis_index(axis))  # [...] -> [..., dim]
     if scatter_dim is None:
-        return lax.psum_owned(emb, axis)  # [..., dim] -> [..., dim] (summed in emb's own buffer)
+        return psum_owned(emb, axis)  # [..., dim] -> [..., dim] (summed in emb's own buffer)
     return lax.psum_scatter(emb, axis, dim=scatter_dim, tiled=True)  # [.., s, .., dim] -> [.., s/n, .., dim]
 
 
@@ -458,4 +465,4 @@ def sequence_scatter(x: torch.Tensor, axis: str | None, dim: int) -> torch.Tenso
     """
     if axis is None:
         return x
-    return lax.split_invariant(x, axis, dim=dim)  # [.., s, ..] -> [.., s/n, ..]
+    return split_invariant(x, axis, dim=dim)  # [.., s, ..] -> [.., s/n, ..]

@@ -9,12 +9,8 @@ from typing import Any
 import optree
 import torch
 
-from .._src.collectives.vma import get_vma
-from .._src.errors import ConfigError
-from .._src.runtime.backends.base import dynamo_tracing, tracing
-from .._src.runtime.context import is_donated
-from .._src.tree import pytree
-from .._src.tree.spec import P
+from .. import pytree
+from ..extend import ConfigError, P, dynamo_tracing, get_vma, is_donated, tracing, transforms_active
 from ._base import (
     AdamWState,
     Optimizer,
@@ -116,7 +112,7 @@ def _fusable(g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, p: torch.Tensor)
         and type(g) is torch.Tensor
         and all(t.device.type == "cpu" and not t.requires_grad for t in (g, m, v, p))
         and m.dtype == v.dtype == p.dtype == torch.float32
-        and not torch._C._are_functorch_transforms_active()
+        and not transforms_active()
     )
 
 
@@ -131,7 +127,7 @@ def _quiet(rows: Sequence[Sequence[Any]], hyper: Sequence[Any] = ()) -> bool:
     writes only into those leaves (their tags stay) and its temporaries (views, blocks, padding, the step count)
     never leave it; it would only tag them, ~500 Python calls a step of the 13.2M Llama's 75 leaf rows (dp), ~300
     torch functions under tp. The numbers are the same."""
-    if tracing() or torch._C._are_functorch_transforms_active():
+    if tracing() or transforms_active():
         return False
     ok, h = _one_tag(hyper)  # the hyper-parameters' tag
     if not ok:

@@ -15,11 +15,8 @@ from typing import Any, NamedTuple
 import optree
 import torch
 
-from .._src.arrays.array import Array
-from .._src.errors import ConfigError, ShardingError
-from .._src.runtime.context import maybe_current
-from .._src.tree import pytree
-from .._src.tree.spec import P
+from .. import pytree
+from ..extend import Array, ConfigError, P, ShardingError, maybe_current
 
 PyTree = Any
 _Fn = Callable[..., tuple[PyTree, PyTree]]
@@ -138,7 +135,7 @@ def on_mesh(opt: Optimizer, grads: PyTree, state: PyTree, params: PyTree) -> tup
     Raises:
         ShardingError: Arrays on different meshes.
     """
-    from .._src.shard_map.api import shard_map  # (layer 4 below this one; imported where used: only this path needs it)
+    from ..extend import shard_map
 
     meshes = {x.mesh for t in (grads, state, params) for x in optree.tree_leaves(t, is_leaf=is_array) if is_array(x)}
     if len(meshes) > 1:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .._src.errors import ConfigError, ShardingError
+from ..extend import ConfigError, ShardingError
 from ._base import Optimizer, PyTree
 
 

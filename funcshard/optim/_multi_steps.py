@@ -7,8 +7,7 @@ from typing import Any, NamedTuple
 import optree
 import torch
 
-from .._src.errors import ConfigError, ShardingError
-from .._src.tree.spec import P
+from ..extend import ConfigError, P, ShardingError
 from ._base import Optimizer, PyTree, check_count, check_like, is_array, named_leaves, scalar_like, zeros_like
 
 

@@ -7,13 +7,8 @@ from typing import Any
 import optree
 import torch
 
-from .._src.arrays.array import Array
-from .._src.collectives import lax
-from .._src.collectives.vma import get_vma, official_vma
-from .._src.errors import ConfigError, ShardingError
-from .._src.runtime.context import maybe_current
-from .._src.tree import pytree
-from .._src.tree.spec import P, is_spec
+from .. import lax, pytree
+from ..extend import Array, ConfigError, P, ShardingError, get_vma, is_spec, maybe_current, official_vma
 from ._base import (
     ClipByGlobalNormState,
     Optimizer,

@@ -7,9 +7,7 @@ from typing import Any
 import optree
 import torch
 
-from .._src.errors import ConfigError, ShardingError
-from .._src.runtime.backends.base import tracing
-from .._src.tree.spec import P
+from ..extend import ConfigError, P, ShardingError, tracing
 from ._base import (
     Optimizer,
     PyTree,

@@ -13,8 +13,7 @@ from typing import Any
 
 import torch
 
-from .._src.errors import ConfigError
-from .._src.runtime.backends.base import tracing
+from ..extend import ConfigError, tracing
 from ._base import check_nonneg
 
 LrSchedule = Callable[[Any], float | torch.Tensor]

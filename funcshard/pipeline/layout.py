@@ -30,8 +30,8 @@ from typing import Any
 import optree
 import torch
 
-from .._src.collectives import lax
-from .._src.errors import ShardingError
+from .. import lax
+from ..extend import ShardingError, axis_index_int
 from .schedules import Schedule
 
 __all__ = ["from_chunks", "to_chunks"]
@@ -70,7 +70,7 @@ def _move(tree: PyTree, schedule: Schedule, axis: str, back: bool, fn: str) -> P
     if back:  # the inverse: each move reversed
         local = tuple((s, c, r, j) for r, j, s, c in local)
         rounds = tuple(tuple((s, c, r, j) for r, j, s, c in rnd) for rnd in rounds)
-    me = lax.axis_index_int(axis)
+    me = axis_index_int(axis)
 
     def one(path: tuple[Any, ...], leaf: torch.Tensor) -> torch.Tensor:
         if back:

@@ -2,7 +2,7 @@
 
 Device ``s`` on the pipeline axis runs stage ``s``'s actions in the schedule's order, each as soon as its
 input has arrived; there are no global ticks and no round in which every device takes part. What it sends
-and receives is planned from the schedule alone (:func:`funcshard.pipeline.plan.stage_plan`): every block
+and receives is planned from the schedule alone (:func:`funcshard.pipeline.messages.stage_plan`): every block
 (an activation going to the stage holding the next virtual stage, or an input gradient going to the one
 holding the previous; ``Schedule.stage_of``, so looped, interleaved and V-shaped placements run alike) is
 one point-to-point message. The receive of a block is posted a couple of actions before the action that
@@ -63,14 +63,24 @@ import optree
 import torch
 from torch.autograd.function import BackwardCFunction
 
-from .._src.collectives import lax
-from .._src.collectives.vma import find_vma, get_vma, pvary_to, set_vma
-from .._src.errors import ShardingError
-from .._src.runtime.backends.base import P2POp, P2PWork, tracing
-from .._src.runtime.context import current
-from .._src.runtime.stats import capture, record
-from .plan import Send as Send
-from .plan import StagePlan, Step, plans
+from .. import lax
+from ..extend import (
+    P2POp,
+    P2PWork,
+    ShardingError,
+    axis_index_int,
+    capture,
+    current,
+    find_vma,
+    get_vma,
+    pvary_to,
+    record,
+    set_vma,
+    tracing,
+    transforms_active,
+)
+from .messages import Send as Send
+from .messages import StagePlan, Step, plans
 from .schedules import Action, Schedule
 from .trace import active_trace, now
 
@@ -144,7 +154,7 @@ def _check(
 ) -> None:
     """:func:`run`'s arguments checked, in order: no ``torch.func`` transform around, the axis' size, the
     parameters' leading dims, the microbatches' and targets', ``input_grad``'s dtype."""
-    if torch._C._are_functorch_transforms_active():
+    if transforms_active():
         raise ShardingError(_THROUGH.format(how="called under a torch.func transform (grad, vjp, vmap)"))
     n = lax.axis_size(axis)
     if n != schedule.n_stages:
@@ -323,7 +333,7 @@ class _Stage:
         self.microbatches, self.targets = microbatches, targets
         self.p, self.m = schedule.n_stages, schedule.n_microbatches
         self.last = schedule.n_virtual_stages - 1
-        self.me = lax.axis_index_int(axis)
+        self.me = axis_index_int(axis)
         self.mb_axes = get_vma(microbatches) if self.vma else frozenset()
         self.tgt_axes = (get_vma(targets) | {axis}) if self.vma and targets is not None else frozenset()
         # the activation: that of a microbatch, or (with first_fn) known once virtual stage 0 has run
@@ -532,7 +542,7 @@ class _Stage:
         collective (control flow on the data) raises: its operand's axes were not tracked."""
         if not self.tf_on:  # no mode to skip (dist without check_vma)
             return fn(*args)
-        if not self.vma or tracing() or torch._C._are_functorch_transforms_active():
+        if not self.vma or tracing() or transforms_active():
             with self.user():
                 return fn(*args)
         tensors = [t for t in args if isinstance(t, torch.Tensor)]

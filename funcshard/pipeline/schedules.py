@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .._src.errors import ShardingError
+from ..extend import ShardingError
 
 __all__ = [
     "SCHEDULE_NAMES",

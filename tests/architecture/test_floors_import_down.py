@@ -22,6 +22,7 @@ FLOORS = {
     "_src.arrays": 4,
     "_src.autodiff": 4,
     "random": 5,
+    "extend": 5,
     "optim": 5,
     "checkpoint": 5,
     "ops": 6,
@@ -173,14 +174,96 @@ def test_no_import_circle() -> None:
     assert not circles, "import circles: " + "; ".join(" <-> ".join(c) for c in circles)
 
 
-def test_vma_tags_are_read_and_written_only_in_vma() -> None:
+#: every spelling that reads or writes a tensor's vma tag by hand: the attribute's name or constant, ``getattr`` /
+#: ``setattr`` / ``delattr`` / ``hasattr`` with it, and a tensor's ``__dict__`` read, written, updated or popped
+TAG_FORMS = re.compile(
+    r"_fs_vma|\bTAG_ATTR\b|\b_ATTR\b|__dict__\s*(\[|\.\s*(update|pop|get|setdefault|clear)\b)"
+    r"|\b(get|set|del|has)attr\([^)]*\b(TAG_ATTR|_ATTR)\b"
+)
+
+
+def test_vma_tags_are_read_and_written_only_in_collectives() -> None:
     offenders = []
     for path in sorted(ROOT.rglob("*.py")):
-        if path.relative_to(ROOT).as_posix() == "_src/collectives/vma.py":
+        if path.relative_to(ROOT).as_posix().startswith("_src/collectives/"):
             continue
-        if re.search(r"_fs_vma|__dict__\[", path.read_text()):
-            offenders.append(_module_name(path))
-    assert not offenders, f"modules touching vma tags directly (use funcshard._src.collectives.vma): {offenders}"
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            if TAG_FORMS.search(line):
+                offenders.append(f"funcshard/{path.relative_to(ROOT)}:{n}: {line.strip()}")
+    assert not offenders, (
+        "vma tags touched outside funcshard/_src/collectives/ (use the functions of its vma module):\n"
+        + ("\n".join(offenders))
+    )
+
+
+def test_tag_forms_regex_sees_every_spelling() -> None:
+    for line in (
+        "setattr(t, TAG_ATTR, v)",
+        "v = getattr(t, TAG_ATTR, None)",
+        "t.__dict__.update(s.__dict__)",
+        "t.__dict__.pop(TAG_ATTR, None)",
+        "t.__dict__[k] = v",
+        "x._fs_vma = v",
+    ):
+        assert TAG_FORMS.search(line), line
+    assert not TAG_FORMS.search("setattr(_scope, self.name, self.on)")
+
+
+def test_one_fast_path_predicate() -> None:
+    """torch's "is a torch.func transform active?" is asked through ``transforms_active`` (runtime/context.py,
+    re-exported by ``funcshard.extend``), nowhere spelled out again."""
+    offenders = [
+        _module_name(path)
+        for path in sorted(ROOT.rglob("*.py"))
+        if path.relative_to(ROOT).as_posix() != "_src/runtime/context.py"
+        and "_are_functorch_transforms_active" in path.read_text()
+    ]
+    assert not offenders, f"modules asking torch directly (use transforms_active): {offenders}"
+
+
+#: the packages above the core, which reach it only through ``funcshard.extend`` and the public modules
+ABOVE_CORE = ("ops", "models", "optim", "pipeline", "checkpoint", "job")
+
+
+def test_packages_above_the_core_use_the_door() -> None:
+    """``ops``, ``models``, ``optim``, ``pipeline``, ``checkpoint`` and ``job`` import nothing from ``funcshard._src``
+    (relative or absolute, at module or function level), no private module or name of another package: only
+    ``funcshard.extend``, the public modules (``funcshard.lax``, ``pytree``, ``random``, ...) and each other."""
+    offenders = []
+    for pkg in ABOVE_CORE:
+        for path in sorted((ROOT / pkg).rglob("*.py")):
+            mod = _module_name(path)
+            parts = mod.split(".")
+            base_pkg = parts if path.name == "__init__.py" else parts[:-1]
+            where = f"funcshard/{path.relative_to(ROOT)}"
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.Import):
+                    targets = [
+                        (a.name.removeprefix("funcshard."), []) for a in node.names if a.name.startswith("funcshard.")
+                    ]
+                elif isinstance(node, ast.ImportFrom) and node.level:
+                    base = base_pkg[: len(base_pkg) - (node.level - 1)] if node.level > 1 else base_pkg
+                    names = [a.name for a in node.names]
+                    target = ".".join([*base, node.module] if node.module else base)
+                    targets = (
+                        [(target, names)] if node.module else [(".".join([*base, n]).strip("."), []) for n in names]
+                    )
+                    if not node.module and not base:  # from the root: public names only
+                        targets = [(n, []) for n in names]
+                elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("funcshard"):
+                    target = node.module.removeprefix("funcshard").removeprefix(".")
+                    names = [a.name for a in node.names]
+                    targets = [(target, names)] if target else [(n, []) for n in names]
+                else:
+                    continue
+                for target, names in targets:
+                    own = target == pkg or target.startswith(pkg + ".")
+                    steps = target.split(".")
+                    if steps[0] == "_src" or (not own and any(_private(p) for p in steps)):
+                        offenders.append(f"{where}:{node.lineno}: {target}")
+                    elif not own and any(_private(n) for n in names):
+                        offenders.append(f"{where}:{node.lineno}: {target} import {', '.join(names)}")
+    assert not offenders, "imports past the door (use funcshard.extend or the public API):\n" + "\n".join(offenders)
 
 
 def _private(name: str) -> bool:
@@ -254,3 +337,79 @@ def test_no_function_longer_than_80_lines() -> None:
                 if length > MAX_FUNCTION_LINES:
                     offenders.append(f"funcshard/{path.relative_to(ROOT)}:{node.lineno} {node.name} {length}")
     assert not offenders, f"functions longer than {MAX_FUNCTION_LINES} lines:\n" + "\n".join(offenders)
+
+
+BACKENDS = "_src.runtime.backends"  # the backends and their registry: the one place that knows them by name
+BACKEND_NAMES = frozenset({"sim", "dist", "dtensor", "abstract"})
+REGISTRY_USERS = {"_src.runtime.mesh"}  # the one module that asks the registry; the rest ask the mesh
+
+
+def _outside_backends() -> list[tuple[str, Path]]:
+    mods = [(_module_name(p), p) for p in sorted(ROOT.rglob("*.py"))]
+    return [(m, p) for m, p in mods if not (m == BACKENDS or m.startswith(BACKENDS + "."))]
+
+
+def _names_a_backend(node: ast.AST) -> bool:
+    """A string constant that is a backend's name, or a tuple / list / set of values holding one."""
+    if isinstance(node, ast.Constant):
+        return node.value in BACKEND_NAMES
+    if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+        return any(_names_a_backend(e) for e in node.elts)
+    return False
+
+
+def test_no_backend_name_is_compared_outside_the_backends() -> None:
+    """Backends declare, the rest asks: no ``mesh.backend == "sim"`` (nor ``!=``, ``in ("sim", ...)``, ``match``)
+    outside ``runtime/backends/``. Ask ``mesh.is_multiprocess``, a capability of ``mesh.backend_impl`` or of the
+    device handle, or a process question of the mesh (``mesh.process_index()``, ...); ``mesh.backend`` may be read
+    to print it."""
+    offenders = []
+    for _, path in _outside_backends():
+        for node in ast.walk(ast.parse(path.read_text())):
+            where = f"funcshard/{path.relative_to(ROOT)}:{getattr(node, 'lineno', '?')}"
+            if isinstance(node, ast.Compare):
+                sides = [node.left, *node.comparators]
+                backend_attr = any(isinstance(s, ast.Attribute) and s.attr == "backend" for s in sides)
+                if backend_attr or any(_names_a_backend(s) for s in sides):
+                    offenders.append(f"{where}: {ast.unparse(node)}")
+            elif isinstance(node, ast.Match) and any(
+                isinstance(c.pattern, ast.MatchValue) and _names_a_backend(c.pattern.value) for c in node.cases
+            ):
+                offenders.append(f"{where}: match on a backend name")
+    assert not offenders, (
+        "backend names compared outside funcshard/_src/runtime/backends/ (ask the mesh or the backend's declared "
+        "capabilities instead: mesh.is_multiprocess, mesh.backend_impl.<capability>, dev.<capability>, "
+        "mesh.process_index(), ...):\n" + "\n".join(offenders)
+    )
+
+
+def test_backends_are_reached_only_through_the_mesh() -> None:
+    """Outside ``runtime/`` nothing imports ``runtime.backends`` (or one of its modules); inside ``runtime/``
+    only ``runtime.mesh`` asks the registry (the package itself, never a backend's module): everything else gets a
+    backend from a mesh (``mesh.backend_impl``) or from ``runtime.mesh.get_backend``."""
+    offenders = []
+    for mod, path in _outside_backends():
+        for target in _imports(path, mod):
+            if target == BACKENDS and mod in REGISTRY_USERS:
+                continue
+            if target == BACKENDS or target.startswith(BACKENDS + "."):
+                offenders.append(f"funcshard.{mod} imports funcshard.{target}")
+    assert not offenders, (
+        "backend modules imported outside funcshard/_src/runtime/backends/ (only runtime.mesh may import the "
+        "registry, runtime.backends; the rest ask the mesh: mesh.backend_impl, runtime.mesh.get_backend):\n"
+        + "\n".join(offenders)
+    )
+
+
+def test_no_probe_for_optional_device_methods() -> None:
+    """A device handle's optional powers are declared capabilities (``dev.inplace_sum``, ``dev.pending_results``,
+    ``dev.point_to_point``, with defaults in ``DeviceHandle``), read as attributes, not probed with
+    ``getattr(dev, "...", None)`` / ``hasattr(dev, "...")``."""
+    probe = re.compile(r"\b(getattr|hasattr)\(\s*(ctx\.|self\.)?(dev|device|handle)\s*,\s*[\"']")
+    offenders = [
+        f"funcshard/{path.relative_to(ROOT)}:{i}: {line.strip()}"
+        for _, path in _outside_backends()
+        for i, line in enumerate(path.read_text().splitlines(), 1)
+        if probe.search(line)
+    ]
+    assert not offenders, "device handles probed for optional methods (declare a capability):\n" + "\n".join(offenders)

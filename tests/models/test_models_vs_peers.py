@@ -150,7 +150,7 @@ HF_MESHES = {"single": None, "dp2_cp2": {"dp": 2, "cp": 2}, "fsdp2_pp2": {"fsdp"
 @pytest.mark.parametrize("mesh_name", sorted(HF_MESHES))
 def test_loss_and_grads_equal_transformers_with_ignored_labels(tmp_path, mesh_name: str, tie: bool) -> None:
     from funcshard.models import llama
-    from funcshard.models.llama.hf import hf_names
+    from funcshard.models.llama.hf.convert import hf_names
 
     model = _hf_folder(tmp_path, tie)
     cfg, params = llama.from_hf(tmp_path)
@@ -338,7 +338,7 @@ def test_llama3_rope_scaling_equals_transformers(tmp_path, original: int | None)
 
 def test_llama3_rope_scaling_sharded_loss_and_grads(tmp_path) -> None:
     from funcshard.models import llama
-    from funcshard.models.llama.hf import hf_names
+    from funcshard.models.llama.hf.convert import hf_names
 
     model = _llama3_model(tmp_path)
     cfg, params = llama.from_hf(tmp_path)
@@ -376,7 +376,7 @@ def test_llama3_rope_scaling_to_hf_and_back(tmp_path) -> None:
 
 def test_llama3_rope_scaling_errors(tmp_path) -> None:
     from funcshard.models import llama
-    from funcshard.models.llama.hf_config import config_from_hf
+    from funcshard.models.llama.hf.config import config_from_hf
 
     hf = {"model_type": "llama", "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 1}
     hf |= {"num_attention_heads": 4, "vocab_size": 96}
@@ -416,7 +416,7 @@ def test_to_hf_under_dist_is_read_back_by_every_process(tmp_path) -> None:
 
 def test_null_config_fields_read_as_transformers_does() -> None:
     transformers = pytest.importorskip("transformers")
-    from funcshard.models.llama.hf_config import config_from_hf
+    from funcshard.models.llama.hf.config import config_from_hf
 
     hf = {"hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 1, "num_attention_heads": 4}
     hf |= {"vocab_size": 96, "num_key_value_heads": None}

@@ -29,7 +29,7 @@ from funcshard.ops import (
     zigzag_positions,
     zigzag_split,
 )
-from funcshard.ops._ring_kernel import ring_through_autograd
+from funcshard.ops.attention._ring_kernel import ring_through_autograd
 
 B, S, D = 2, 16, 8
 HEADS = {"mha": (4, 4), "gqa": (8, 2)}  # (q heads, kv heads); gqa on cp=4 repeats kv heads for Ulysses

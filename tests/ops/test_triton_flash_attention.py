@@ -164,9 +164,9 @@ def test_attention_with_lse_runs_the_kernels_on_flash_devices(monkeypatch: pytes
     added here, interpreted): its results and gradients are the torch path's; without the lse it stays SDPA."""
     import importlib
 
-    from funcshard.ops import triton
+    from funcshard.ops.attention import triton
 
-    attention_module = importlib.import_module("funcshard.ops.attention")
+    attention_module = importlib.import_module("funcshard.ops.attention.local")
     calls: list[int] = []
     apply = triton._FlashAttention.apply
     monkeypatch.setattr(triton._FlashAttention, "apply", lambda *a: calls.append(1) or apply(*a))
@@ -220,9 +220,9 @@ def _ring_kernels_body(mesh, causal: bool, layout: str, dtype: torch.dtype, grad
     import funcshard as fs
     from funcshard import P
     from funcshard.ops import ring_attention, zigzag_indices, zigzag_inverse_indices
-    from funcshard.ops import triton as flash
+    from funcshard.ops.attention import triton as flash
 
-    attention_module = importlib.import_module("funcshard.ops.attention")
+    attention_module = importlib.import_module("funcshard.ops.attention.local")
     n, s = mesh.shape["cp"], 32
     q, k, v = (t.detach() for t in _qkv(1, 4, 2, s, 16, dtype=dtype))
     r = _rand(1, 4, s, 16, seed=4).detach()

@@ -16,7 +16,7 @@ from _pipeline_toy import DT, MB, D, _data, _layer, _mse, _pipeline_body, _refer
 import funcshard as fs
 from funcshard import P
 from funcshard.pipeline import PipelineGrads, by_name, one_f_one_b, run, zero_bubble_h1
-from funcshard.pipeline.plan import loss_route, plans, stage_plan
+from funcshard.pipeline.messages import loss_route, plans, stage_plan
 from funcshard.pipeline.runtime import stage_order, virtual_stage_order
 
 CASES = [

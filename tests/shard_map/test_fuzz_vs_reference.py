@@ -16,7 +16,9 @@ A failure prints the program as code (the shard_map body and call, each value's 
 ``@reproduce_failure`` blob. ``FUNCSHARD_FUZZ_IN_PROCESS=1`` runs funcshard in this process (for pdb);
 by default a worker process runs it, so a crash fails one example instead of the session.
 
-Profiles (hypothesis): "fuzz-ci" (default): a fixed, derandomized set of about 490 programs, under a minute.
+Profiles (hypothesis): "fuzz-ci" (default): a fixed, derandomized set of about 490 programs, under a minute. The
+set is fixed for one hypothesis release (another one draws other programs): pyproject's ``test`` extra pins the
+release CI runs it with.
 "fuzz-slow": ``FUNCSHARD_FUZZ_EXAMPLES=5000`` spreads that many programs over the same tests, randomly.
 """
 

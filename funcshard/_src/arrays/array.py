@@ -79,9 +79,10 @@ class Array:
         Raises:
             ShardingError: under ``"sim"``, where one process holds every device's shard.
         """
-        if self.mesh.backend == "sim":
+        if not self.mesh.is_multiprocess:
             raise ShardingError(
-                f"Array.local: under the 'sim' backend this process holds all {self.mesh.size} devices' shards; "
+                f"Array.local: under the '{self.mesh.backend}' backend this process holds all {self.mesh.size} "
+                f"devices' shards; "
                 f"use .shards[coords] (e.g. .shards[{tuple(0 for _ in self.mesh.axis_names)}]) or fs.device_get(a)."
             )
         return next(iter(self.shards.values()))
@@ -127,31 +128,19 @@ def is_array(x: Any) -> bool:
 
 def local_coords(mesh: Mesh) -> list[Coords]:
     """The coordinates of the devices this process runs: every device under ``"sim"``, one under ``"dist"``."""
-    if mesh.backend == "sim":
-        return [tuple(c.values()) for c in mesh.device_coords()]
-    from ..runtime.backends import dist as dist_backend
-
-    return [tuple(mesh.coords_of(dist_backend.process_rank()).values())]
-
-
-def _target_device(mesh: Mesh) -> torch.device | None:
-    if mesh.backend == "dist":
-        from ..runtime.backends import dist as dist_backend
-
-        return dist_backend.tensor_device()
-    return None
+    return [tuple(c.values()) for c in mesh.local_device_coords()]
 
 
 def local_shards(x: torch.Tensor, mesh: Mesh, spec: P) -> dict[Coords, torch.Tensor]:
     """The blocks of full tensor ``x`` held by this process's devices (views of ``x``)."""
-    dev = _target_device(mesh)
+    dev = mesh.local_device()
     if dev is not None:
         x = x.to(dev)
-    names = mesh.axis_names
+    names, own = mesh.axis_names, mesh.is_multiprocess
     out = {}
     for c in local_coords(mesh):
         block = x[shard_slices(x.shape, spec, mesh.shape, dict(zip(names, c, strict=True)))]
-        if mesh.backend == "dist" and block.numel() < x.numel():
+        if own and block.numel() < x.numel():
             block = block.clone()  # own storage: the process keeps its shard, not the whole tensor
         out[c] = block
     return out

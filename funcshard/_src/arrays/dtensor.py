@@ -14,7 +14,7 @@ import math
 from typing import Any
 
 from ..errors import ShardingError
-from ..runtime.mesh import Mesh, make_mesh
+from ..runtime.mesh import Mesh, get_backend, make_mesh
 from ..tree.spec import P
 from .array import Array
 
@@ -49,14 +49,12 @@ def to_dtensor(a: Array) -> Any:
     """
     if not isinstance(a, Array):
         raise ShardingError(f"to_dtensor: expected an fs.Array, found {type(a).__name__}; use fs.device_put first.")
-    if a.mesh.backend != "dist":
+    if not a.mesh.backend_impl.dtensor:
         raise ShardingError(
             "to_dtensor: DTensors live on torch.distributed process groups, but this Array is on a 'sim' mesh. "
             "Run under torchrun (backend 'dist'), or take the whole value with fs.device_get(a)."
         )
-    from ..runtime.backends import dtensor
-
-    return dtensor.from_local(a.local, a.mesh, _shard_dims(a.spec, a.ndim, a.mesh), a.shape)
+    return a.mesh.backend_impl.dtensor_from_local(a.local, a.mesh, _shard_dims(a.spec, a.ndim, a.mesh), a.shape)
 
 
 def from_dtensor(dt: Any, mesh: Mesh | None = None) -> Array:
@@ -70,18 +68,17 @@ def from_dtensor(dt: Any, mesh: Mesh | None = None) -> Array:
     Example:
         >>> # a = fs.from_dtensor(dt); a.spec  # P(None, 'tp')
     """
-    from ..runtime.backends import dtensor
-
-    if not dtensor.is_dtensor(dt):
+    impl = get_backend("dist")  # the backend DTensors live on (torch.distributed's process groups)
+    if not impl.is_dtensor(dt):
         raise ShardingError(f"from_dtensor: expected a torch DTensor, found {type(dt).__name__}.")
-    names, sizes, dims, local = dtensor.layout(dt)
+    names, sizes, dims, local = impl.dtensor_layout(dt)
     if names is None:
         raise ShardingError(
             "from_dtensor: the DTensor's DeviceMesh has no mesh_dim_names; build it with "
             "init_device_mesh(..., mesh_dim_names=(...)) so that its dims are named mesh axes."
         )
     want = dict(zip(names, sizes, strict=True))
-    if mesh is not None and (not isinstance(mesh, Mesh) or mesh.backend != "dist"):
+    if mesh is not None and (not isinstance(mesh, Mesh) or not mesh.backend_impl.dtensor):
         found = f"a '{mesh.backend}' fs.Mesh" if isinstance(mesh, Mesh) else f"a {type(mesh).__name__}"
         raise ShardingError(
             f"from_dtensor: mesh must be a 'dist' fs.Mesh of the DTensor's axes {want}, found {found}; pass "
@@ -106,7 +103,7 @@ def from_dtensor(dt: Any, mesh: Mesh | None = None) -> Array:
                 f"from_dtensor: dim {d} of shape {tuple(dt.shape)} (size {size}) is split unevenly over {axes}; "
                 f"funcshard needs it divisible by {n}. Pad the tensor first."
             )
-    coords = tuple(mesh.device_coords()[_rank()].values())
+    coords = tuple(mesh.local_device_coords()[0].values())
     return Array(mesh, spec, tuple(dt.shape), dt.dtype, {coords: local})
 
 
@@ -135,9 +132,3 @@ def _check_ranks(grid: Any, names: tuple[str, ...], mesh: Mesh) -> None:
             )
 
     walk(grid, ())
-
-
-def _rank() -> int:
-    from ..runtime.backends.dist import process_rank
-
-    return process_rank()

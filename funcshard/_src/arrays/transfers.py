@@ -119,7 +119,7 @@ def device_get(x: PyTree) -> PyTree:
     def one(a: Any) -> Any:
         if not isinstance(a, Array):
             return a
-        full = _assemble(a) if a.mesh.backend == "sim" else reshard(a, P()).local
+        full = reshard(a, P()).local if a.mesh.is_multiprocess else _assemble(a)
         if math.prod(a.mesh.shape[n] for n in a.spec.axes) == 1:
             # one block is the whole value (a replicated Array, or axes of size 1): that device's own buffer,
             # so copy it; more blocks were concatenated or gathered into a new tensor already

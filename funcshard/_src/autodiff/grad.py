@@ -41,17 +41,18 @@ from torch.autograd.graph import _engine_run_backward
 
 from ..collectives.vma import (
     EMPTY,
-    TAG_ATTR,
     active_mode,
     find_vma,
     get_vma,
+    set_vma,
+    settle,
     tag_leaves,
     tag_like,
     tag_through,
     tags_of,
 )
 from ..errors import ConfigError
-from ..runtime.backends.base import Overlap, dynamo_tracing, settle
+from ..runtime.context import Overlap, dynamo_tracing, transforms_active
 
 __all__ = ["graph_walk", "has_tangent", "reaches_other_leaf", "value_and_grad"]
 
@@ -253,13 +254,13 @@ class _ValueAndGrad:
                     g = torch.zeros_like(x)
                 elif type(g) is not torch.Tensor:
                     g = settle(g)
-                setattr(g, TAG_ATTR, EMPTY if v is None else v)  # tag_through
+                set_vma(g, EMPTY if v is None else v)
                 grads_flat.append(g)
             if not keep:  # (a pending loss sum, whose backward was seeded without it, is waited for here)
                 value = (value if type(value) is torch.Tensor else settle(value)).detach()
                 if aux is not None:
                     aux = optree.tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, aux)
-            setattr(value, TAG_ATTR, value_tag)  # tag_through: the value varies over what it did inside f
+            set_vma(value, value_tag)  # the value varies over what it did inside f
         if flat is None:  # each gradient is one tensor
             grads = grads_flat[0] if isinstance(self._argnums, int) else tuple(grads_flat)
         else:
@@ -298,11 +299,9 @@ def _leaf_copies(xs: list[Any]) -> tuple[list[torch.Tensor], list[frozenset[str]
     tags: list[frozenset[str] | None] = []
     for x in xs:
         c = x.detach().requires_grad_()
-        v = getattr(x, TAG_ATTR, None)
-        if v is None:
-            v = find_vma(x)  # (a view of a tagged tensor)
+        v = find_vma(x)  # (its own tag, else a view's base's)
         if v is not None:  # the tag the argument had (untagged stays untagged: check_vma=False)
-            setattr(c, TAG_ATTR, v)  # set_vma (no torch.func transform is active on this path)
+            set_vma(c, v)
         leaves.append(c)
         tags.append(v)
     return leaves, tags
@@ -481,7 +480,7 @@ def _plain_autograd_ok(args: tuple[Any, ...], kwargs: dict[str, Any], nums: tupl
     no torch.func transform around the call, no forward-mode AD tangent on an argument, floating-point
     tensors to differentiate, and no argument that requires grad under an enabled outer autograd (which may
     want the gradients' graph). ``groups``: lists of the differentiated arguments' leaves (None a leaf)."""
-    if torch._C._are_functorch_transforms_active() or (_fwd_ad._current_level >= 0 and has_tangent((args, kwargs))):
+    if transforms_active() or (_fwd_ad._current_level >= 0 and has_tangent((args, kwargs))):
         return False
     outer = torch.is_grad_enabled()
     for xs in groups:

@@ -66,10 +66,9 @@ import optree
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ..collectives.vma import VmaMode, find_vma, set_vma, tag_leaves
+from ..collectives.vma import VmaMode, find_vma, set_vma, settle, tag_leaves
 from ..errors import ConfigError
-from ..runtime.backends.base import settle
-from ..runtime.context import enter, maybe_current
+from ..runtime.context import enter, maybe_current, transforms_active
 from .grad import has_tangent, reaches_other_leaf
 
 __all__ = ["Policy", "checkpoint_name", "remat", "remat_policies"]
@@ -608,7 +607,7 @@ def _flatten_out(call: _Call, out: Any) -> list[torch.Tensor]:
 # ------------------------------------------------------------------------------------------ the transform
 def only_grad_transforms() -> bool | None:
     """None: no torch.func transform; True: only ``grad`` levels; False: another (vmap, jvp, functionalize)."""
-    if not torch._C._are_functorch_transforms_active():
+    if not transforms_active():
         return None
     from torch._C._functorch import TransformType
     from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters

@@ -33,8 +33,7 @@ import optree
 import torch
 
 from ..errors import ConfigError, ShardingError
-from ..runtime.backends.base import tracing
-from ..runtime.context import DeviceContext, axes_of, current
+from ..runtime.context import DeviceContext, axes_of, current, tracing, transforms_active
 from . import prims as _prims
 from . import prims_cast as _prims_cast
 from .vma import EMPTY, Audited, bind_operand, bind_result, get_vma, known_vma, set_vma
@@ -149,7 +148,7 @@ def _sole_holder_now(x: torch.Tensor) -> bool:
     or ``detach`` of it, no backward saved it as an output, no copy-on-write clone shares it; the storage object
     made here to ask is the second holder). Called with torch functions disabled (metadata reads the vma mode need
     not see)."""
-    if _transforms_active() or _is_wrapped(x):  # (a torch.func wrapper, live or dead: no storage of its own to ask)
+    if transforms_active() or _is_wrapped(x):  # (a torch.func wrapper, live or dead: no storage of its own to ask)
         return False
     return (
         x.nbytes >= INPLACE_MIN_BYTES
@@ -169,7 +168,6 @@ _TEMPORARY = object()
 INPLACE_MIN_BYTES = 16 << 10
 
 
-_transforms_active = torch._C._are_functorch_transforms_active
 _is_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
 
 
@@ -181,7 +179,7 @@ def psum_owned(x: torch.Tensor, axis: _Axis) -> torch.Tensor:
     Example:
         >>> # y = psum_owned(F.linear(x, w), "tp")  # [b, s, d] -> [b, s, d], in the matmul's output buffer
     """
-    if torch._C._are_functorch_transforms_active() or tracing():  # (transforms wrap it; a graph has no buffers)
+    if transforms_active() or tracing():  # (transforms wrap it; a graph has no buffers)
         return psum(x, axis)
     return _reduce(x, axis, "sum", "psum", _prims.AllReduceOwned)
 
@@ -197,7 +195,7 @@ def psum_pending(x: torch.Tensor, axis: _Axis) -> torch.Tensor:
     Example:
         >>> # n = psum_pending(local_count, "dp")  # [] -> [] (pending); ... forward ...; loss / n (waits)
     """
-    if torch._C._are_functorch_transforms_active() or tracing():  # (transforms wrap it; a graph has its own)
+    if transforms_active() or tracing():  # (transforms wrap it; a graph has its own)
         return psum(x, axis)
     return _reduce(x, axis, "sum", "psum", _prims.AllReducePending)
 

@@ -30,7 +30,7 @@ import torch
 from torch._functorch.autograd_function import custom_function_call as _custom_function_call
 from torch._functorch.utils import unwrap_dead_wrappers as _unwrap_dead
 
-from ..runtime.backends.base import tracing
+from ..runtime.context import tracing, transforms_active
 from ..runtime.stats import record
 
 _is_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
@@ -68,7 +68,7 @@ def call(fn: type[torch.autograd.Function], *args: Any) -> Any:
     and, when a ``torch.autograd.forward_ad`` level is active and an input is a dual tensor, calls the ``jvp``
     rule.
     """
-    if _transforms_active():
+    if transforms_active():
         return _custom_function_call(fn, *args)
     for a in args:  # a dead torch.func wrapper (escaped from a finished transform) is unwrapped, as apply does
         if isinstance(a, torch.Tensor) and _is_wrapped(a):
@@ -80,7 +80,6 @@ def call(fn: type[torch.autograd.Function], *args: Any) -> Any:
     return apply(*args)
 
 
-_transforms_active = torch._C._are_functorch_transforms_active
 #: per Function class, the C++ ``apply`` bound to it (``super(Function, cls).apply``: a super object and a bound
 #: method made on every call otherwise); classes are few and live as long as the module that defines them
 _APPLY: dict[type, Any] = {}
@@ -91,7 +90,7 @@ def _no_graph() -> bool:
     AD level (whose dual tensors the C++ ``apply`` would hand to the ``jvp`` rule). A backward that is not
     differentiated (``create_graph=False``, the train step's) runs so; a collective there may call its forward
     directly: the same result, without the ``apply`` (its context object, ``setup_context``)."""
-    return not _grad_enabled() and _fwd_ad._current_level < 0 and not _transforms_active()
+    return not _grad_enabled() and _fwd_ad._current_level < 0 and not transforms_active()
 
 
 _grad_enabled = torch.is_grad_enabled
@@ -177,7 +176,7 @@ class AllReduce(Prim):
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
         if ctx.op == "sum":  # the transpose is pvary: identity here, and a psum when this backward is differentiated
-            if not torch.is_grad_enabled() and not torch._C._are_functorch_transforms_active():
+            if not torch.is_grad_enabled() and not transforms_active():
                 return g, None, None, None, None  # not differentiated (no graph recorded): the identity itself
             return call(Pvary, g, ctx.dev, ctx.axes), None, None, None, None  # [*s] -> [*s]
         x, y = ctx.saved_tensors
@@ -215,11 +214,10 @@ class AllReduceOwned(AllReduce):
 
     @staticmethod
     def forward(x: torch.Tensor, dev: Any, axes: tuple[str, ...], op: str, name: str) -> torch.Tensor:  # type: ignore[override]
-        inplace = getattr(dev, "all_reduce_inplace", None)
-        if inplace is None or op != "sum" or not x.is_contiguous():
+        if not dev.inplace_sum or op != "sum" or not x.is_contiguous():
             return AllReduce.forward(x, dev, axes, op, name)
         record(dev.rank, name, axes, _nbytes(x))
-        return inplace(x, axes)  # [*s] -> [*s], in x's buffer
+        return dev.all_reduce_inplace(x, axes)  # [*s] -> [*s], in x's buffer
 
 
 class AllReducePending(AllReduce):
@@ -232,11 +230,10 @@ class AllReducePending(AllReduce):
 
     @staticmethod
     def forward(x: torch.Tensor, dev: Any, axes: tuple[str, ...], op: str, name: str) -> torch.Tensor:  # type: ignore[override]
-        pending = getattr(dev, "all_reduce_pending", None)
-        if pending is None or op != "sum":
+        if not dev.pending_results or op != "sum":
             return AllReduce.forward(x, dev, axes, op, name)
         record(dev.rank, name, axes, _nbytes(x))
-        return pending(x, axes)  # [*s] -> [*s] (pending)
+        return dev.all_reduce_pending(x, axes)  # [*s] -> [*s] (pending)
 
 
 class Pvary(Prim):
@@ -409,8 +406,14 @@ class PvaryBucket(Prim):
         ctx.dev, ctx.axes = inputs[0], inputs[1]
         ctx.shapes = [x.shape for x in inputs[2:]]
         # rows of stacked leaves (a stacked model's layer): the bucket is a row of one buffer for all the layers
-        share = getattr(ctx.dev, "pending_sums_share_storage", None)
-        ok = share is not None and not torch._C._are_functorch_transforms_active() and not tracing() and share()
+        dev = ctx.dev
+        ok = (
+            dev.pending_results
+            and dev.inplace_sum
+            and not transforms_active()
+            and not tracing()
+            and dev.pending_sums_share_storage()
+        )
         ctx.rows = _layer_major(inputs[2:]) if ok else None
 
     @staticmethod
@@ -420,8 +423,8 @@ class PvaryBucket(Prim):
             return (None, None, *gs)
         # one copy: every cotangent written once into one flat buffer (the bucket)
         flat_gs = [g.reshape(-1) for g in gs]
-        inplace = getattr(ctx.dev, "all_reduce_inplace", None)
-        if inplace is None or torch.is_grad_enabled() or torch._C._are_functorch_transforms_active() or tracing():
+        dev = ctx.dev
+        if not dev.inplace_sum or torch.is_grad_enabled() or transforms_active() or tracing():
             # (differentiated again, a backend with no in-place sum, or recorded into a compiled graph, where a
             # write into a kept buffer would become a copy of all of it: the AllReduce Function, which copies)
             flat = torch.cat(flat_gs)  # k x [*s_i] -> [sum |s_i|]
@@ -438,10 +441,8 @@ class PvaryBucket(Prim):
                 out = BUCKETS.take(n, dtype, device)
             flat = torch.cat(flat_gs, out=out)  # k x [*s_i] -> [sum |s_i|]
             record(ctx.dev.rank, "psum", ctx.axes, _nbytes(flat))
-            cut = getattr(ctx.dev, "all_reduce_inplace_parts", None)
-            if cut is not None:  # the backend cuts the (pending) sum into the gradients' views itself
-                return (None, None, *cut(flat, ctx.axes, ctx.shapes))  # [sum |s_i|] -> k x [*s_i]
-            total = inplace(flat, ctx.axes)  # [sum |s_i|] -> [sum |s_i|]
+            # the backend cuts the (pending) sum into the gradients' views itself
+            return (None, None, *ctx.dev.all_reduce_inplace_parts(flat, ctx.axes, ctx.shapes))  # -> k x [*s_i]
         parts = total.split([s.numel() for s in ctx.shapes])
         return (None, None, *(p.view(s) for p, s in zip(parts, ctx.shapes, strict=True)))
 

@@ -24,34 +24,42 @@ import torch._functorch.vmap as _vmap_impl
 from torch.overrides import TorchFunctionMode
 
 from ..errors import ShardingError
-from .prims import Pvary, call
+from ..runtime.comm import wait_pending
+from ..runtime.context import axes_of, current, transforms_active
+from .prims import Prim, Pvary, call
 
 __all__ = [
     "EMPTY",
     "TAG_ATTR",
     "Audited",
+    "Op",
     "VmaMode",
     "active_mode",
     "auditing",
+    "bind",
     "bind_operand",
     "bind_result",
     "find_vma",
     "get_vma",
+    "keep_tags",
     "known_vma",
     "official_vma",
     "one_op",
     "pvary_to",
     "set_vma",
+    "settle",
     "tag_leaves",
     "tag_like",
+    "tag_tensors",
     "tag_through",
     "tags_of",
+    "take_vma",
     "vary_output",
 ]
 
 EMPTY: frozenset[str] = frozenset()
 _ATTR = "_fs_vma"
-TAG_ATTR = _ATTR  # the attribute holding a tensor's tag, for the modules that set it inline (no call)
+TAG_ATTR = _ATTR  # the attribute holding a tensor's tag, read and written inline in this floor only (no call)
 _unwrap = torch._C._functorch.get_unwrapped
 _is_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
 
@@ -117,6 +125,47 @@ def clear_vma(tensors: Iterable[Any]) -> None:
                 del d[_ATTR]
 
 
+def tag_tensors(leaves: Iterable[Any], tags: Iterable[frozenset[str]], tagged: list[torch.Tensor]) -> None:
+    """Tag each tensor of ``leaves`` with its entry of ``tags`` (as :func:`set_vma`; non-tensors skipped) and append
+    it to ``tagged``: shard_map's arguments, one loop a call (no call a leaf)."""
+    T, push = torch.Tensor, tagged.append
+    for t, v in zip(leaves, tags, strict=True):
+        if isinstance(t, T):
+            setattr(t, _ATTR, v)
+            push(t)
+
+
+def take_vma(t: torch.Tensor) -> frozenset[str] | None:
+    """Remove ``t``'s own tag (not a view's base's, not one through torch.func wrappers) and return it; None where
+    it had none."""
+    return t.__dict__.pop(_ATTR, None)
+
+
+def keep_tags(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
+    """``dst`` given the tags of ``src`` (every Python attribute of it), for a value made from a pending one: its
+    waited-for or restrided result; return ``dst``."""
+    dst.__dict__.update(src.__dict__)
+    return dst
+
+
+def settle(t: Any) -> Any:
+    """``t`` itself, or, for the pending result of an asynchronous collective (torch's ``AsyncCollectiveTensor``:
+    the dist backend's gradient reductions during a backward), that result once it is done, as a plain tensor
+    with ``t``'s tags. Cheap for anything else (no torch.distributed import).
+
+    Example:
+        >>> import torch
+        >>> x = torch.ones(2)
+        >>> settle(x) is x
+        True
+    """
+    if type(t).__name__ != "AsyncCollectiveTensor":
+        return t
+    out = wait_pending(t)
+    out.__dict__.update(t.__dict__)  # its tags (the varying axes) go with it
+    return out
+
+
 def pvary_to(x: torch.Tensor, want: frozenset[str], dev: Any) -> torch.Tensor:
     """``x`` made varying over ``want`` (a superset of its own axes): pvary over the missing ones."""
     have = get_vma(x)
@@ -134,7 +183,7 @@ def pvary_to(x: torch.Tensor, want: frozenset[str], dev: Any) -> torch.Tensor:
 def _constant(x: torch.Tensor) -> bool:
     """Whether no derivative can flow through ``x``: it does not require grad, no torch.func transform is
     active, and it carries no forward-mode tangent (a constant: a mask, positions, a table)."""
-    if x.requires_grad or torch._C._are_functorch_transforms_active() or _is_wrapped(x):
+    if x.requires_grad or transforms_active() or _is_wrapped(x):
         return False
     fwd = torch.autograd.forward_ad
     return fwd._current_level < 0 or fwd.unpack_dual(x).tangent is None
@@ -222,6 +271,62 @@ def bind_result(prim: Any, y: torch.Tensor, have: frozenset[str] | None, axes: t
         return y
     v = prim.vma(have, frozenset(axes))
     return set_vma(y, Audited(v) if isinstance(have, Audited) else v)
+
+
+class Op(Prim):
+    """An op declared once, with its varying-axes rule: ``forward(dev, axes, *operands)`` (a tuple of results),
+    ``setup_context`` and ``backward`` as for any :class:`~.prims.Prim`, and :meth:`vma`. Applied with :func:`bind`.
+    """
+
+    @staticmethod
+    def vma(axes: frozenset[str], *have: frozenset[str]) -> frozenset[str] | None:
+        """The axes every result varies over, given the op's mesh ``axes`` and the axes each operand varies over
+        (each an :class:`Audited` set where only the audit of a ``check_vma=False`` call knows them); None where the
+        op does not apply to such operands (its caller runs the plain ops instead)."""
+        raise NotImplementedError
+
+
+def bind(
+    op: type[Op], *operands: torch.Tensor, axis: Any, name: str, need_grad: bool = False
+) -> tuple[torch.Tensor, ...] | None:
+    """``op`` applied to ``operands`` over the mesh axes ``axis`` (its ``forward(dev, axes, *operands)``), each
+    result tagged by ``op.vma`` from the operands' tags; None where ``op`` declines: its rule returns None, some
+    operands' axes are known and others not, or, with ``need_grad``, no operand requires grad. Operands whose axes
+    nobody knows (``check_vma=False``: not an argument, not a collective's result) give untagged results.
+
+    Call it inside ``shard_map`` where the fast path may run (``not transforms_active()``, and whatever ``op`` needs
+    besides): it neither looks at torch.func wrappers nor records into a graph.
+
+    Raises:
+        ShardingError: outside shard_map, or ``axis`` not in the mesh (the message names ``name``).
+    """
+    with torch._C.DisableTorchFunction():  # (attribute reads and the call: the results' tags are set here)
+        if need_grad:
+            for t in operands:  # (loops, not generators: one frame less each, on every call)
+                if t.requires_grad:
+                    break
+            else:
+                return None
+        ctx = current(name)
+        axes = axes_of(axis, ctx.mesh, name)
+        tracked = ctx.check_vma
+        have = []
+        for t in operands:
+            have.append(known_vma(t, tracked))
+        unknown = have.count(None)
+        if unknown == 0:
+            tag = op.vma(frozenset(axes), *have)  # type: ignore[arg-type]
+            if tag is None:
+                return None
+        elif unknown == len(have):
+            tag = None
+        else:
+            return None
+        ys = call(op, ctx.device, axes, *operands)
+        if tag is not None:
+            for y in ys:
+                setattr(y, _ATTR, tag)  # (set_vma, inline)
+    return ys
 
 
 def vary_output(t: torch.Tensor, axes: frozenset[str], dev: Any, tracked: bool, path: str) -> torch.Tensor:

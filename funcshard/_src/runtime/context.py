@@ -1,15 +1,36 @@
-"""The per-device context that ``shard_map`` sets while a device runs the user's function."""
+"""The per-device context that ``shard_map`` sets while a device runs the user's function, and this thread's
+mode flags (overlap, prefetch, trace scopes) that the backends read."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
+from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from ..errors import ShardingError
 
-__all__ = ["DeviceContext", "axes_of", "current", "enter", "is_donated", "maybe_current"]
+__all__ = [
+    "DeviceContext",
+    "Overlap",
+    "axes_of",
+    "current",
+    "dynamo_tracing",
+    "enter",
+    "is_donated",
+    "maybe_current",
+    "overlap_allowed",
+    "overlap_last",
+    "prefetch_scope",
+    "prefetching",
+    "trace_scope",
+    "tracing",
+    "transforms_active",
+]
 
 _local = threading.local()
 
@@ -110,3 +131,102 @@ def axes_of(axis: Any, mesh: Any, fn: str) -> tuple[str, ...]:
 
 
 _AXES: dict[tuple[Any, int], tuple[tuple[str, ...], Any]] = {}  # (axis, id(mesh)) -> its checked axes, the mesh
+
+
+# ---------------------------------------------------------------------- this thread's mode flags (scopes)
+
+_scope = threading.local()
+
+
+class _Flag(contextlib.AbstractContextManager):
+    """Set this thread's scope flag ``name`` to ``on`` for the block, then restore it (a plain class: entered
+    on every ``fs.value_and_grad`` call, where a generator-based context manager costs several frames)."""
+
+    __slots__ = ("name", "on", "prev")
+
+    def __init__(self, name: str, on: bool) -> None:
+        self.name, self.on = name, on
+
+    def __enter__(self) -> None:
+        self.prev = getattr(_scope, self.name, False)
+        setattr(_scope, self.name, self.on)
+
+    def __exit__(self, *exc: object) -> None:
+        setattr(_scope, self.name, self.prev)
+
+
+class Overlap(contextlib.AbstractContextManager):
+    """This thread's overlap flag on, and the backward node that runs last, for the block.
+
+    Within it (``fs.value_and_grad``'s own ``torch.autograd.grad``), the dist backend may issue the backward's
+    gradient reductions asynchronously: every gradient leaves through that call and is settled there (its pending
+    result waited for), and inside the graph a pending result waits at its first use. A plain ``.backward()``,
+    which stores gradients in ``.grad`` where nothing settles them, stays synchronous.
+
+    ``last``: the graph's node that the backward runs last, when known (the engine runs ready nodes latest-made
+    first, so the node made first in the forward runs after every other); a reduction it makes has nothing
+    left to overlap with, and is made synchronously (cheaper: no pending result to wrap and wait for).
+
+    Example:
+        >>> with Overlap(None):
+        ...     overlap_allowed()
+        True
+    """
+
+    __slots__ = ("last", "prev")
+
+    def __init__(self, last: Any) -> None:
+        self.last = last
+
+    def __enter__(self) -> None:
+        self.prev = (getattr(_scope, "on", False), getattr(_scope, "last", None))
+        _scope.on, _scope.last = True, self.last
+
+    def __exit__(self, *exc: object) -> None:
+        _scope.on, _scope.last = self.prev
+
+
+def overlap_allowed() -> bool:
+    """Whether this thread is inside :class:`Overlap`."""
+    return getattr(_scope, "on", False)
+
+
+def overlap_last() -> Any:
+    """The backward node :class:`Overlap` was told runs last (None: not known)."""
+    return getattr(_scope, "last", None)
+
+
+def prefetch_scope(on: bool = True) -> contextlib.AbstractContextManager[None]:
+    """Within it (``ops.fsdp_gather(..., prefetch=True)``), the dist backend's all-gathers return at once and are
+    waited for where their result is first read (the gathered weights of the next layer travel while this
+    layer computes)."""
+    return _Flag("prefetch", on)
+
+
+def prefetching() -> bool:
+    """Whether this thread is inside :func:`prefetch_scope`."""
+    return getattr(_scope, "prefetch", False)
+
+
+def trace_scope() -> contextlib.AbstractContextManager[None]:
+    """Within it (``shard_map(..., compile=...)`` recording a device's body into a graph), the dist backend's
+    collectives are torch's functional collectives, which the graph records as ops (so the compiler sees them,
+    and no pending result escapes), and the optimisers keep their step count a tensor (a Python number read
+    from a tensor would be frozen into the graph)."""
+    return _Flag("trace", True)
+
+
+def tracing() -> bool:
+    """Whether this thread records a body into a graph (:func:`trace_scope`)."""
+    return getattr(_scope, "trace", False)
+
+
+#: whether ``torch.compile``'s dynamo is tracing the calling code (then a value read or an in-place write into
+#: a buffer made outside the graph is not what it can hold: the functional paths are taken)
+dynamo_tracing: Callable[[], bool] = getattr(torch.compiler, "is_compiling", lambda: False)
+
+#: THE predicate for "may the fast path run?": whether a ``torch.func`` transform (grad, vjp, jvp, vmap) is active on
+#: this thread. Its tensors are wrappers: no storage to read or write in place, no hand-made autograd node, no kept
+#: buffer. Where a fast path has further conditions (:func:`tracing`, grad mode, an operand's flags) they are
+#: spelled beside it at the call site. torch's own function, bound once (no Python frame added).
+transforms_active: Callable[[], bool] = torch._C._are_functorch_transforms_active

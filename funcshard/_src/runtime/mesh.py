@@ -14,9 +14,13 @@ import math
 from collections.abc import Mapping
 from typing import Any, Literal
 
-from ..errors import MeshError
+import torch
 
-__all__ = ["Mesh", "make_mesh"]
+from ..errors import MeshError
+from . import backends
+from .backends import BackendImpl
+
+__all__ = ["BackendImpl", "Mesh", "backend_names", "get_backend", "make_mesh"]
 
 Backend = Literal["sim", "dist"]
 
@@ -26,13 +30,23 @@ class Mesh:
 
     Build it with :func:`make_mesh`. Two meshes are equal when axis names, sizes and backend agree.
 
+    Besides its layout, a mesh answers the process questions of a job on every backend (as ``jax.process_index()``
+    and friends do): :meth:`process_index`, :meth:`process_count`, :meth:`local_device_coords`, :meth:`is_local`,
+    :meth:`local_device`, :meth:`barrier`, :meth:`broadcast_object`, :meth:`all_gather_object`; code that needs
+    to know how its devices run asks :attr:`is_multiprocess`, never the backend's name.
+
+    Attributes:
+        backend_impl: the backend's object (its declared capabilities, and the answers to the process
+            questions), one per backend.
+
     Example:
         >>> mesh = make_mesh({"dp": 2}, backend="sim")
         >>> mesh.axis_names, mesh.shape, mesh.backend
         (('dp',), {'dp': 2}, 'sim')
     """
 
-    __slots__ = ("_backend", "_coords", "_names", "_shape", "_sizes")
+    __slots__ = ("_backend", "_coords", "_multiprocess", "_names", "_shape", "_sizes", "backend_impl")
+    backend_impl: BackendImpl
 
     def __init__(self, shape: Mapping[str, int], backend: Backend) -> None:
         names = tuple(shape)
@@ -40,6 +54,9 @@ class Mesh:
         object.__setattr__(self, "_names", names)
         object.__setattr__(self, "_sizes", sizes)
         object.__setattr__(self, "_backend", backend)
+        impl = backends.get(backend)
+        object.__setattr__(self, "backend_impl", impl)
+        object.__setattr__(self, "_multiprocess", impl.multiprocess)
         coords = [dict(zip(names, c, strict=True)) for c in itertools.product(*(range(s) for s in sizes))]
         object.__setattr__(self, "_coords", tuple(coords))
         object.__setattr__(self, "_shape", dict(zip(names, sizes, strict=True)))
@@ -67,6 +84,17 @@ class Mesh:
         """``"sim"`` or ``"dist"``."""
         return self._backend
 
+    @property
+    def is_multiprocess(self) -> bool:
+        """Whether each device runs in its own process, this process one of them (``"dist"``); False: this
+        process runs every device of the mesh (``"sim"``).
+
+        Example:
+            >>> make_mesh({"dp": 2}, backend="sim").is_multiprocess
+            False
+        """
+        return self._multiprocess
+
     def axis_size(self, name: str) -> int:
         """The size of axis ``name``.
 
@@ -91,6 +119,85 @@ class Mesh:
         for n, s in zip(self._names, self._sizes, strict=True):
             r = r * s + coords[n]
         return r
+
+    # ------------------------------------------------------------------------------------ the process questions
+    def process_index(self) -> int:
+        """This process's index among the job's processes (``jax.process_index()``): its rank under ``"dist"``,
+        0 under ``"sim"`` (one process).
+
+        Example:
+            >>> make_mesh({"dp": 2}, backend="sim").process_index()
+            0
+        """
+        return self.backend_impl.process_index()
+
+    def process_count(self) -> int:
+        """The number of the job's processes (``jax.process_count()``): the world size under ``"dist"``, 1 under
+        ``"sim"``.
+
+        Example:
+            >>> make_mesh({"dp": 2}, backend="sim").process_count()
+            1
+        """
+        return self.backend_impl.process_count()
+
+    def local_device_coords(self) -> list[dict[str, int]]:
+        """The coordinates of the devices this process runs, in rank order: every device under ``"sim"``, this
+        process's one under ``"dist"``.
+
+        Example:
+            >>> make_mesh({"dp": 2}, backend="sim").local_device_coords()
+            [{'dp': 0}, {'dp': 1}]
+        """
+        return [dict(self._coords[r]) for r in self.backend_impl.local_ranks(self)]
+
+    def is_local(self, coords: Mapping[str, int]) -> bool:
+        """Whether the device at ``coords`` runs in this process.
+
+        Example:
+            >>> make_mesh({"dp": 2}, backend="sim").is_local({"dp": 1})
+            True
+        """
+        return self.rank_of(coords) in self.backend_impl.local_ranks(self)
+
+    def local_device(self) -> torch.device | None:
+        """The torch device this process's shards live on: the current CUDA device under ``"dist"`` with NCCL;
+        None where shards stay where they are (``"sim"``, gloo).
+
+        Example:
+            >>> make_mesh({"dp": 2}, backend="sim").local_device() is None
+            True
+        """
+        return self.backend_impl.local_device()
+
+    def barrier(self) -> None:
+        """Wait until every process of the job reaches this call (a collective under ``"dist"``; nothing to wait
+        for under ``"sim"``).
+
+        Example:
+            >>> make_mesh({"dp": 2}, backend="sim").barrier()
+        """
+        self.backend_impl.barrier()
+
+    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+        """``obj`` as process ``src`` passed it, on every process (pickled; a collective under ``"dist"``, every
+        process calls it; ``obj`` itself under ``"sim"``).
+
+        Example:
+            >>> make_mesh({"dp": 2}, backend="sim").broadcast_object({"step": 3})
+            {'step': 3}
+        """
+        return self.backend_impl.broadcast_object(obj, src)
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        """Every process's ``obj``, in process order, on every process (pickled; a collective under ``"dist"``;
+        ``[obj]`` under ``"sim"``).
+
+        Example:
+            >>> make_mesh({"dp": 2}, backend="sim").all_gather_object("ok")
+            ['ok']
+        """
+        return self.backend_impl.all_gather_object(obj)
 
     def _key(self) -> tuple[tuple[str, ...], tuple[int, ...], str]:
         return (self._names, self._sizes, self._backend)
@@ -143,14 +250,34 @@ def make_mesh(shape: Mapping[str, int], *, backend: str = "auto") -> Mesh:
                 f"(use 1 for an axis you want to name but not split)."
             )
     if backend == "auto":
-        from .backends import dist as dist_backend
-
-        backend = "dist" if dist_backend.requested() else "sim"
-    if backend not in ("sim", "dist"):
-        raise MeshError(f"make_mesh: unknown backend {backend!r}; use 'auto', 'sim' or 'dist'.")
+        backend = backends.auto()
+    if backend not in backends.names():
+        backends.get(backend)  # MeshError naming the backends there are
     mesh = Mesh(dict(shape), backend)  # type: ignore[arg-type]
-    if backend == "dist":
-        from .backends import dist as dist_backend
-
-        dist_backend.setup(mesh)
+    mesh.backend_impl.setup(mesh)
     return mesh
+
+
+def get_backend(name: str | None = None) -> BackendImpl:
+    """The backend object named ``name`` (capabilities and process questions, as a mesh's ``backend_impl``);
+    None: the one this process's job runs on when no mesh says (``"dist"`` once torch.distributed is up, else
+    ``"sim"``).
+
+    Raises:
+        MeshError: no backend of that name.
+
+    Example:
+        >>> get_backend("sim").multiprocess
+        False
+    """
+    return backends.running() if name is None else backends.get(name)
+
+
+def backend_names() -> tuple[str, ...]:
+    """The names of the backends there are.
+
+    Example:
+        >>> backend_names()
+        ('sim', 'dist')
+    """
+    return backends.names()

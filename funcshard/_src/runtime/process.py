@@ -19,9 +19,9 @@ from __future__ import annotations
 
 import threading
 
-from .backends.base import PeerError as PeerError
-from .backends.base import default_timeout
-from .mesh import Mesh
+from .comm import PeerError as PeerError
+from .comm import default_timeout
+from .mesh import Mesh, backend_names, get_backend
 
 __all__ = ["PeerError", "abandoned_threads", "any_process", "collective_timeout", "shutdown"]
 
@@ -48,11 +48,7 @@ def any_process(flag: bool, mesh: Mesh) -> bool:
         >>> any_process(False, fs.make_mesh({"dp": 2}, backend="sim"))
         False
     """
-    if mesh.backend != "dist":
-        return flag
-    from .backends import dist as dist_backend
-
-    return dist_backend.any_process(flag)
+    return mesh.backend_impl.any_process(flag)
 
 
 def abandoned_threads() -> list[threading.Thread]:
@@ -63,9 +59,7 @@ def abandoned_threads() -> list[threading.Thread]:
         >>> abandoned_threads()
         []
     """
-    from .backends.sim import abandoned_threads as threads
-
-    return threads()
+    return [t for name in backend_names() for t in get_backend(name).abandoned_threads()]
 
 
 def shutdown() -> None:
@@ -75,6 +69,5 @@ def shutdown() -> None:
     Example:
         >>> shutdown()  # at the end of a job under torchrun  # doctest: +SKIP
     """
-    from .backends import dist as dist_backend
-
-    dist_backend.shutdown()
+    for name in backend_names():
+        get_backend(name).shutdown()

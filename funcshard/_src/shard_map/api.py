@@ -19,12 +19,11 @@ from collections.abc import Callable
 from typing import Any
 
 import optree
-import torch
 
 from ..arrays.array import Array, is_array
 from ..collectives.vma import clear_vma
 from ..errors import ShardingError
-from ..runtime.context import maybe_current
+from ..runtime.context import maybe_current, transforms_active
 from ..runtime.mesh import Mesh
 from .compile import CompiledBody, compile_options, eager_body, opaque_to_dynamo, warn_sim
 from .executor import DeviceBody, audit_env, executor_for, run_local
@@ -100,7 +99,7 @@ def shard_map(
     compiled = None
     name = f"shard_map({getattr(f, '__name__', 'f')})"
     f = eager_body(f, name, bool(check_vma))
-    if options is not None and mesh.backend != "sim":  # one device per process: its body compiles
+    if options is not None and mesh.is_multiprocess:  # one device per process: its body compiles
         compiled = CompiledBody(name, options)
     check = bool(check_vma)
 
@@ -110,10 +109,7 @@ def shard_map(
             warn_sim(name, id(mapped))
         return _call(f, mesh, in_specs, out_specs, check, args, cache, donated, compiled, name)
 
-    return opaque_to_dynamo(mapped, name, tell=options is None and mesh.backend != "sim")
-
-
-_transforms_active = torch._C._are_functorch_transforms_active
+    return opaque_to_dynamo(mapped, name, tell=options is None and mesh.is_multiprocess)
 
 
 def _call(
@@ -136,14 +132,14 @@ def _call(
             f"{name}: called inside another shard_map; nesting is not supported. Call the inner function "
             f"directly on the local shards, using collectives for communication."
         )
-    if _transforms_active():  # (sim: the devices' threads are outside the transform, jvp gave a zero tangent)
+    if transforms_active():  # (sim: the devices' threads are outside the transform, jvp gave a zero tangent)
         raise ShardingError(
             f"{name}: called inside a torch.func transform (grad / vjp / jvp / vmap) from outside shard_map, "
             f"which does not reach the devices' computation. Differentiate from outside with torch.autograd "
             f"(loss.backward(), torch.autograd.grad) or torch.autograd.forward_ad, or fs.value_and_grad; or "
             f"apply the torch.func transform inside f, on the local shards."
         )
-    if not donate and compiled is None and mesh.backend == "dist":  # the common step: one device, no donation
+    if not donate and compiled is None and mesh.is_multiprocess:  # the common step: one device, no donation
         sig, leaves = cache.signature(name, mesh, in_specs, args)
         if not sig.resharded and not audit_env():
             return _run_local(name, f, mesh, out_specs, check_vma, sig, leaves, cache)
@@ -221,7 +217,7 @@ def _run(
     compiled: CompiledBody | None = None,
 ) -> Any:
     executor = cache.executor  # (a cache serves one shard_map'd function: one mesh)
-    if executor is None or (mesh.backend != "sim" and executor.stale()):
+    if executor is None or (mesh.is_multiprocess and executor.stale()):
         executor = cache.executor = executor_for(mesh)
 
     def plan(results: list[Any]) -> Any:
@@ -237,7 +233,7 @@ def _run(
     results = executor.run(body, plan)
     try:
         out_plan = plan(results)
-        if not check_vma and mesh.backend == "dist":  # the outputs called replicated are (see _replicas)
+        if not check_vma and mesh.is_multiprocess:  # the outputs called replicated are (see _replicas)
             maybe_check_replicas(name, mesh, check_vma, out_plan, results[0][0], executor.device)
         return assemble_outputs(name, mesh, out_plan, check_vma, executor.coords, results)
     finally:  # tags are only meaningful during this call: none may leak into a later one

@@ -41,7 +41,7 @@ import torch
 
 from ..collectives.vma import set_vma, tags_of
 from ..errors import ShardingError
-from ..runtime.backends.base import dynamo_tracing, trace_scope
+from ..runtime.context import dynamo_tracing, trace_scope
 from ..runtime.stats import capture, record
 
 __all__ = ["CompiledBody", "compile_options", "eager_body", "opaque_to_dynamo", "warn_sim"]

@@ -32,10 +32,8 @@ import torch
 
 from ..arrays.array import Coords, local_shards
 from ..arrays.reshard import apply_reshard
-from ..collectives.vma import TAG_ATTR, VmaMode, vary_output
-from ..runtime.backends.base import settle
-from ..runtime.backends.sim import SimWorld
-from ..runtime.context import DeviceContext, enter
+from ..collectives.vma import VmaMode, find_vma, settle, tag_tensors, vary_output
+from ..runtime.context import DeviceContext, enter, transforms_active
 from ..runtime.mesh import Mesh
 from .io import ARRAY, VALUE, WHOLE, Inputs, OutPlan, device_args, flatten
 from .sim_grad import SimState, run_differentiable
@@ -57,7 +55,7 @@ def _own(t: Any) -> Any:
     make copy-on-write: memory it does not own, as ``torch.from_numpy``'s or one that gloo handed back)."""
     if not isinstance(t, torch.Tensor):
         return t
-    if _lazy_clone is None or torch._C._are_functorch_transforms_active():
+    if _lazy_clone is None or transforms_active():
         return t.clone()
     with _clone_lock:
         return _cow(t)
@@ -73,7 +71,7 @@ def _cow(t: torch.Tensor) -> torch.Tensor:
 
 def _own_all(leaves: list[list[Any]], donated: list[list[bool]] | None) -> list[list[Any]]:
     """:func:`_own` of every leaf (per argument) but the donated ones, under one hold of the lock."""
-    if _lazy_clone is None or torch._C._are_functorch_transforms_active():
+    if _lazy_clone is None or transforms_active():
         if donated is None:
             return [[_own(t) for t in arg] for arg in leaves]
         return [[t if d else _own(t) for t, d in zip(arg, ds, strict=True)] for arg, ds in zip(leaves, donated)]
@@ -90,12 +88,8 @@ def _own_all(leaves: list[list[Any]], donated: list[list[bool]] | None) -> list[
 def _tag_args(leaves: list[list[Any]], tags: list[list[frozenset[str]]], tagged: list[torch.Tensor]) -> None:
     """Tag each tensor argument with the axes its spec names (``tags``: per argument and leaf; both vma modes:
     the optimisers and the collectives under ``check_vma=False`` read them)."""
-    T, push = torch.Tensor, tagged.append
     for arg_leaves, arg_tags in zip(leaves, tags, strict=True):
-        for t, v in zip(arg_leaves, arg_tags, strict=True):
-            if isinstance(t, T):
-                setattr(t, TAG_ATTR, v)  # set_vma
-                push(t)
+        tag_tensors(arg_leaves, arg_tags, tagged)
 
 
 def _spec_tags(specs: list[list[Any]]) -> list[list[frozenset[str]]]:
@@ -118,7 +112,7 @@ def audit_env() -> bool:
 
 def _differentiable(leaves: list[Any]) -> bool:
     """Whether a cotangent can flow back into any of ``leaves`` (else an output's pvary would do nothing)."""
-    if torch._C._are_functorch_transforms_active():
+    if transforms_active():
         return True
     T = torch.Tensor
     for t in leaves:  # (a loop: a generator's frame per leaf costs more than the reads)
@@ -143,7 +137,7 @@ class DeviceBody:
         self.f, self.mesh, self.check_vma, self.inputs, self.plan = f, mesh, check_vma, inputs, plan
         # check_vma=False under sim: the vma mode audits the program (see _vma.Audited); dist with
         # FUNCSHARD_AUDIT=1 too (``audit``: found by the caller)
-        self.audit = (not check_vma and (mesh.backend == "sim" or audit_env())) if audit is None else audit
+        self.audit = (not check_vma and (mesh.backend_impl.audit or audit_env())) if audit is None else audit
         self.tagged: list[torch.Tensor] = []  # every tensor tagged during the call (cleared after it)
         self.compiled: Any = None  # under dist with shard_map(compile=...): its _compile.CompiledBody
         # the outputs' plan :meth:`_vary_outputs` found, and the tree structure it is for (the caller assembles the
@@ -209,7 +203,7 @@ class DeviceBody:
         out = []
         for t, (path, _, _), axes in zip(leaves, plan, plan.allowed, strict=True):
             if axes and isinstance(t, torch.Tensor):
-                have = getattr(t, TAG_ATTR, None)  # (its own tag: vary_output's first read, which it returns on)
+                have = find_vma(t)  # (vary_output's first read, which it returns on)
                 if have is None or not axes <= have:
                     t = vary_output(t, axes, dev, self.check_vma, path)
             out.append(t)
@@ -236,7 +230,7 @@ def run_local(body: DeviceBody, executor: DistExecutor, sig: Any, leaves: list[A
         else:
             blocks.append(local_shards(leaf, mesh, spec)[coords])
     T = torch.Tensor
-    if _lazy_clone is None or torch._C._are_functorch_transforms_active():
+    if _lazy_clone is None or transforms_active():
         owned = [_own(t) for t in blocks]
     else:
         with _clone_lock:
@@ -244,11 +238,7 @@ def run_local(body: DeviceBody, executor: DistExecutor, sig: Any, leaves: list[A
                 owned = [_lazy_clone(t) if isinstance(t, T) else t for t in blocks]
             except RuntimeError:  # a storage torch cannot make copy-on-write: each leaf on its own
                 owned = [_cow(t) if isinstance(t, T) else t for t in blocks]
-    push = body.tagged.append
-    for t, v in zip(owned, sig.flat_tags, strict=True):
-        if isinstance(t, T):
-            setattr(t, TAG_ATTR, v)  # set_vma
-            push(t)
+    tag_tensors(owned, sig.flat_tags, body.tagged)
     if sig.all_bare:  # (every argument one leaf: the blocks are the arguments)
         args = owned
     else:
@@ -263,7 +253,7 @@ def run_local(body: DeviceBody, executor: DistExecutor, sig: Any, leaves: list[A
 def _context_of(mesh: Mesh, dev: Any, check_vma: bool) -> DeviceContext:
     """The context of a call without donation on ``dev``: made once per device and mode where the device lives
     on (``"dist"``: the process's one device; a sim device lives for one call only)."""
-    if mesh.backend == "sim":
+    if not mesh.is_multiprocess:
         return DeviceContext(mesh, dev, check_vma)
     key = (id(dev), id(mesh), check_vma)
     ctx = _CONTEXTS.get(key)
@@ -296,7 +286,7 @@ class SimExecutor:
         self.coords: list[Coords] = [tuple(c.values()) for c in mesh.device_coords()]
 
     def run(self, body: DeviceBody, plan: PlanFn) -> list[Result]:
-        world = SimWorld(self.mesh)
+        world = self.mesh.backend_impl.world(self.mesh)
         per_dev = [device_args(c, body.inputs.blocks) for c in self.coords]
         if torch.is_grad_enabled():
             state = SimState(body, world, per_dev, self.coords, body.inputs.layouts)
@@ -310,17 +300,16 @@ class DistExecutor:
     """This process's device of a ``"dist"`` mesh."""
 
     def __init__(self, mesh: Mesh) -> None:
-        from ..runtime.backends import dist as dist_backend
-
+        impl = mesh.backend_impl
         self.mesh = mesh
-        self.device = dist_backend.device_for(mesh)
+        self.device = impl.device(mesh)
         self.coords: list[Coords] = [tuple(self.device.coords.values())]
-        self._devices = dist_backend._DEVICES  # the backend's devices (emptied when torch.distributed restarts)
+        self._devices = impl.live_devices()  # the backend's devices (emptied when torch.distributed restarts)
 
     def stale(self) -> bool:
         """Whether the process's device for this mesh is no longer the one held (torch.distributed restarted)."""
         # (the device is registered under its mesh only: looked for among the values, no Mesh hash, a Python call)
-        return self.device not in self._devices.values()
+        return self.device not in self._devices
 
     def run(self, body: DeviceBody, plan: PlanFn) -> list[Result]:
         leaves = device_args(self.coords[0], body.inputs.blocks)
@@ -335,7 +324,7 @@ def executor_for(mesh: Mesh) -> Executor:
     if ex is None or (isinstance(ex, DistExecutor) and ex.stale()):
         if len(_EXECUTORS) > 64:
             _EXECUTORS.clear()
-        ex = _EXECUTORS[mesh] = SimExecutor(mesh) if mesh.backend == "sim" else DistExecutor(mesh)
+        ex = _EXECUTORS[mesh] = DistExecutor(mesh) if mesh.is_multiprocess else SimExecutor(mesh)
     return ex
 
 

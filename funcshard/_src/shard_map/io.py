@@ -14,7 +14,7 @@ import torch
 
 from ..arrays.array import Array, Coords, is_array, local_coords, local_shards
 from ..arrays.reshard import Step, comparable, reshard_plan
-from ..collectives.vma import EMPTY, TAG_ATTR, get_vma
+from ..collectives.vma import EMPTY, get_vma, take_vma
 from ..errors import ShardingError
 from ..runtime.mesh import Mesh
 from ..tree import pytree
@@ -320,15 +320,13 @@ class InputCache:
     def local_device(self, mesh: Mesh) -> tuple[Coords, torch.device | None]:
         """Under ``"dist"``: this process's coords in ``mesh`` and the device its tensors live on (found once)."""
         if self.dist_local is None:
-            from ..runtime.backends import dist as dist_backend
-
-            self.dist_local = (local_coords(mesh)[0], dist_backend.tensor_device())
+            self.dist_local = (local_coords(mesh)[0], mesh.local_device())
         return self.dist_local
 
     def whole_blocks(self, mesh: Mesh, x: torch.Tensor) -> dict[Coords, torch.Tensor] | None:
         """The blocks of a replicated full tensor ``x`` under ``"dist"``: ``x`` itself, where it already lives on
         this process's device (what ``local_shards`` would cut, without its per-call slicing); else None."""
-        if mesh.backend != "dist":
+        if not mesh.is_multiprocess:
             return None
         coords, dev = self.local_device(mesh)
         if dev is not None and x.device != dev:
@@ -480,8 +478,12 @@ def assemble_outputs(
             _check_replicated(name, path, spec, mesh, all_coords, vals)
         owned = _owned(vals)
         if owned:  # no storage shared with another device's block or another output (returned twice)
-            ptrs = [v.untyped_storage().data_ptr() for v in vals if v.numel()]
-            owned = len(set(ptrs)) == len(ptrs) and not seen.intersection(ptrs)
+            try:
+                ptrs = [v.untyped_storage().data_ptr() for v in vals if v.numel()]
+                owned = len(set(ptrs)) == len(ptrs) and not seen.intersection(ptrs)
+            except RuntimeError:  # a ZeroTensor block (a zero tangent / cotangent): no memory of its own to hand on
+                ptrs = [v.untyped_storage().data_ptr() for v in vals if v.numel() and not v._is_zerotensor()]
+                owned = False
             seen.update(ptrs)
         out.append(Array(mesh, spec, gshape, v0.dtype, dict(zip(all_coords, vals, strict=True)), owned))
     return optree.tree_unflatten(out_def, out)
@@ -510,7 +512,7 @@ def _assemble(
         if gshape is None:  # a non-tensor leaf (its spec checked P() with the plan): as it is
             out.append(v)
             continue
-        tag = v.__dict__.pop(TAG_ATTR, None) if clear else None
+        tag = take_vma(v) if clear else None
         if check_vma:
             vma = get_vma(v) if tag is None else tag  # (its own tag, else a view's base's or a wrapper's)
             if not vma <= allowed:
@@ -518,9 +520,13 @@ def _assemble(
         if v._base is None and not _is_cow(v):  # _owned((v,))
             # no storage shared with another output (returned twice); a storage with no memory (no elements) is
             # none's (its address is 0)
-            ptr = v.untyped_storage().data_ptr()
-            owned = not ptr or ptr not in seen
-            seen.add(ptr)
+            try:
+                ptr = v.untyped_storage().data_ptr()
+            except RuntimeError:  # a ZeroTensor (a zero tangent / cotangent): no memory of its own to hand on
+                owned = False
+            else:
+                owned = not ptr or ptr not in seen
+                seen.add(ptr)
         else:
             owned = False
         out.append(Array(mesh, spec, gshape, v.dtype, {coords: v}, owned))

@@ -69,10 +69,8 @@ def extremes(dev: Any, x: torch.Tensor, axes: tuple[str, ...]) -> tuple[torch.Te
     Example:
         >>> # lo, hi = extremes(dev, torch.tensor([3, 5]), ("dp",))  # equal replicas: lo == hi == x
     """
-    from ..runtime.backends.dist import tensor_device
-
     buf = torch.stack((x, -x))  # 2 x [*s] -> [2, *s]
-    buf = dev.all_reduce(buf.to(tensor_device() or x.device), axes, "max").to(x.device)  # [2, *s] -> [2, *s]
+    buf = dev.all_reduce(buf.to(dev.mesh.local_device() or x.device), axes, "max").to(x.device)  # [2, *s] -> [2, *s]
     return -buf[1], buf[0]
 
 
@@ -83,7 +81,7 @@ def maybe_check_replicas(name: str, mesh: Mesh, check_vma: bool, plan: Any, leav
     """:func:`check_replicas` where it is due: a ``check_vma=False`` call under ``"dist"`` whose output plan
     (one per output signature) was not checked yet, or every call with ``FUNCSHARD_AUDIT=1``; never with
     ``FUNCSHARD_AUDIT=0``. Every process of the mesh makes the same decision (the same calls, the same plans)."""
-    if check_vma or mesh.backend != "dist":
+    if check_vma or not mesh.is_multiprocess:
         return
     if _CHECKED.get(id(plan)) is plan:
         if not audit_env():

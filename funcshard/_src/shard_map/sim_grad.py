@@ -10,7 +10,6 @@ import torch
 
 from ..collectives.vma import get_vma, set_vma
 from ..errors import ShardingError
-from ..runtime.backends.sim import SimWorld
 from ..runtime.context import DeviceContext, enter
 from ..runtime.mesh import Mesh
 from ..tree.spec import P, block_index
@@ -70,7 +69,7 @@ class SimState:
     def __init__(
         self,
         body: SimBody,
-        world: SimWorld,
+        world: Any,  # the sim backend's world of the call (``backend_impl.world(mesh)``)
         per_dev: list[list[list[Any]]],
         coords: list[tuple[int, ...]],
         layouts: list[list[P]],

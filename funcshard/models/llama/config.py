@@ -5,8 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import KW_ONLY, dataclass
 
-from ..._src.errors import ConfigError, ShardingError
-from ..._src.tree.precision import Precision
+from ...extend import ConfigError, Precision, ShardingError
 from ...pipeline.schedules import SCHEDULE_NAMES
 from ..rope_scaling import RopeScaling
 

@@ -38,12 +38,9 @@ from typing import Any
 import optree
 import torch
 
+from ... import lax
 from ... import random as fsr
-from ..._src.collectives import lax
-from ..._src.errors import ConfigError
-from ..._src.runtime.backends.base import settle
-from ..._src.runtime.context import maybe_current
-from ..._src.tree.spec import P, is_spec, shard_shape
+from ...extend import ConfigError, P, axis_index_int, is_spec, maybe_current, psum_pending, settle, shard_shape
 from ...ops import column_parallel_linear, vocab_parallel_cross_entropy, vocab_parallel_embedding
 from ...ops.fsdp import reshard_after_forward
 from ...pipeline import Schedule
@@ -227,7 +224,7 @@ def _stages_in_turn(params: PyTree, x: torch.Tensor, cfg: Config, lay: Layout) -
     pp = lay.plan.pp
     if pp is None:
         raise ConfigError("llama: the layers run in stages only on a mesh with a pp axis.")
-    p, me = lax.axis_size(pp), lax.axis_index_int(pp)
+    p, me = lax.axis_size(pp), axis_index_int(pp)
     x = lax.pvary(x, pp)  # [b, s, d]: each stage's copy; the gradient sums the one that is used
     for r in range(p):
         if me == r:
@@ -334,14 +331,14 @@ def loss(
     data = lay.plan.data_axes
     count = (targets != -100).sum().to(torch.float32)  # [] (local tokens; the cross-entropy is float32)
     if data:  # the global count depends on the targets only: summed while the forward computes (dist)
-        count = lax.psum_pending(count, data)  # [] -> [], over the data-parallel shards
+        count = psum_pending(count, data)  # [] -> [], over the data-parallel shards
     logits = _forward(params, tokens, cfg, lay)  # [b, s(/cp), V/tp]
     total = vocab_parallel_cross_entropy(logits, targets, axis=lay.plan.tp, reduction="sum")  # [] (local tokens)
     if data:  # the pending count waited for here, with no dispatch through it
         count = settle(count)
     mean = total / count.clamp(min=1)  # [] (this shard's part of the global mean)
     if data:  # read only after the backward (fs.value_and_grad): no wait for the other shards in the forward
-        mean = lax.psum_pending(mean, data)  # [] -> [], over the data-parallel shards
+        mean = psum_pending(mean, data)  # [] -> [], over the data-parallel shards
     return mean
 
 

@@ -31,9 +31,9 @@ from typing import Any
 
 import torch
 
-from ..._src.autodiff.grad import value_and_grad as _value_and_grad
-from ..._src.collectives import lax
-from ..._src.errors import ConfigError
+from ... import lax
+from ...extend import ConfigError
+from ...extend import value_and_grad as _value_and_grad
 from ...ops import vocab_parallel_cross_entropy
 from ...pipeline import from_chunks, run, to_chunks
 from ..plan import ParallelPlan

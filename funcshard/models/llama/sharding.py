@@ -34,9 +34,7 @@ from typing import Any
 
 import torch
 
-from ..._src.errors import ConfigError, ShardingError
-from ..._src.tree import rules as _rules
-from ..._src.tree.spec import P
+from ...extend import ConfigError, P, ShardingError, spec_rules
 from ...pipeline.schedules import Schedule, ScheduleError, by_name
 from ..plan import ParallelPlan, plan_from_mesh
 from .config import Config
@@ -269,7 +267,7 @@ def specs_for(cfg: Config, plan: ParallelPlan, mesh: Any = None) -> dict[str, An
         if inner is not None and plan.to_mesh(inner) != spec:  # fsdp on: the outer dim where the shape allows
             spec = functools.partial(_outer_or_inner, spec, plan.to_mesh(inner), sizes)
         rules.append((pattern, spec))
-    return _rules.spec_rules(param_shapes(cfg), rules, default=None, mesh=mesh)
+    return spec_rules(param_shapes(cfg), rules, default=None, mesh=mesh)
 
 
 def _outer_or_inner(outer: P, inner: P, sizes: dict[str, int], path: str, shape: torch.Size) -> P:

@@ -20,7 +20,7 @@ import funcshard as fs
 from funcshard import P
 from funcshard._src.collectives import vma as _vma
 from funcshard.ops import attention, ring_attention
-from funcshard.ops._attention_torch import attention_torch
+from funcshard.ops.attention._torch_kernel import attention_torch
 
 pytestmark = pytest.mark.counters
 

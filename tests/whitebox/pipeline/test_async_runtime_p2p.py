@@ -26,7 +26,7 @@ from funcshard._src.runtime.backends.base import P2POp
 from funcshard._src.runtime.backends.sim import SimWorld
 from funcshard._src.runtime.context import current
 from funcshard.pipeline import SCHEDULE_NAMES, by_name, run, stage_order
-from funcshard.pipeline.plan import LOOKAHEAD, messages, stage_plan
+from funcshard.pipeline.messages import LOOKAHEAD, messages, stage_plan
 
 # -- the plan under rendezvous semantics -------------------------------------------------------------------
 

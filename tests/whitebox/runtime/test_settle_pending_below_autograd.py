@@ -1,4 +1,4 @@
-"""``_backend.base.settle`` waits for a pending collective below its Python autograd kernel (issue #11).
+"""``settle`` (``_src/collectives/vma.py``) waits for a pending collective below its Python autograd kernel (issue #11).
 
 Under ``dist``'s overlap, each gradient the backward hands back from a bucket is its own pending view
 (``AsyncCollectiveTensor``), settled once the gradients are stacked (``models.stacked.Unstack``): 72 waits a step of
@@ -17,7 +17,7 @@ import torch
 from _llama_dp import llama_step
 
 import funcshard as fs
-from funcshard._src.runtime.backends import base
+from funcshard._src.collectives import vma as base
 from funcshard.models import llama
 
 pytestmark = pytest.mark.counters

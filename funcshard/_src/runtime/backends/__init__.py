@@ -14,11 +14,89 @@ and one asynchronous point-to-point call, not differentiable (for runtimes that 
 ``pipeline.run``): ``p2p(ops, axes)`` posts a batch of sends and receives and returns one work per op, each
 waited on (``wait()``) only where its block is needed.
 
+Each backend declares what it can do beyond that (``DeviceHandle``'s capabilities: in-place sums, pending
+results, point-to-point) and answers the process questions (:class:`~.base.BackendImpl`); this package's
+registry hands out its one :class:`~.base.BackendImpl` by name (:func:`get`), importing the backend's module at
+the first request. ``runtime.mesh`` is the only module that asks the registry; everything else asks the mesh
+(``mesh.backend_impl``, ``mesh.process_index()``, ...), so no code outside this package names a backend.
+
 This package is the only code that imports torch.distributed.
+
+Example:
+    >>> get("sim").multiprocess, names()
+    (False, ('sim', 'dist'))
 """
 
 from __future__ import annotations
 
-from .base import DeviceHandle, group_members
+import importlib
 
-__all__ = ["DeviceHandle", "group_members"]
+from ...errors import MeshError
+from .base import BackendImpl, DeviceHandle, group_members
+
+__all__ = ["BackendImpl", "DeviceHandle", "auto", "get", "group_members", "names", "running"]
+
+#: name -> (module of this package, its BackendImpl class), in the order the names are listed
+_REGISTRY = {"sim": ("sim", "SimBackend"), "dist": ("dist", "DistBackend")}
+#: the backend ``auto`` and ``running`` fall back to: every device in this process
+_DEFAULT = "sim"
+_LOADED: dict[str, BackendImpl] = {}
+
+
+def names() -> tuple[str, ...]:
+    """The registered backends' names.
+
+    Example:
+        >>> names()
+        ('sim', 'dist')
+    """
+    return tuple(_REGISTRY)
+
+
+def get(name: str) -> BackendImpl:
+    """The backend named ``name`` (its module imported at the first request).
+
+    Raises:
+        MeshError: no backend of that name.
+
+    Example:
+        >>> get("sim").name
+        'sim'
+    """
+    impl = _LOADED.get(name)
+    if impl is None:
+        if name not in _REGISTRY:
+            listed = " or ".join(repr(n) for n in _REGISTRY)
+            raise MeshError(f"make_mesh: unknown backend {name!r}; use 'auto', {listed}.")
+        module, cls = _REGISTRY[name]
+        impl = _LOADED[name] = getattr(importlib.import_module(f".{module}", __name__), cls)()
+    return impl
+
+
+def auto() -> str:
+    """The backend ``make_mesh(backend="auto")`` picks: the first other than the default whose environment asks
+    for it (``"dist"``: torch.distributed initialised, or torchrun's ``RANK`` / ``WORLD_SIZE`` set), else the
+    default, ``"sim"``.
+
+    Example:
+        >>> auto()  # outside torchrun  # doctest: +SKIP
+        'sim'
+    """
+    for name in _REGISTRY:
+        if name != _DEFAULT and get(name).requested():
+            return name
+    return _DEFAULT
+
+
+def running() -> BackendImpl:
+    """The backend this process's job runs on when no mesh says: the first other than the default whose
+    processes are up (``"dist"``: torch.distributed initialised), else the default's.
+
+    Example:
+        >>> running().name  # outside torchrun  # doctest: +SKIP
+        'sim'
+    """
+    for name in _REGISTRY:
+        if name != _DEFAULT and get(name).started():
+            return get(name)
+    return get(_DEFAULT)

@@ -1,21 +1,34 @@
-"""What both backends share: group membership, the device-handle interface, and how long a collective waits."""
+"""What every backend shares: group membership, the device-handle interface with its declared capabilities, and
+:class:`BackendImpl`, what a backend declares about itself and how it answers the process questions (``Mesh`` asks
+them). The records and flags the code above the backends shares with them live in ``runtime.comm`` and
+``runtime.context``; they are re-exported here for the backends."""
 
 from __future__ import annotations
 
-import contextlib
-import math
-import os
-import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 import torch
 
-from ...errors import MeshError, ShardingError
+from ...errors import ShardingError
+from ..comm import DEFAULT_TIMEOUT, P2POp, P2PWork, PeerError, default_timeout, wait_pending
+from ..context import (
+    Overlap,
+    dynamo_tracing,
+    overlap_allowed,
+    overlap_last,
+    prefetch_scope,
+    prefetching,
+    trace_scope,
+    tracing,
+    transforms_active,
+)
 
 __all__ = [
     "DEFAULT_TIMEOUT",
+    "BackendImpl",
     "DeviceHandle",
+    "Overlap",
     "P2POp",
     "P2PWork",
     "PeerError",
@@ -25,15 +38,15 @@ __all__ = [
     "from_order_key",
     "group_members",
     "order_key",
+    "overlap_allowed",
     "overlap_last",
     "prefetch_scope",
     "prefetching",
-    "settle",
     "trace_scope",
     "tracing",
+    "transforms_active",
+    "wait_pending",
 ]
-
-DEFAULT_TIMEOUT = 300.0
 
 _KEY_DTYPES = {
     torch.float64: torch.int64,
@@ -77,41 +90,6 @@ def from_order_key(key: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return out.masked_fill_((key == low) | (key == -low - 1), float("nan"))
 
 
-class PeerError(ShardingError):
-    """A collective whose peers did not answer in time, or whose connection broke (a process stopped, hung or
-    died). Under ``"dist"`` each process has its own view of it, so each one reports its own message.
-
-    Example:
-        >>> issubclass(PeerError, ShardingError)
-        True
-    """
-
-
-def default_timeout() -> float:
-    """Seconds a collective may wait for its peers: ``FUNCSHARD_TIMEOUT`` (default 300), read at each call.
-
-    Under ``"sim"`` it bounds every wait of a simulated device; under ``"dist"`` it is the timeout of the default
-    process group (when funcshard starts it) and of every per-axis group.
-
-    Raises:
-        MeshError: a value that is not a positive number of seconds.
-
-    Example:
-        >>> default_timeout() > 0  # FUNCSHARD_TIMEOUT=10 python ... gives 10.0
-        True
-    """
-    text = os.environ.get("FUNCSHARD_TIMEOUT", "")
-    if not text.strip():
-        return DEFAULT_TIMEOUT
-    try:
-        value = float(text)
-    except ValueError:
-        value = float("nan")
-    if not (value > 0 and math.isfinite(value)):
-        raise MeshError(f"FUNCSHARD_TIMEOUT={text!r}: expected a positive number of seconds (default 300), e.g. 60.")
-    return value
-
-
 def group_members(mesh: Any, coords: Mapping[str, int], axes: Sequence[str]) -> tuple[list[int], int]:
     """Ranks of the group of ``coords`` over ``axes`` in logical order, and this device's index in it.
 
@@ -138,74 +116,6 @@ def group_members(mesh: Any, coords: Mapping[str, int], axes: Sequence[str]) -> 
     return members, idx
 
 
-class P2POp:
-    """One point-to-point operation of a :meth:`DeviceHandle.p2p` batch: not differentiable, no autograd.
-
-    A plain record with slots (one is made per message of a pipeline step: no dataclass machinery); treat it
-    as immutable.
-
-    Attributes:
-        kind: ``"send"`` (``tensor`` goes to ``peer``) or ``"recv"`` (a block from ``peer`` lands in
-            ``tensor``, a buffer of the block's shape and dtype).
-        tensor: the block to send (left untouched until its work completes), or the buffer to receive into.
-        peer: the other device, as its index in the group over the batch's axes (0 .. group size - 1).
-        tag: tells apart blocks between the same pair of devices: a recv matches the oldest unmatched send of
-            the same (source, destination, tag).
-
-    Example:
-        >>> import torch
-        >>> P2POp("send", torch.zeros(2), peer=1, tag=7).kind
-        'send'
-    """
-
-    __slots__ = ("kind", "peer", "tag", "tensor")
-
-    def __init__(self, kind: str, tensor: torch.Tensor, peer: int, tag: int = 0) -> None:
-        if not (
-            kind in ("send", "recv")
-            and type(peer) is int
-            and type(tag) is int
-            and peer >= 0
-            and tag >= 0
-            and isinstance(tensor, torch.Tensor)
-        ):
-            _check_op(kind, tensor, peer, tag)
-        self.kind, self.tensor, self.peer, self.tag = kind, tensor, peer, tag
-
-    def __repr__(self) -> str:
-        t = self.tensor
-        return f"P2POp({self.kind!r}, <{tuple(t.shape)} {t.dtype}>, peer={self.peer}, tag={self.tag})"
-
-
-def _check_op(kind: object, tensor: object, peer: object, tag: object) -> None:
-    """Raise for a malformed :class:`P2POp` (the slow path of its constructor)."""
-    if kind not in ("send", "recv"):
-        raise ShardingError(f"P2POp: kind must be 'send' or 'recv', found {kind!r}.")
-    if not isinstance(tensor, torch.Tensor):
-        raise ShardingError(f"P2POp: tensor must be a torch.Tensor, found {type(tensor).__name__}.")
-    for name, v in (("peer", peer), ("tag", tag)):
-        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
-            raise ShardingError(f"P2POp: {name} must be an int >= 0, found {v!r}.")
-
-
-class P2PWork:
-    """A posted point-to-point operation: ``wait()`` blocks until it is done (at most ``FUNCSHARD_TIMEOUT``
-    seconds, then a :class:`PeerError` / ``ShardingError`` naming the axis and the peer) and returns the
-    received block (``None`` for a send); ``is_completed()`` asks without blocking.
-
-    Example:
-        >>> # works = dev.p2p([P2POp("recv", torch.empty(2, 3), peer=0)], ("pp",)); x = works[0].wait()
-    """
-
-    __slots__ = ()
-
-    def wait(self) -> torch.Tensor | None:
-        raise NotImplementedError
-
-    def is_completed(self) -> bool:
-        raise NotImplementedError
-
-
 def check_p2p(mesh: Any, coords: Mapping[str, int], axes: tuple[str, ...], ops: Sequence[P2POp]) -> list[int]:
     """The group's members (global ranks, logical order) after checking each op's peer: in the group over
     ``axes`` and not this device itself.
@@ -230,17 +140,30 @@ def check_p2p(mesh: Any, coords: Mapping[str, int], axes: tuple[str, ...], ops: 
 
 
 class DeviceHandle:
-    """One device of a mesh, as the collectives see it. Subclassed by each backend.
+    """One device of a mesh, as the collectives see it. Subclassed by each backend, which declares what it can
+    do beyond the five collectives by overriding the capabilities below (class attributes: a check is one read).
 
     Attributes:
         mesh: the mesh.
         rank: this device's rank (row-major index of its coordinates).
         coords: this device's coordinates, axis name -> index.
+        inplace_sum: :meth:`all_reduce_inplace` (and :meth:`all_reduce_inplace_parts`) sum into the caller's
+            buffer with no copy (default False: the collectives copy).
+        pending_results: :meth:`all_reduce_pending` may return a pending result, waited for at its first use
+            (``collectives.vma.settle``); default False: every result is ready.
+        point_to_point: :meth:`p2p` posts sends and receives (default False).
+
+    Example:
+        >>> DeviceHandle.inplace_sum, DeviceHandle.pending_results
+        (False, False)
     """
 
     mesh: Any
     rank: int
     coords: dict[str, int]
+    inplace_sum: bool = False
+    pending_results: bool = False
+    point_to_point: bool = False
 
     def all_reduce(self, x: torch.Tensor, axes: tuple[str, ...], op: str) -> torch.Tensor:
         raise NotImplementedError
@@ -266,115 +189,134 @@ class DeviceHandle:
         """
         raise NotImplementedError
 
+    def all_reduce_pending(self, x: torch.Tensor, axes: tuple[str, ...]) -> torch.Tensor:
+        """Sum ``x`` over ``axes``, possibly as a pending result (where :attr:`pending_results`); by default the
+        synchronous :meth:`all_reduce`."""
+        return self.all_reduce(x, axes, "sum")
 
-def settle(t: Any) -> Any:
-    """``t`` itself, or, for the pending result of an asynchronous collective (torch's
-    ``AsyncCollectiveTensor``: the dist backend's gradient reductions during a backward), that result once it
-    is done, as a plain tensor. Cheap for anything else (no torch.distributed import).
+    def all_reduce_inplace(self, x: torch.Tensor, axes: tuple[str, ...]) -> torch.Tensor:
+        """Sum ``x`` over ``axes`` into ``x``'s own buffer (a contiguous temporary its caller gives up); only
+        where :attr:`inplace_sum`."""
+        raise NotImplementedError
 
-    Example:
-        >>> import torch
-        >>> x = torch.ones(2)
-        >>> settle(x) is x
-        True
-    """
-    if type(t).__name__ != "AsyncCollectiveTensor":
-        return t
-    if (t.requires_grad and torch.is_grad_enabled()) or torch._C._are_functorch_transforms_active():
-        out = t.wait()  # a gradient may flow through the wait (autograd's, or a torch.func transform's level)
-    else:  # no gradient through the wait: the op itself, below its Python autograd kernel (~12 Python calls)
-        with torch._C._AutoDispatchBelowAutograd():
-            out = torch.ops._c10d_functional.wait_tensor.default(t.elem)
-    out.__dict__.update(t.__dict__)  # its tags (the varying axes) go with it
-    return out
+    def all_reduce_inplace_parts(
+        self, x: torch.Tensor, axes: tuple[str, ...], shapes: Sequence[torch.Size]
+    ) -> list[torch.Tensor]:
+        """:meth:`all_reduce_inplace` of the flat buffer ``x``, handed back as its consecutive views of ``shapes``
+        (a gradient bucket's gradients); only where :attr:`inplace_sum`."""
+        total = self.all_reduce_inplace(x, axes)  # [n] -> [n]
+        parts = total.split([s.numel() for s in shapes])  # [n] -> k x [|s_i|]
+        return [p.view(s) for p, s in zip(parts, shapes, strict=True)]
 
-
-_scope = threading.local()
-
-
-class _Flag(contextlib.AbstractContextManager):
-    """Set this thread's scope flag ``name`` to ``on`` for the block, then restore it (a plain class: entered
-    on every ``fs.value_and_grad`` call, where a generator-based context manager costs several frames)."""
-
-    __slots__ = ("name", "on", "prev")
-
-    def __init__(self, name: str, on: bool) -> None:
-        self.name, self.on = name, on
-
-    def __enter__(self) -> None:
-        self.prev = getattr(_scope, self.name, False)
-        setattr(_scope, self.name, self.on)
-
-    def __exit__(self, *exc: object) -> None:
-        setattr(_scope, self.name, self.prev)
+    def pending_sums_share_storage(self) -> bool:
+        """Whether several pending in-place sums may lie in one buffer (rows of a layers' gradient bucket); only
+        asked where :attr:`pending_results` and :attr:`inplace_sum`. Default False."""
+        return False
 
 
-class Overlap(contextlib.AbstractContextManager):
-    """This thread's overlap flag on, and the backward node that runs last, for the block.
+class BackendImpl:
+    """What a backend declares about itself, and how it answers the process questions that ``Mesh`` asks it
+    (process index, local devices, barrier, broadcast of an object). One instance per backend, from the registry
+    (``runtime.backends.get(name)``); a mesh holds its backend's as ``mesh.backend_impl``. The defaults are those
+    of a backend whose devices all run in this one process and need no setup.
 
-    Within it (``fs.value_and_grad``'s own ``torch.autograd.grad``), the dist backend may issue the backward's
-    gradient reductions asynchronously: every gradient leaves through that call and is :func:`settle`-d there,
-    and inside the graph a pending result waits at its first use. A plain ``.backward()``, which stores gradients
-    in ``.grad`` where nothing settles them, stays synchronous.
-
-    ``last``: the graph's node that the backward runs last, when known (the engine runs ready nodes latest-made
-    first, so the node made first in the forward runs after every other); a reduction it makes has nothing
-    left to overlap with, and is made synchronously (cheaper: no pending result to wrap and wait for).
+    Attributes:
+        name: the backend's name (``mesh.backend``).
+        multiprocess: each device of a mesh runs in its own process, this process one of them (its collectives
+            cross processes; the device and its groups live from call to call); False: this process runs every
+            device of the mesh.
+        audit: a ``check_vma=False`` program is audited by default (``FUNCSHARD_AUDIT=1`` asks for it elsewhere).
+        dtensor: arrays hand off to torch's DTensor (:meth:`dtensor_from_local`, :meth:`dtensor_layout`).
 
     Example:
-        >>> with Overlap(None):
-        ...     overlap_allowed()
-        True
+        >>> impl = BackendImpl()
+        >>> impl.multiprocess, impl.process_index(), impl.broadcast_object("hi")
+        (False, 0, 'hi')
     """
 
-    __slots__ = ("last", "prev")
+    name: str = ""
+    multiprocess: bool = False
+    audit: bool = False
+    dtensor: bool = False
 
-    def __init__(self, last: Any) -> None:
-        self.last = last
+    # ------------------------------------------------------------------------------------ choosing, setting up
+    def requested(self) -> bool:
+        """Whether ``make_mesh(backend="auto")`` picks this backend (its environment asks for it)."""
+        return False
 
-    def __enter__(self) -> None:
-        self.prev = (getattr(_scope, "on", False), getattr(_scope, "last", None))
-        _scope.on, _scope.last = True, self.last
+    def started(self) -> bool:
+        """Whether this backend's processes are up now (what a job with no mesh at hand runs on)."""
+        return False
 
-    def __exit__(self, *exc: object) -> None:
-        _scope.on, _scope.last = self.prev
+    def setup(self, mesh: Any) -> None:
+        """Make ``mesh`` ready to run (``make_mesh`` calls it once per mesh made); by default nothing."""
 
+    def shutdown(self) -> None:
+        """Leave cleanly at the end of a job (``process.shutdown``); by default nothing."""
 
-def overlap_allowed() -> bool:
-    """Whether this thread is inside :class:`Overlap`."""
-    return getattr(_scope, "on", False)
+    def abandoned_threads(self) -> list[Any]:
+        """Device threads still running in calls that already raised (``process.abandoned_threads``)."""
+        return []
 
+    # ------------------------------------------------------------------------------------ the process questions
+    def process_index(self) -> int:
+        """This process's index among the job's processes (0 in a one-process job)."""
+        return 0
 
-def overlap_last() -> Any:
-    """The backward node :class:`Overlap` was told runs last (None: not known)."""
-    return getattr(_scope, "last", None)
+    def process_count(self) -> int:
+        """The number of the job's processes."""
+        return 1
 
+    def local_ranks(self, mesh: Any) -> list[int]:
+        """The ranks of ``mesh``'s devices that this process runs, in rank order (every one by default)."""
+        return list(range(mesh.size))
 
-def prefetch_scope(on: bool = True) -> contextlib.AbstractContextManager[None]:
-    """Within it (``ops.fsdp_gather(..., prefetch=True)``), the dist backend's all-gathers return at once and are
-    waited for where their result is first read (the gathered weights of the next layer travel while this
-    layer computes)."""
-    return _Flag("prefetch", on)
+    def local_device(self) -> torch.device | None:
+        """The torch device this process's shards live on; None: shards stay where they are."""
+        return None
 
+    def barrier(self) -> None:
+        """Wait until every process reaches this call (one process: nothing to wait for)."""
 
-def prefetching() -> bool:
-    """Whether this thread is inside :func:`prefetch_scope`."""
-    return getattr(_scope, "prefetch", False)
+    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+        """``obj`` as process ``src`` passed it, on every process (one process: ``obj`` itself)."""
+        return obj
 
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        """Every process's ``obj``, in process order, on every process."""
+        return [obj]
 
-def trace_scope() -> contextlib.AbstractContextManager[None]:
-    """Within it (``shard_map(..., compile=...)`` recording a device's body into a graph), the dist backend's
-    collectives are torch's functional collectives, which the graph records as ops (so the compiler sees them,
-    and no pending result escapes), and the optimisers keep their step count a tensor (a Python number read
-    from a tensor would be frozen into the graph)."""
-    return _Flag("trace", True)
+    def any_process(self, flag: bool) -> bool:
+        """``flag`` on any process (the same answer on every process)."""
+        return flag
 
+    # ------------------------------------------------------------------------------------------------- devices
+    def world(self, mesh: Any) -> Any:
+        """Where this process runs every device of ``mesh`` (not :attr:`multiprocess`): an object whose
+        ``run(fn, *, grad=None)`` calls ``fn(device_handle)`` once per device and returns the results in rank
+        order."""
+        raise NotImplementedError(f"the '{self.name}' backend runs one device per process: use device(mesh)")
 
-def tracing() -> bool:
-    """Whether this thread records a body into a graph (:func:`trace_scope`)."""
-    return getattr(_scope, "trace", False)
+    def device(self, mesh: Any) -> DeviceHandle:
+        """This process's device handle on ``mesh`` (:attr:`multiprocess` backends; made once per mesh)."""
+        raise NotImplementedError(f"the '{self.name}' backend runs every device in this process: use world(mesh)")
 
+    def live_devices(self) -> Collection[DeviceHandle]:
+        """The device handles :meth:`device` holds now (a live view: one no longer in it is stale)."""
+        return ()
 
-#: whether ``torch.compile``'s dynamo is tracing the calling code (then a value read or an in-place write into
-#: a buffer made outside the graph is not what it can hold: the functional paths are taken)
-dynamo_tracing: Callable[[], bool] = getattr(torch.compiler, "is_compiling", lambda: False)
+    # ------------------------------------------------------------------------------------------------ DTensor
+    def is_dtensor(self, x: Any) -> bool:
+        """Whether ``x`` is a torch DTensor (where :attr:`dtensor`)."""
+        return False
+
+    def dtensor_layout(self, dt: Any) -> tuple[tuple[str, ...] | None, tuple[int, ...], list[Any], torch.Tensor]:
+        """A DTensor's mesh dim names and sizes, the tensor dim each mesh dim shards (None: replicated) and its
+        local block, partial placements reduced first (where :attr:`dtensor`)."""
+        raise NotImplementedError(f"the '{self.name}' backend has no DTensor hand-off")
+
+    def dtensor_from_local(
+        self, local: torch.Tensor, mesh: Any, shard_dims: list[int | None], shape: tuple[int, ...]
+    ) -> Any:
+        """The DTensor holding this process's block ``local`` of a value of ``shape`` (where :attr:`dtensor`)."""
+        raise NotImplementedError(f"the '{self.name}' backend has no DTensor hand-off")

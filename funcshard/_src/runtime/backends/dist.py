@@ -14,6 +14,9 @@ a process waiting on a live peer that itself waits names the rank that never ans
 A synchronous all-reduce small enough (``FUNCSHARD_ONE_SHOT_BYTES``, 256 KiB gathered) is one-shot on CPU: every
 process gathers every copy and reduces them in the logical order (the sim backend's bits, half gloo's exchanges).
 
+A ZeroTensor operand (a zero tangent or cotangent torch's autograd made, ``torch._efficientzerotensor``: no memory
+behind it, immutable) is sent as zeros, so the process still takes its part in the collective.
+
 Point-to-point operations (:meth:`DistDevice.p2p`) are ``send`` / ``recv`` calls on the group's process group
 (as ``isend`` / ``irecv``; under NCCL one coalesced ``batch_isend_irecv``); each work's ``wait()`` has the same
 timeout and the same :class:`~funcshard.process.PeerError` (naming the operation and the peer) as a
@@ -32,7 +35,7 @@ import os
 import re
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -41,6 +44,7 @@ import torch.distributed as dist
 
 from ...errors import ConfigError, MeshError, ShardingError
 from .base import (
+    BackendImpl,
     DeviceHandle,
     P2POp,
     P2PWork,
@@ -57,6 +61,7 @@ from .base import (
 )
 
 __all__ = [
+    "DistBackend",
     "DistDevice",
     "any_process",
     "barrier",
@@ -425,6 +430,10 @@ class _DistWork(P2PWork):
 class DistDevice(DeviceHandle):
     """This process, as a device of ``mesh``."""
 
+    inplace_sum = True
+    pending_results = True
+    point_to_point = True
+
     def __init__(self, mesh: Any) -> None:
         self.mesh = mesh
         self.rank = dist.get_rank()
@@ -451,6 +460,8 @@ class DistDevice(DeviceHandle):
         return hit
 
     def all_reduce(self, x: torch.Tensor, axes: tuple[str, ...], op: str) -> torch.Tensor:
+        if x._is_zerotensor():  # a zero tangent / cotangent (torch's ZeroTensor): no memory to send, zeros are sent
+            x = torch.zeros_like(x)  # [*s] -> [*s]
         g, members, row_of, _ = self._group(axes)
         what = _REDUCE_NAMES[op]
         if op != "sum" and x.is_floating_point():  # max / min of floats: NaN wins, as torch.maximum and sim
@@ -471,8 +482,8 @@ class DistDevice(DeviceHandle):
         ``AsyncCollectiveTensor``), in the forward too: for a sum whose value is needed later than it can be
         issued (the loss's token count, summed while the forward computes; the loss itself, read after the
         backward). Synchronous, as :meth:`all_reduce`, with ``FUNCSHARD_OVERLAP=0`` or in a compiled graph."""
-        if _funcol is None or tracing() or not overlap_enabled():
-            return self.all_reduce(x, axes, "sum")
+        if _funcol is None or tracing() or not overlap_enabled() or x._is_zerotensor():
+            return self.all_reduce(x, axes, "sum")  # [*s] -> [*s] (a ZeroTensor: summed as zeros)
         g, members, _, _ = self._group(axes)
         with _waiting("psum", axes, members):
             return _issued(_funcol.all_reduce(x.detach().contiguous(), "sum", g))  # [*s] -> [*s] (pending)
@@ -481,8 +492,8 @@ class DistDevice(DeviceHandle):
         """Sum ``x`` over ``axes`` into ``x`` itself, no copy: ``x`` is a contiguous buffer its caller gives up
         (a gradient bucket, as DDP reduces its flat bucket in place). In a backward under overlap it is issued
         now and waited for at its first use, as :meth:`all_reduce`; in a compiled graph it is ``all_reduce``."""
-        if tracing():
-            return self.all_reduce(x, axes, "sum")
+        if tracing() or x._is_zerotensor():  # (a ZeroTensor has no buffer to sum into)
+            return self.all_reduce(x, axes, "sum")  # [*s] -> [*s]
         g, members, _, _ = self._group(axes)
         buf = x.detach()
         if _functional(_in_backward()):
@@ -507,8 +518,8 @@ class DistDevice(DeviceHandle):
         from a plain view of ``x`` (one wrapper each, no dispatch through a pending flat result: splitting and
         viewing that one costs two Python dispatches a view); waiting for any of them waits for the sum (the
         collective is registered under ``x``'s storage, which they share)."""
-        if tracing():
-            return _cut(self.all_reduce(x, axes, "sum"), shapes)
+        if tracing() or x._is_zerotensor():  # (a ZeroTensor has no buffer to sum into)
+            return _cut(self.all_reduce(x, axes, "sum"), shapes)  # [n] -> k x [*s_i]
         g, members, _, _ = self._group(axes)
         buf = x.detach()
         if _functional(_in_backward()):
@@ -521,6 +532,8 @@ class DistDevice(DeviceHandle):
         return _cut(buf, shapes)
 
     def all_gather(self, x: torch.Tensor, axes: tuple[str, ...]) -> torch.Tensor:
+        if x._is_zerotensor():  # a zero tangent / cotangent (torch's ZeroTensor): no memory to send, zeros are sent
+            x = torch.zeros_like(x)  # [*s] -> [*s]
         if x.dtype in _BYTES_ONLY:  # a dtype gloo does not gather: its bytes are gathered
             got = self.all_gather(x.detach().reshape(-1).contiguous().view(torch.uint8), axes)  # [n, |s| * size]
             return got.view(x.dtype).view(got.shape[0], *x.shape)
@@ -538,6 +551,8 @@ class DistDevice(DeviceHandle):
         return out if gr == sorted(gr) else out[gr]
 
     def reduce_scatter(self, x: torch.Tensor, axes: tuple[str, ...]) -> torch.Tensor:
+        if x._is_zerotensor():  # a zero tangent / cotangent (torch's ZeroTensor): no memory to send, zeros are sent
+            x = torch.zeros_like(x)  # [n, *s] -> [n, *s]
         g, members, gr, _ = self._group(axes)
         inp = x.detach()
         if gr != sorted(gr):
@@ -553,6 +568,8 @@ class DistDevice(DeviceHandle):
         return out.view(x.shape[1:])
 
     def all_to_all(self, x: torch.Tensor, axes: tuple[str, ...]) -> torch.Tensor:
+        if x._is_zerotensor():  # a zero tangent / cotangent (torch's ZeroTensor): no memory to send, zeros are sent
+            x = torch.zeros_like(x)  # [n, *s] -> [n, *s]
         if x.dtype in _BYTES_ONLY:  # a dtype gloo does not move: its bytes are moved
             flat = x.detach().reshape(x.shape[0], -1).contiguous().view(torch.uint8)  # [n, |s| * size]
             return self.all_to_all(flat, axes).view(x.dtype).view(x.shape)
@@ -572,6 +589,8 @@ class DistDevice(DeviceHandle):
         return out[gr] if reorder else out
 
     def ppermute(self, x: torch.Tensor, axes: tuple[str, ...], perm: tuple[tuple[int, int], ...]) -> torch.Tensor:
+        if x._is_zerotensor():  # a zero tangent / cotangent (torch's ZeroTensor): no memory to send, zeros are sent
+            x = torch.zeros_like(x)  # [*s] -> [*s]
         g, members, _, idx = self._group(axes)
         send = x.detach().contiguous()
         if tracing():
@@ -864,3 +883,76 @@ def any_process(flag: bool) -> bool:
     with _waiting("any_process", (), list(range(dist.get_world_size()))):
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return bool(t.item())
+
+
+class DistBackend(BackendImpl):
+    """The ``"dist"`` backend: one device per torch.distributed process; it answers the process questions over
+    the default process group, and hands arrays off to torch's DTensor.
+
+    Example:
+        >>> DistBackend().multiprocess, DistBackend().dtensor
+        (True, True)
+    """
+
+    name = "dist"
+    multiprocess = True
+    dtensor = True
+
+    def requested(self) -> bool:
+        return requested()
+
+    def started(self) -> bool:
+        return initialized()
+
+    def setup(self, mesh: Any) -> None:
+        setup(mesh)
+
+    def shutdown(self) -> None:
+        shutdown()
+
+    def process_index(self) -> int:
+        return process_rank()
+
+    def process_count(self) -> int:
+        return dist.get_world_size()
+
+    def local_ranks(self, mesh: Any) -> list[int]:
+        return [process_rank()]
+
+    def local_device(self) -> torch.device | None:
+        return tensor_device()
+
+    def barrier(self) -> None:
+        barrier()
+
+    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+        return broadcast_object(obj, src)
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        return all_gather_object(obj)
+
+    def any_process(self, flag: bool) -> bool:
+        return any_process(flag)
+
+    def device(self, mesh: Any) -> DistDevice:
+        return device_for(mesh)
+
+    def live_devices(self) -> Collection[DistDevice]:
+        return _DEVICES.values()  # (a live view: emptied when torch.distributed restarts)
+
+    def is_dtensor(self, x: Any) -> bool:
+        from . import dtensor
+
+        return dtensor.is_dtensor(x)
+
+    def dtensor_layout(self, dt: Any) -> tuple[tuple[str, ...] | None, tuple[int, ...], list[Any], torch.Tensor]:
+        from . import dtensor
+
+        return dtensor.layout(dt)
+
+    def dtensor_from_local(
+        self, local: torch.Tensor, mesh: Any, shard_dims: list[int | None], shape: tuple[int, ...]
+    ) -> Any:
+        from . import dtensor
+
+        return dtensor.from_local(local, mesh, shard_dims, shape)

@@ -14,8 +14,6 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
-from .dist import device_for, tensor_device
-
 __all__ = ["device_mesh", "from_local", "is_dtensor", "layout"]
 
 _MESHES: dict[Any, DeviceMesh] = {}
@@ -26,10 +24,10 @@ def device_mesh(mesh: Any) -> DeviceMesh:
     mesh's axes in order, each backed by funcshard's process group of that axis."""
     dm = _MESHES.get(mesh)
     if dm is None:
-        dev = device_for(mesh)
+        dev = mesh.backend_impl.device(mesh)  # (the dist backend's: this module is its DTensor hand-off)
         ranks = torch.arange(mesh.size).reshape(tuple(mesh.shape[a] for a in mesh.axis_names))
         groups = [dev.process_group((a,)) for a in mesh.axis_names]
-        where = tensor_device()
+        where = mesh.local_device()
         device_type = where.type if where is not None else "cpu"
         dm = _MESHES[mesh] = DeviceMesh.from_group(groups, device_type, mesh=ranks, mesh_dim_names=mesh.axis_names)
     return dm

@@ -36,6 +36,7 @@ import torch.autograd.forward_ad as fwAD
 
 from ...errors import ShardingError
 from .base import (
+    BackendImpl,
     DeviceHandle,
     P2POp,
     P2PWork,
@@ -46,7 +47,7 @@ from .base import (
     order_key,
 )
 
-__all__ = ["SimDevice", "SimWorld", "abandoned_threads"]
+__all__ = ["SimBackend", "SimDevice", "SimWorld", "abandoned_threads"]
 
 _GRACE = 0.2  # seconds the waiting devices get to leave once a call has failed on a timeout
 _INTERRUPT_GRACE = 5.0  # seconds the devices get to stop after Ctrl-C, before the interrupt goes on without them
@@ -470,6 +471,8 @@ def _reduce(vals: list[torch.Tensor], op: str) -> torch.Tensor:
     with torch.no_grad():
         if op == "sum":
             out = torch.add(vals[0], vals[1])
+            if out._is_zerotensor():  # two zero tangents (torch's ZeroTensors) add up to one, which is immutable
+                out = torch.zeros_like(out)  # [*s] -> [*s]: zeros the others are added into
             for v in vals[2:]:
                 out.add_(v)
         elif vals[0].is_floating_point():  # NaN wins and -0 < +0, the same bits as under dist
@@ -488,6 +491,8 @@ def _reduce(vals: list[torch.Tensor], op: str) -> torch.Tensor:
 
 class SimDevice(DeviceHandle):
     """One simulated device."""
+
+    point_to_point = True
 
     def __init__(self, world: SimWorld, rank: int) -> None:
         self.world = world
@@ -548,3 +553,28 @@ class SimDevice(DeviceHandle):
     def p2p(self, ops: Sequence[P2POp], axes: tuple[str, ...]) -> list[P2PWork]:
         """Post point-to-point sends and receives over ``axes`` (see :meth:`SimWorld.p2p`); one work per op."""
         return list(self.world.p2p(self, ops, axes))
+
+
+class SimBackend(BackendImpl):
+    """The ``"sim"`` backend: every device of a mesh in this one process, one thread each, for one call at a time;
+    the default (picked when nothing asks for another). A ``check_vma=False`` program is audited by default.
+
+    Example:
+        >>> SimBackend().multiprocess, SimBackend().audit
+        (False, True)
+    """
+
+    name = "sim"
+    audit = True
+
+    def requested(self) -> bool:
+        return True
+
+    def started(self) -> bool:
+        return True
+
+    def abandoned_threads(self) -> list[Any]:
+        return abandoned_threads()
+
+    def world(self, mesh: Any) -> SimWorld:
+        return SimWorld(mesh)

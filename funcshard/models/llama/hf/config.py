@@ -27,9 +27,9 @@ from typing import Any
 
 import torch
 
-from ..._src.errors import ConfigError, FuncshardError
-from ..rope_scaling import RopeScaling
-from .config import Config
+from ....extend import ConfigError, FuncshardError
+from ...rope_scaling import RopeScaling
+from ..config import Config
 
 __all__ = ["HF_DTYPES", "config_from_hf", "config_to_hf", "model_folder", "read_config", "read_json"]
 

@@ -45,13 +45,23 @@ import math
 
 import torch
 
-from .._src.collectives import lax
-from .._src.collectives import prims as _prims
-from .._src.collectives.vma import Audited, bind_operand, bind_result, get_vma, known_vma, pvary_to
-from .._src.errors import ShardingError
-from .._src.runtime.context import axes_of, current
+from ... import lax
+from ...extend import (
+    Audited,
+    ShardingError,
+    axes_of,
+    axis_index_int,
+    bind_operand,
+    bind_result,
+    call,
+    current,
+    get_vma,
+    known_vma,
+    pvary_to,
+    split_invariant,
+)
 from ._ring_kernel import RingAttention, needs_autograd_ring, ring_through_autograd
-from .attention import attention
+from .local import attention
 
 __all__ = [
     "ring_attention",
@@ -175,7 +185,7 @@ def zigzag_split(x: torch.Tensor, axis: str | None, dim: int) -> torch.Tensor:
     _check_zigzag(x.shape[d], n, "zigzag_split", f" (dim {d} of shape {tuple(x.shape)})")
     idx = zigzag_indices(x.shape[d], n).to(x.device)
     x = x.index_select(d, idx)  # [.., s, ..] -> [.., s, ..] in zigzag order (local, no communication)
-    return lax.split_invariant(x, axis, dim=d)  # [.., s, ..] -> [.., s/n, ..]; backward all-gathers
+    return split_invariant(x, axis, dim=d)  # [.., s, ..] -> [.., s/n, ..]; backward all-gathers
 
 
 def zigzag_merge(x: torch.Tensor, axis: str | None, dim: int) -> torch.Tensor:
@@ -299,7 +309,7 @@ def ring_attention(
         return ring_through_autograd(q, k, v, axis, causal, layout, scale)
     ctx = current("ring_attention")
     axes = axes_of(axis, ctx.mesh, "ring_attention")
-    n, i = lax.axis_size(axes), lax.axis_index_int(axes)
+    n, i = lax.axis_size(axes), axis_index_int(axes)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     dev, tracked = ctx.device, ctx.check_vma
     with torch._C.DisableTorchFunction():
@@ -310,7 +320,7 @@ def ring_attention(
             k, hk = bind_operand(RingAttention, k, axes, dev, False, "ring_attention")
             v, hv = bind_operand(RingAttention, v, axes, dev, False, "ring_attention")
             have = _union(known_vma(q, False), hk, hv)
-        out, _ = _prims.call(RingAttention, q, k, v, dev, axes, n, i, causal, layout, scale)  # -> [b, h, s/n, d]
+        out, _ = call(RingAttention, q, k, v, dev, axes, n, i, causal, layout, scale)  # -> [b, h, s/n, d]
     return bind_result(RingAttention, out, have, axes)
 
 

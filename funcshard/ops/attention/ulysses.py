@@ -6,7 +6,7 @@ the output back to the sequence split. Four all-to-alls forward (q, k, v, out) a
 all-to-all's transpose is the reverse all-to-all); each moves ``(n-1)/n`` of its input.
 
 The sequence layout is contiguous: device ``i`` holds chunk ``i`` of ``n``. Data in the zigzag layout of
-:mod:`funcshard.ops.ring` must be put back in order first (:func:`funcshard.ops.zigzag_merge` then a plain
+:mod:`funcshard.ops.attention.ring` must be put back in order first (:func:`funcshard.ops.zigzag_merge` then a plain
 split, or lay it out with an ordinary spec and no zigzag permutation).
 
 Example:
@@ -25,9 +25,9 @@ from __future__ import annotations
 
 import torch
 
-from .._src.collectives import lax
-from .._src.errors import ShardingError
-from .attention import attention
+from ... import lax
+from ...extend import ShardingError
+from .local import attention
 
 __all__ = ["ulysses_attention"]
 

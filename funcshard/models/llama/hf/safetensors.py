@@ -1,4 +1,4 @@
-"""The safetensors file format, read and written with no dependency (for :mod:`funcshard.models.llama.hf`).
+"""The safetensors file format, read and written with no dependency (for :mod:`funcshard.models.llama.hf.convert`).
 
 A file is an 8-byte little-endian header length ``n``, ``n`` bytes of JSON (each tensor's ``dtype``, ``shape``
 and ``data_offsets`` ``[begin, end)`` into the data; an optional ``__metadata__`` of strings; padded with
@@ -31,7 +31,7 @@ from typing import Any, BinaryIO
 
 import torch
 
-from ..._src.errors import ConfigError
+from ....extend import ConfigError
 
 __all__ = ["DTYPES", "read_header", "read_tensor", "write_file"]
 

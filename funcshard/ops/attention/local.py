@@ -15,8 +15,8 @@ from types import ModuleType
 
 import torch
 
-from .._src.collectives.vma import one_op
-from ._attention_torch import attention_torch, sdpa_has_no_rule
+from ...extend import one_op
+from ._torch_kernel import attention_torch, sdpa_has_no_rule
 
 __all__ = ["FLASH_DEVICES", "attention", "flash_kernels"]
 

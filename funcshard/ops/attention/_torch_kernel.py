@@ -1,5 +1,5 @@
 """The torch path of :func:`funcshard.ops.attention`: SDPA, or the softmax written out (with the log-sum-exp,
-or under transforms SDPA has no derivative for). Kept apart from ``attention.py`` so that the Triton kernels'
+or under transforms SDPA has no derivative for). Kept apart from ``local.py`` so that the Triton kernels'
 module (which falls back to it) and the ring (which calls it under transforms) do not import the dispatcher;
 with :func:`needs_autograd_ring`, which both ask.
 """
@@ -11,9 +11,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from .._src.autodiff.grad import has_tangent
-from .._src.collectives.vma import one_op
-from .._src.errors import ShardingError
+from ...extend import ShardingError, has_tangent, one_op, transforms_active
 
 __all__ = ["attention_torch", "needs_autograd_ring", "sdpa_has_no_rule"]
 
@@ -26,7 +24,7 @@ def needs_autograd_ring(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bo
         >>> needs_autograd_ring(*(torch.zeros(1),) * 3)
         False
     """
-    if torch._C._are_functorch_transforms_active():
+    if transforms_active():
         from torch._C._functorch import TransformType
         from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
 
@@ -39,7 +37,7 @@ def sdpa_has_no_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     """Whether a transform is active that SDPA's fused kernels have no derivative for: forward-mode AD
     (``torch.func.jvp``, ``jacfwd``, ``hessian``, a dual input) or a gradient of a gradient (nested
     ``torch.func.grad`` / ``vjp``). The explicit softmax is differentiable to any order."""
-    if torch._C._are_functorch_transforms_active():
+    if transforms_active():
         from torch._C._functorch import TransformType
         from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
 

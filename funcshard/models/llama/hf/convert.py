@@ -2,9 +2,9 @@
 
 A folder is ``config.json`` and the weights as safetensors: one ``model.safetensors``, or shards named by
 ``model.safetensors.index.json`` (its ``weight_map``). The format is read and written here, with no
-dependency (:mod:`funcshard.models.llama.safetensors_io`); tensors are read one at a time (a buffer the size
+dependency (:mod:`funcshard.models.llama.hf.safetensors`); tensors are read one at a time (a buffer the size
 of one tensor beside the parameters), in F32, F16, BF16 or F64, and ``config.json`` is mapped by
-:mod:`funcshard.models.llama.hf_config`.
+:mod:`funcshard.models.llama.hf.config`.
 
 The layouts agree without any permutation: funcshard's RoPE rotates halves (as transformers' ``rotate_half``),
 q/k/v heads are contiguous blocks of ``head_dim`` rows in both, and weights are ``F.linear``'s
@@ -39,12 +39,11 @@ from typing import Any
 
 import torch
 
-from ..._src.arrays.transfers import Array, device_get
-from ..._src.errors import ConfigError
-from .config import Config
-from .hf_config import config_to_hf, model_folder, read_config, read_json
-from .safetensors_io import read_header, read_tensor, write_file
-from .sharding import param_shapes
+from ....extend import Array, ConfigError, device_get, get_backend
+from ..config import Config
+from ..sharding import param_shapes
+from .config import config_to_hf, model_folder, read_config, read_json
+from .safetensors import read_header, read_tensor, write_file
 
 __all__ = ["from_hf", "hf_names", "to_hf"]
 
@@ -278,22 +277,21 @@ def to_hf(
     """
     _check_params(params, cfg)
     leaves = [v for k, v in params.items() if k != "layers"] + list(params["layers"].values())
-    together = any(isinstance(a, Array) and a.mesh.backend == "dist" for a in leaves)  # every process calls
+    meshes = [a.mesh for a in leaves if isinstance(a, Array) and a.mesh.is_multiprocess]
+    together = bool(meshes)  # every process calls
     full = device_get(params)
     dtype = full["embed"].dtype if dtype is None else dtype
     hf = config_to_hf(cfg, dtype)  # ConfigError for a dtype it cannot write
-    from ..._src.runtime.backends import dist as dist_backend
-
-    up = together or dist_backend.initialized()
+    procs = meshes[0].backend_impl if together else get_backend()  # (no such array: the backend the job runs on)
     folder = Path(path).expanduser()
     err: BaseException | None = None
-    if (dist_backend.process_rank() if up else int(os.environ.get("RANK", "0"))) == 0:
+    if (procs.process_index() if procs.multiprocess else int(os.environ.get("RANK", "0"))) == 0:
         try:
             _write_folder(folder, full, cfg, dtype, hf, max_shard_bytes)
         except BaseException as e:  # noqa: BLE001 - re-raised below, after the other processes hear of it
             err = e
     if together:  # a collective: no process returns before the folder is complete
-        msg = dist_backend.broadcast_object(None if err is None else f"{type(err).__name__}: {err}")
+        msg = procs.broadcast_object(None if err is None else f"{type(err).__name__}: {err}")
         if msg is not None and err is None:
             raise ConfigError(f"to_hf: process 0 could not write '{folder}' ({msg}).")
     if err is not None:

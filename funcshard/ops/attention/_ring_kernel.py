@@ -15,9 +15,10 @@ output and the log-sum-exp of its rows (``[b, h, s/n]``, float32): O(s/n) memory
   k/v and the float32 dk/dv as two), and one last hop after the ``n``-th step brings every block's complete
   dk/dv home: ``n - 1`` ring steps plus that hop.
 
-On CUDA (``ops.attention.FLASH_DEVICES``), where the kernels of :mod:`funcshard.ops.triton` take the inputs, each
-block's forward and backward are those kernels (the output stored in float32 for the merge; the backward's
-blocks given the whole rows' lse and delta); a backward that is itself differentiated keeps the torch path.
+On CUDA (``ops.attention.local.FLASH_DEVICES``), where the kernels of :mod:`funcshard.ops.triton` take the
+inputs, each block's forward and backward are those kernels (the output stored in float32 for the merge; the
+backward's blocks given the whole rows' lse and delta); a backward that is itself differentiated keeps the
+torch path.
 
 The causal mask and the layouts skip or halve blocks as the forward does (:func:`block_plan`). All
 communication goes through the backend's ``Ppermute`` (counted by ``fs.comm_stats``), with the device handle
@@ -40,10 +41,10 @@ from typing import Any
 
 import torch
 
-from .._src.collectives import lax
-from .._src.collectives import prims as _prims
-from ._attention_torch import attention_torch as attention
-from ._attention_torch import needs_autograd_ring
+from ... import lax
+from ...extend import Ppermute, axis_index_int, call
+from ._torch_kernel import attention_torch as attention
+from ._torch_kernel import needs_autograd_ring
 
 __all__ = ["RingAttention", "block_plan", "needs_autograd_ring", "ring_through_autograd"]
 
@@ -188,7 +189,7 @@ class RingAttention(torch.autograd.Function):
             kv = torch.stack((k, v))  # 2 x [b, hkv, sk, d] -> [2, b, hkv, sk, d]: one message per step
             out, lse = block(qb, k, v, causal)  # step 0, this device's own block (the diagonal: causal within it)
             for step in range(1, n):
-                kv = _prims.call(_prims.Ppermute, kv, dev, axes, _shift(n))  # [2,b,hkv,sk,d], from device i-1
+                kv = call(Ppermute, kv, dev, axes, _shift(n))  # [2,b,hkv,sk,d], from device i-1
                 plan = block_plan(i, (i - step) % n, causal, layout, c)
                 if plan is None:  # contiguous, a block in the future: nothing to compute
                     continue
@@ -264,14 +265,14 @@ class RingAttention(torch.autograd.Function):
                 else:  # zigzag, j < i: the block's first chunk
                     dkv = torch.cat((dkv[:, :, :, cols] + upd, dkv[:, :, :, cols.stop :]), dim=3)  # -> [2,b,hkv,sk,d]
             if n > 1:  # the block held now is device i+1's, complete: one more hop takes it home
-                dkv = _prims.call(_prims.Ppermute, dkv, dev, axes, _shift(n))  # [2,b,hkv,sk,d] -> [2,b,hkv,sk,d]
+                dkv = call(Ppermute, dkv, dev, axes, _shift(n))  # [2,b,hkv,sk,d] -> [2,b,hkv,sk,d]
             dq_out = (dq if flash is not None else dq.flatten(1, 2)).to(q.dtype)  # -> [b, h, sq, d]
             return dq_out, dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None, None, None, None
 
 
 def _flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> ModuleType | None:
     """:mod:`funcshard.ops.triton` where its kernels compute the ring's blocks (CUDA, inputs they take), else None."""
-    from .attention import flash_kernels  # (here: the attention module imports the kernels', which imports this)
+    from .local import flash_kernels  # (here: the attention module imports the kernels', which imports this)
 
     return flash_kernels(q, k, v)
 
@@ -286,10 +287,10 @@ def _rotate(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One ring step of a k/v block and its dk/dv accumulator: one message when their dtypes agree."""
     if kv.dtype == dkv.dtype:
-        both = _prims.call(_prims.Ppermute, torch.cat((kv, dkv)), dev, axes, _shift(n))  # [4,b,hkv,sk,d] -> same
+        both = call(Ppermute, torch.cat((kv, dkv)), dev, axes, _shift(n))  # [4,b,hkv,sk,d] -> same
         return both[:2], both[2:]
-    kv = _prims.call(_prims.Ppermute, kv, dev, axes, _shift(n))  # [2, b, hkv, sk, d] -> [2, b, hkv, sk, d]
-    dkv = _prims.call(_prims.Ppermute, dkv, dev, axes, _shift(n))  # [2, b, hkv, sk, d] (float32) -> same
+    kv = call(Ppermute, kv, dev, axes, _shift(n))  # [2, b, hkv, sk, d] -> [2, b, hkv, sk, d]
+    dkv = call(Ppermute, dkv, dev, axes, _shift(n))  # [2, b, hkv, sk, d] (float32) -> same
     return kv, dkv
 
 
@@ -315,7 +316,7 @@ def ring_through_autograd(
         (slice(2, None, None), slice(None, None, None), False)
     """
     n = lax.axis_size(axis)
-    i = lax.axis_index_int(axis)
+    i = axis_index_int(axis)
     shift = list(_shift(n))
     c = q.shape[2] // 2
     kv = torch.stack((k, v))  # 2 x [b, hkv, s/n, d] -> [2, b, hkv, s/n, d]: one message per step
