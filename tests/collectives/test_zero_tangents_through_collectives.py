@@ -243,24 +243,3 @@ def _zero_outputs(mesh: fs.Mesh) -> str:
 
 def test_zero_tensor_outputs(run) -> None:
     assert set(run(_zero_outputs, MESH)) == {"ok"}
-
-
-def _owned_and_pending_sums(mesh: fs.Mesh) -> str:
-    from funcshard._src.collectives.lax import psum_owned, psum_pending
-
-    def body(xl: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        # 32 KiB: a temporary dist sums in its own buffer, which a ZeroTensor does not have
-        owned = psum_owned(_zeros(torch.empty(64, 64, dtype=xl.dtype)), "a")  # [64, 64] -> [64, 64]
-        pending = psum_pending(_zeros(xl), "a") + psum_pending(xl, "a")  # [2, 3] -> [2, 3]: pending under dist
-        return owned, pending
-
-    x = torch.randn(8, 3, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
-    f = fs.shard_map(body, mesh=mesh, in_specs=(P("a"),), out_specs=(P(), P()))
-    owned, pending = (fs.device_get(o) for o in f(x))
-    torch.testing.assert_close(owned, torch.zeros(64, 64, dtype=torch.float64), rtol=0, atol=0)
-    torch.testing.assert_close(pending, sum(_blocks(x)), rtol=1e-12, atol=1e-12)
-    return "ok"
-
-
-def test_zero_tensor_into_owned_and_pending_sums(run) -> None:
-    assert set(run(_owned_and_pending_sums, MESH)) == {"ok"}
