@@ -1,7 +1,8 @@
 """The one door into funcshard's core, for code that writes its own parallel ops (as ``jax.extend`` is for JAX).
 
 ``funcshard.ops``, ``funcshard.models``, ``funcshard.optim``, ``funcshard.pipeline`` and ``funcshard.checkpoint``
-reach the core through this module and the public API only (``tests/test_layers.py`` checks it). What it holds:
+reach the core through this module and the public API only (``tests/architecture/test_floors_import_down.py``
+checks it). What it holds:
 
 - **Declare and bind.** A collective or a fused op is an autograd Function subclassing :class:`Prim`: its
   ``forward`` / ``setup_context`` / ``backward`` (and, for a collective, ``jvp`` / ``vmap``) once. Apply it with

@@ -9,7 +9,7 @@
 | 4 | ``shard_map/``, ``arrays/``, ``autodiff/`` | the transform; the ``Array`` and its transfers; gradients and remat |
 
 Everything public is re-exported from ``funcshard/__init__.py``, ``funcshard.lax``, ``funcshard.pytree`` and
-``funcshard.process``; ``tests/test_layers.py`` checks the floors.
+``funcshard.process``; ``tests/architecture/test_floors_import_down.py`` checks the floors.
 
 Glossary (one meaning per word):
 
