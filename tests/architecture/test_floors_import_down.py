@@ -413,3 +413,15 @@ def test_no_probe_for_optional_device_methods() -> None:
         if probe.search(line)
     ]
     assert not offenders, "device handles probed for optional methods (declare a capability):\n" + "\n".join(offenders)
+
+
+def test_package_root_holds_public_modules_and_one_private_package() -> None:
+    """The package root: ``__init__.py``, ``__main__.py``, the public modules and subpackages, and ``_src/``, the
+    one private package (the core); every private module lives inside it."""
+    private = sorted(
+        p.name
+        for p in ROOT.iterdir()
+        if p.name.startswith("_") and p.name not in {"__init__.py", "__main__.py", "__pycache__", "_src"}
+    )
+    assert not private, f"private modules at the package root (move them into funcshard/_src/): {private}"
+    assert (ROOT / "_src" / "__init__.py").is_file()
