@@ -1,13 +1,4 @@
-"""Pytree helpers with paths, on top of optree.
-
-Paths are written ``"layers/3/attn/wq"``: dict keys, sequence indices and namedtuple field indices joined
-by ``/`` (as t5x / MaxText rules match them).
-
-Example:
-    >>> from funcshard import pytree
-    >>> [p for p, _ in pytree.leaves_with_path({"a": [1, 2], "b": {"c": 3}})]
-    ['a/0', 'a/1', 'b/c']
-"""
+"""Pytree helpers with paths, as ``funcshard.pytree`` exports them (see its docstring)."""
 
 from __future__ import annotations
 
