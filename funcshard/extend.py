@@ -8,8 +8,9 @@ checks it). What it holds:
   ``forward`` / ``setup_context`` / ``backward`` (and, for a collective, ``jvp`` / ``vmap``) once. Apply it with
   :func:`call` (no ``inspect.signature`` per call). An op whose operands and results are tagged is declared as an
   :class:`Op` (a ``Prim`` with a varying-axes rule ``vma``) and applied with :func:`bind`, which reads the operands'
-  tags, asks the rule, runs the op and tags its results: no tag bookkeeping around it. For a collective's operand
-  and result, :func:`bind_operand` / :func:`bind_result` apply its rule (``Prim.vma``, ``operand_varies``).
+  tags, asks the rule, runs the op and tags its results: no tag bookkeeping around it. An op whose operands enter its
+  own collectives (ring attention's k and v) declares them (``Op.varying_operands``, ``Op.agree``): ``bind`` makes
+  them varying first (``Pvary``), as for a collective's operand.
 - **May the fast path run?** :func:`transforms_active` is the one predicate: a hand-written fast path (an in-place
   write, a kept buffer, a hand-made autograd node) runs only where it is False; further conditions
   (:func:`tracing`: a body recorded into a graph; grad mode; an operand's flags) are spelled beside it.
@@ -79,8 +80,6 @@ from ._src.collectives.prims import call as call
 from ._src.collectives.vma import Audited as Audited
 from ._src.collectives.vma import Op as Op
 from ._src.collectives.vma import bind as bind
-from ._src.collectives.vma import bind_operand as bind_operand
-from ._src.collectives.vma import bind_result as bind_result
 from ._src.collectives.vma import find_vma as find_vma
 from ._src.collectives.vma import get_vma as get_vma
 from ._src.collectives.vma import keep_tags as keep_tags
@@ -138,8 +137,6 @@ __all__ = [
     "axes_of",
     "axis_index_int",
     "bind",
-    "bind_operand",
-    "bind_result",
     "call",
     "capture",
     "checkpoint_name",

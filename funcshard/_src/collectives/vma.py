@@ -274,9 +274,23 @@ def bind_result(prim: Any, y: torch.Tensor, have: frozenset[str] | None, axes: t
 
 
 class Op(Prim):
-    """An op declared once, with its varying-axes rule: ``forward(dev, axes, *operands)`` (a tuple of results),
-    ``setup_context`` and ``backward`` as for any :class:`~.prims.Prim`, and :meth:`vma`. Applied with :func:`bind`.
+    """An op declared once, with its varying-axes rule: ``forward(dev, axes, *operands, *params)`` (a tuple of
+    results), ``setup_context`` and ``backward`` as for any :class:`~.prims.Prim`, and :meth:`vma`. Applied with
+    :func:`bind`.
+
+    An op that sends operands through its own collectives over ``axes`` (ring attention's k and v) declares them in
+    :attr:`varying_operands`, and with :attr:`agree` has its operands made to agree first, as the vma mode does for
+    any torch op's: :func:`bind` then prepares them (``Pvary``) and always runs the op, as a collective is bound.
     """
+
+    #: positions of the operands that enter the op's collectives over its axes: :func:`bind` makes each vary over
+    #: them first, as a collective's operand (``Pvary`` where it is invariant over some: its cotangent summed over
+    #: them; under ``check_vma=False`` only where its axes are known, and where only the audit knows them it raises
+    #: if a gradient flows)
+    varying_operands: tuple[int, ...] = ()
+    #: under ``check_vma=True``, :func:`bind` makes every operand vary over the union of all the operands' axes (and
+    #: of the op's axes, with :attr:`varying_operands`), as the vma mode does for the operands of any torch op
+    agree: bool = False
 
     @staticmethod
     def vma(axes: frozenset[str], *have: frozenset[str]) -> frozenset[str] | None:
@@ -287,18 +301,30 @@ class Op(Prim):
 
 
 def bind(
-    op: type[Op], *operands: torch.Tensor, axis: Any, name: str, need_grad: bool = False
+    op: type[Op],
+    *operands: torch.Tensor,
+    axis: Any,
+    name: str,
+    need_grad: bool = False,
+    params: tuple[Any, ...] = (),
 ) -> tuple[torch.Tensor, ...] | None:
-    """``op`` applied to ``operands`` over the mesh axes ``axis`` (its ``forward(dev, axes, *operands)``), each
-    result tagged by ``op.vma`` from the operands' tags; None where ``op`` declines: its rule returns None, some
+    """``op`` applied to ``operands`` over the mesh axes ``axis`` (its ``forward(dev, axes, *operands, *params)``),
+    each result tagged by ``op.vma`` from the operands' tags; None where ``op`` declines: its rule returns None, some
     operands' axes are known and others not, or, with ``need_grad``, no operand requires grad. Operands whose axes
     nobody knows (``check_vma=False``: not an argument, not a collective's result) give untagged results.
 
-    Call it inside ``shard_map`` where the fast path may run (``not transforms_active()``, and whatever ``op`` needs
-    besides): it neither looks at torch.func wrappers nor records into a graph.
+    An op with :attr:`Op.varying_operands` or :attr:`Op.agree` is bound as a collective is: its operands made
+    varying first (``Pvary``), its rule asked with the axes they then vary over, and it always runs (results
+    untagged where some operand's axes are unknown); its rule does not decline.
+
+    Call it inside ``shard_map`` where ``op`` may run: for a hand-written fast path, ``not transforms_active()`` and
+    whatever it needs besides; under a ``torch.func`` transform only an op that has its rules (the results are
+    tagged as they are, not the tensors they wrap).
 
     Raises:
-        ShardingError: outside shard_map, or ``axis`` not in the mesh (the message names ``name``).
+        ShardingError: outside shard_map, or ``axis`` not in the mesh (the message names ``name``); for an op bound
+            as a collective under the audit of a ``check_vma=False`` call, an operand of :attr:`Op.varying_operands`
+            that is invariant over some of ``axis`` while a gradient flows through it.
     """
     with torch._C.DisableTorchFunction():  # (attribute reads and the call: the results' tags are set here)
         if need_grad:
@@ -313,20 +339,60 @@ def bind(
         have = []
         for t in operands:
             have.append(known_vma(t, tracked))
-        unknown = have.count(None)
-        if unknown == 0:
-            tag = op.vma(frozenset(axes), *have)  # type: ignore[arg-type]
-            if tag is None:
-                return None
-        elif unknown == len(have):
-            tag = None
+        if op.varying_operands or op.agree:  # bound as a collective: operands made varying, the op always runs
+            operands = _vary_operands(op, operands, have, axes, ctx.device, tracked, name)  # type: ignore[assignment]
+            tag = None if None in have else op.vma(frozenset(axes), *have)  # type: ignore[arg-type]
         else:
-            return None
-        ys = call(op, ctx.device, axes, *operands)
+            unknown = have.count(None)
+            if unknown == 0:
+                tag = op.vma(frozenset(axes), *have)  # type: ignore[arg-type]
+                if tag is None:
+                    return None
+            elif unknown == len(have):
+                tag = None
+            else:
+                return None
+        ys = call(op, ctx.device, axes, *operands, *params)
         if tag is not None:
             for y in ys:
                 setattr(y, _ATTR, tag)  # (set_vma, inline)
     return ys
+
+
+def _vary_operands(
+    op: type[Op],
+    operands: tuple[torch.Tensor, ...],
+    have: list[frozenset[str] | None],
+    axes: tuple[str, ...],
+    dev: Any,
+    tracked: bool,
+    name: str,
+) -> list[torch.Tensor]:
+    """The operands of ``op`` (bound as a collective over ``axes``) made varying as it declares (``Pvary``, in the
+    operands' order), ``have`` updated in place to the axes each then varies over."""
+    out = list(operands)
+    extra = frozenset(axes)
+    if tracked and op.agree:  # every operand over the union (and the op's axes where its collectives take some)
+        want = extra if op.varying_operands else EMPTY
+        for h in have:
+            want = want | h  # type: ignore[operator]
+        for j, t in enumerate(out):
+            out[j] = pvary_to(t, want, dev)
+            have[j] = want
+        return out
+    for j in op.varying_operands:  # each over its own axes and the op's, as a collective's operand
+        h = have[j]
+        if h is None:  # check_vma=False, axes nobody knows: taken as it is
+            continue
+        if isinstance(h, Audited):  # check_vma=False under sim: raise where dist would be silently wrong
+            missing = [a for a in axes if a not in h]
+            if missing and _grad_flows(out[j]):
+                raise _unvaried(name, missing, "its operand")
+            continue
+        want = h | extra
+        out[j] = pvary_to(out[j], want, dev)
+        have[j] = want
+    return out
 
 
 def vary_output(t: torch.Tensor, axes: frozenset[str], dev: Any, tracked: bool, path: str) -> torch.Tensor:

@@ -42,7 +42,7 @@ from typing import Any
 import torch
 
 from ... import lax
-from ...extend import Ppermute, axis_index_int, call
+from ...extend import Audited, Op, Ppermute, axis_index_int, call
 from ._torch_kernel import attention_torch as attention
 from ._torch_kernel import needs_autograd_ring
 
@@ -131,43 +131,61 @@ def _merge_into(out: torch.Tensor, lse: torch.Tensor, o: torch.Tensor, lo: torch
     lse.copy_(new)
 
 
+def _place(dev: Any, axes: tuple[str, ...]) -> tuple[int, int]:
+    """``(n, i)``: how many devices the ring over ``axes`` has, and this device's place on it (row-major over
+    ``axes``, as :func:`funcshard.axis_index`)."""
+    shape, coords = dev.mesh.shape, dev.coords
+    n, i = 1, 0
+    for a in axes:
+        n *= shape[a]
+        i = i * shape[a] + coords[a]
+    return n, i
+
+
 def _shift(n: int) -> tuple[tuple[int, int], ...]:
     return tuple((src, (src + 1) % n) for src in range(n))  # device src sends to src + 1
 
 
-class RingAttention(torch.autograd.Function):
+class RingAttention(Op):
     """Ring attention of this device's ``q`` ``[b, h, s/n, d]`` against every device's ``k``, ``v``
     ``[b, hkv, s/n, d]`` over ``axes`` (``n`` devices, this one ``i``); outputs ``(out [b, h, s/n, d],
-    lse [b, h, s/n])`` (float32, or float64 for float64 inputs).
+    lse [b, h, s/n])`` (float32, or float64 for float64 inputs). Bound with ``bind(RingAttention, q, k, v,
+    axis=..., name=..., params=(causal, layout, scale))``.
 
     - forward: ``n - 1`` ppermutes of the packed k/v block; saves q, k, v, out, lse (nothing per step).
     - backward: ``n - 1`` ring steps of k/v with their dk/dv accumulators, then one hop of dk/dv home; dq local.
       A cotangent of ``lse`` (``d lse / d scores = p``) enters ``ds``, and the backward is made of
       differentiable ops and collectives, so it can itself be differentiated (grad of grad).
     - jvp / vmap: none (:func:`needs_autograd_ring` sends those transforms to :func:`ring_through_autograd`).
+    - vma: ``bind`` makes k and v vary over ``axes`` first (they enter the ppermutes, as JAX requires), and under
+      ``check_vma=True`` q, k and v agree (each over the union of their axes); the results vary over the union.
     """
 
-    #: vma: k and v are first made varying over ``axes`` (they enter a ppermute), as JAX requires
-    operand_varies = True
+    varying_operands = (1, 2)  # k, v
+    agree = True
 
     @staticmethod
-    def vma(have: frozenset[str], axes: frozenset[str]) -> frozenset[str]:
-        """vma rule: each device's rows of the output: varies over ``axes``."""
-        return have | axes
+    def vma(axes: frozenset[str], *have: frozenset[str]) -> frozenset[str]:
+        """vma rule: each device's rows of the results: they vary over ``axes`` and every operand's axes
+        (:class:`Audited` where one operand's are known only to the audit)."""
+        tag = axes.union(*have)
+        for h in have:
+            if isinstance(h, Audited):
+                return Audited(tag)
+        return tag
 
     @staticmethod
     def forward(  # type: ignore[override]
+        dev: Any,
+        axes: tuple[str, ...],
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
-        dev: Any,
-        axes: tuple[str, ...],
-        n: int,
-        i: int,
         causal: bool,
         layout: str,
         scale: float,
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        n, i = _place(dev, axes)
         h, sq, hkv = q.shape[1], q.shape[2], k.shape[1]
         acc = torch.promote_types(q.dtype, torch.float32)  # merge in float32 (float64 stays float64)
         c = sq // 2  # zigzag chunk length
@@ -202,10 +220,11 @@ class RingAttention(torch.autograd.Function):
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor, torch.Tensor]) -> None:
-        q, k, v, dev, axes, n, i, causal, layout, scale = inputs
+        dev, axes, q, k, v, causal, layout, scale = inputs
         out, lse = output
         ctx.set_materialize_grads(False)  # no zeros made for an unused lse (or out)
-        ctx.dev, ctx.axes, ctx.n, ctx.i = dev, axes, n, i
+        ctx.dev, ctx.axes = dev, axes
+        ctx.n, ctx.i = _place(dev, axes)
         ctx.causal, ctx.layout, ctx.scale = causal, layout, scale
         ctx.save_for_backward(q, k, v, out, lse)
 
@@ -267,7 +286,7 @@ class RingAttention(torch.autograd.Function):
             if n > 1:  # the block held now is device i+1's, complete: one more hop takes it home
                 dkv = call(Ppermute, dkv, dev, axes, _shift(n))  # [2,b,hkv,sk,d] -> [2,b,hkv,sk,d]
             dq_out = (dq if flash is not None else dq.flatten(1, 2)).to(q.dtype)  # -> [b, h, sq, d]
-            return dq_out, dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None, None, None, None
+            return None, None, dq_out, dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None
 
 
 def _flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> ModuleType | None:

@@ -46,20 +46,7 @@ import math
 import torch
 
 from ... import lax
-from ...extend import (
-    Audited,
-    ShardingError,
-    axes_of,
-    axis_index_int,
-    bind_operand,
-    bind_result,
-    call,
-    current,
-    get_vma,
-    known_vma,
-    pvary_to,
-    split_invariant,
-)
+from ...extend import ShardingError, bind, split_invariant
 from ._ring_kernel import RingAttention, needs_autograd_ring, ring_through_autograd
 from .local import attention
 
@@ -307,26 +294,9 @@ def ring_attention(
         return attention(q, k, v, causal=causal, scale=scale)  # [b, h, s, d] x [b, hkv, s, d] -> [b, h, s, d]
     if needs_autograd_ring(q, k, v):  # vmap / jvp / forward-mode AD: the Function has no rule for them
         return ring_through_autograd(q, k, v, axis, causal, layout, scale)
-    ctx = current("ring_attention")
-    axes = axes_of(axis, ctx.mesh, "ring_attention")
-    n, i = lax.axis_size(axes), axis_index_int(axes)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    dev, tracked = ctx.device, ctx.check_vma
-    with torch._C.DisableTorchFunction():
-        if tracked:  # q, k, v made to agree, and varying over axes (k/v enter the ring's ppermutes)
-            have: frozenset[str] | None = get_vma(q) | get_vma(k) | get_vma(v) | frozenset(axes)
-            q, k, v = (pvary_to(t, have, dev) for t in (q, k, v))
-        else:  # untracked: k/v bound as a ppermute's operand (the audit raises where dist would be wrong)
-            k, hk = bind_operand(RingAttention, k, axes, dev, False, "ring_attention")
-            v, hv = bind_operand(RingAttention, v, axes, dev, False, "ring_attention")
-            have = _union(known_vma(q, False), hk, hv)
-        out, _ = call(RingAttention, q, k, v, dev, axes, n, i, causal, layout, scale)  # -> [b, h, s/n, d]
-    return bind_result(RingAttention, out, have, axes)
-
-
-def _union(*sets: frozenset[str] | None) -> frozenset[str] | None:
-    """The union of known axes; None where one is unknown; :class:`Audited` where one is known only to the audit."""
-    if any(s is None for s in sets):
-        return None
-    union = frozenset().union(*sets)  # type: ignore[arg-type]
-    return Audited(union) if any(isinstance(s, Audited) for s in sets) else union
+    # the ring: [b, h, s/n, d] x 2 x [b, hkv, s/n, d] -> out [b, h, s/n, d], lse [b, h, s/n] (unused); bind makes
+    # k/v vary over axis first (they enter the ppermutes), q/k/v agree under check_vma, and it tags the results
+    ys = bind(RingAttention, q, k, v, axis=axis, name="ring_attention", params=(causal, layout, scale))
+    assert ys is not None  # (its rule never declines)
+    return ys[0]
