@@ -312,8 +312,8 @@ def case_p(steps: int, mesh: fs.Mesh, say: Callable[..., None], n: int = 300) ->
     calls), and the process group's own ``send`` / ``recv`` (the floor); the three interleaved, ``steps``
     rounds. Per message (one send and its receive, both waited): wall, CPU of all ranks (``process_time``:
     gloo's threads too) and the main threads' CPU (``thread_time``)."""
-    from funcshard._src.runtime.backends.base import P2POp
     from funcshard._src.runtime.backends.dist import device_for
+    from funcshard._src.runtime.comm import P2POp
 
     dev = device_for(mesh)
     me = dist.get_rank()

@@ -21,32 +21,5 @@ Example:
     tensor([6.])
 """
 
-from ._src.collectives.lax import all_gather as all_gather
-from ._src.collectives.lax import all_gather_invariant as all_gather_invariant
-from ._src.collectives.lax import all_to_all as all_to_all
-from ._src.collectives.lax import axis_index as axis_index
-from ._src.collectives.lax import axis_size as axis_size
-from ._src.collectives.lax import bucket_bytes as bucket_bytes
-from ._src.collectives.lax import pmax as pmax
-from ._src.collectives.lax import pmean as pmean
-from ._src.collectives.lax import pmin as pmin
-from ._src.collectives.lax import ppermute as ppermute
-from ._src.collectives.lax import psum as psum
-from ._src.collectives.lax import psum_scatter as psum_scatter
-from ._src.collectives.lax import pvary as pvary
-
-__all__ = [
-    "all_gather",
-    "all_gather_invariant",
-    "all_to_all",
-    "axis_index",
-    "axis_size",
-    "bucket_bytes",
-    "pmax",
-    "pmean",
-    "pmin",
-    "ppermute",
-    "psum",
-    "psum_scatter",
-    "pvary",
-]
+from ._src.collectives.lax import *  # noqa: F403 (the names its __all__ lists)
+from ._src.collectives.lax import __all__ as __all__

@@ -15,10 +15,5 @@ Example:
     True
 """
 
-from ._src.runtime.process import PeerError as PeerError
-from ._src.runtime.process import abandoned_threads as abandoned_threads
-from ._src.runtime.process import any_process as any_process
-from ._src.runtime.process import collective_timeout as collective_timeout
-from ._src.runtime.process import shutdown as shutdown
-
-__all__ = ["PeerError", "abandoned_threads", "any_process", "collective_timeout", "shutdown"]
+from ._src.runtime.process import *  # noqa: F403 (the names its __all__ lists)
+from ._src.runtime.process import __all__ as __all__

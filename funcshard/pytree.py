@@ -9,11 +9,5 @@ Example:
     ['a/0', 'a/1', 'b/c']
 """
 
-from ._src.tree.pytree import broadcast_prefix as broadcast_prefix
-from ._src.tree.pytree import flatten as flatten
-from ._src.tree.pytree import leaves_with_path as leaves_with_path
-from ._src.tree.pytree import tree_map as tree_map
-from ._src.tree.pytree import tree_path as tree_path
-from ._src.tree.pytree import unflatten as unflatten
-
-__all__ = ["broadcast_prefix", "flatten", "leaves_with_path", "tree_map", "tree_path", "unflatten"]
+from ._src.tree.pytree import *  # noqa: F403 (the names its __all__ lists)
+from ._src.tree.pytree import __all__ as __all__

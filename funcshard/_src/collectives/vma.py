@@ -161,9 +161,7 @@ def settle(t: Any) -> Any:
     """
     if type(t).__name__ != "AsyncCollectiveTensor":
         return t
-    out = wait_pending(t)
-    out.__dict__.update(t.__dict__)  # its tags (the varying axes) go with it
-    return out
+    return keep_tags(wait_pending(t), t)  # its tags (the varying axes) go with it
 
 
 def pvary_to(x: torch.Tensor, want: frozenset[str], dev: Any) -> torch.Tensor:
@@ -255,10 +253,19 @@ def bind_operand(
     have = known_vma(x, tracked)
     if have is None or not prim.operand_varies:
         return x, have
-    if isinstance(have, Audited):  # check_vma=False under sim: raise where dist would be silently wrong
+    return _vary_operand(x, have, axes, dev, name or prim.__name__)
+
+
+def _vary_operand(
+    x: torch.Tensor, have: frozenset[str], axes: tuple[str, ...], dev: Any, name: str
+) -> tuple[torch.Tensor, frozenset[str]]:
+    """A collective's operand ``x`` (varying over the known ``have``) made varying over ``axes`` too, and the axes
+    it then varies over; under the audit (``have`` :class:`Audited`) taken as it is, raising where a gradient flows
+    through an operand invariant over some of ``axes`` (dist would be silently wrong)."""
+    if isinstance(have, Audited):
         missing = [a for a in axes if a not in have]
         if missing and _grad_flows(x):
-            raise _unvaried(name or prim.__name__, missing, "its operand")
+            raise _unvaried(name, missing, "its operand")
         return x, have
     want = have | frozenset(axes)
     return pvary_to(x, want, dev), want
@@ -382,16 +389,8 @@ def _vary_operands(
         return out
     for j in op.varying_operands:  # each over its own axes and the op's, as a collective's operand
         h = have[j]
-        if h is None:  # check_vma=False, axes nobody knows: taken as it is
-            continue
-        if isinstance(h, Audited):  # check_vma=False under sim: raise where dist would be silently wrong
-            missing = [a for a in axes if a not in h]
-            if missing and _grad_flows(out[j]):
-                raise _unvaried(name, missing, "its operand")
-            continue
-        want = h | extra
-        out[j] = pvary_to(out[j], want, dev)
-        have[j] = want
+        if h is not None:  # (None: check_vma=False, axes nobody knows: taken as it is)
+            out[j], have[j] = _vary_operand(out[j], h, axes, dev, name)
     return out
 
 

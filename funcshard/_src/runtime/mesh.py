@@ -20,7 +20,7 @@ from ..errors import MeshError
 from . import backends
 from .backends import BackendImpl
 
-__all__ = ["BackendImpl", "Mesh", "backend_names", "get_backend", "make_mesh"]
+__all__ = ["BackendImpl", "Mesh", "backend_names", "get_backend", "loaded_backends", "make_mesh"]
 
 Backend = Literal["sim", "dist"]
 
@@ -281,3 +281,14 @@ def backend_names() -> tuple[str, ...]:
         ('sim', 'dist')
     """
     return backends.names()
+
+
+def loaded_backends() -> tuple[BackendImpl, ...]:
+    """The backends this process has used so far (their modules imported), each with its devices, threads and
+    groups; one never used has none to report.
+
+    Example:
+        >>> get_backend("sim") in loaded_backends()
+        True
+    """
+    return backends.loaded()

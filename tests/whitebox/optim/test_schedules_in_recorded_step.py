@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from funcshard import optim
-from funcshard._src.runtime.backends.base import trace_scope
+from funcshard._src.runtime.context import trace_scope
 
 
 def test_schedules_in_a_recorded_step_equal_their_python_values() -> None:

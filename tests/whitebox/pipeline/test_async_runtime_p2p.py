@@ -22,8 +22,8 @@ import torch
 import funcshard as fs
 from funcshard import P
 from funcshard._src.collectives import lax as core_lax
-from funcshard._src.runtime.backends.base import P2POp
 from funcshard._src.runtime.backends.sim import SimWorld
+from funcshard._src.runtime.comm import P2POp
 from funcshard._src.runtime.context import current
 from funcshard.pipeline import SCHEDULE_NAMES, by_name, run, stage_order
 from funcshard.pipeline.messages import LOOKAHEAD, messages, stage_plan

@@ -16,7 +16,7 @@ import torch
 
 import funcshard as fs
 from funcshard._src.runtime.backends import dist as dist_backend
-from funcshard._src.runtime.backends.base import PeerError
+from funcshard._src.runtime.comm import PeerError
 
 
 class _Group:

@@ -45,8 +45,8 @@ def _python_calls(fn: Any) -> tuple[Any, list[str]]:
 def _counted_exchange(mesh: Any) -> dict[str, Any]:
     """Both ranks of a pp=2 mesh exchange blocks through ``DistDevice.p2p``: batches of 1 and 3 sends (plus
     as many receives), each work waited; the Python calls each part made."""
-    from funcshard._src.runtime.backends.base import P2POp
     from funcshard._src.runtime.backends.dist import device_for
+    from funcshard._src.runtime.comm import P2POp
 
     dev = device_for(mesh)
     me = dev.coords["pp"]
@@ -95,7 +95,7 @@ def test_dist_p2p_python_calls_per_message() -> None:
 
 _SILENT = r"""
 import os, sys, time, torch, funcshard as fs
-from funcshard._src.runtime.backends.base import P2POp
+from funcshard._src.runtime.comm import P2POp
 from funcshard._src.runtime.backends.dist import device_for
 torch.set_num_threads(1)
 mesh = fs.make_mesh({"pp": 2}, backend="dist")

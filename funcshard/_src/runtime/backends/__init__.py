@@ -34,7 +34,7 @@ import importlib
 from ...errors import MeshError
 from .base import BackendImpl, DeviceHandle, group_members
 
-__all__ = ["BackendImpl", "DeviceHandle", "auto", "get", "group_members", "names", "running"]
+__all__ = ["BackendImpl", "DeviceHandle", "auto", "get", "group_members", "loaded", "names", "running"]
 
 #: name -> (module of this package, its BackendImpl class), in the order the names are listed
 _REGISTRY = {"sim": ("sim", "SimBackend"), "dist": ("dist", "DistBackend")}
@@ -71,6 +71,16 @@ def get(name: str) -> BackendImpl:
         module, cls = _REGISTRY[name]
         impl = _LOADED[name] = getattr(importlib.import_module(f".{module}", __name__), cls)()
     return impl
+
+
+def loaded() -> tuple[BackendImpl, ...]:
+    """The backends asked for so far (a backend never asked for has no devices, threads or groups to report).
+
+    Example:
+        >>> get("sim") in loaded()
+        True
+    """
+    return tuple(_LOADED.values())
 
 
 def auto() -> str:

@@ -1,7 +1,7 @@
 """What every backend shares: group membership, the device-handle interface with its declared capabilities, and
 :class:`BackendImpl`, what a backend declares about itself and how it answers the process questions (``Mesh`` asks
 them). The records and flags the code above the backends shares with them live in ``runtime.comm`` and
-``runtime.context``; they are re-exported here for the backends."""
+``runtime.context``."""
 
 from __future__ import annotations
 
@@ -11,42 +11,9 @@ from typing import Any
 import torch
 
 from ...errors import ShardingError
-from ..comm import DEFAULT_TIMEOUT, P2POp, P2PWork, PeerError, default_timeout, wait_pending
-from ..context import (
-    Overlap,
-    dynamo_tracing,
-    overlap_allowed,
-    overlap_last,
-    prefetch_scope,
-    prefetching,
-    trace_scope,
-    tracing,
-    transforms_active,
-)
+from ..comm import P2POp, P2PWork
 
-__all__ = [
-    "DEFAULT_TIMEOUT",
-    "BackendImpl",
-    "DeviceHandle",
-    "Overlap",
-    "P2POp",
-    "P2PWork",
-    "PeerError",
-    "check_p2p",
-    "default_timeout",
-    "dynamo_tracing",
-    "from_order_key",
-    "group_members",
-    "order_key",
-    "overlap_allowed",
-    "overlap_last",
-    "prefetch_scope",
-    "prefetching",
-    "trace_scope",
-    "tracing",
-    "transforms_active",
-    "wait_pending",
-]
+__all__ = ["BackendImpl", "DeviceHandle", "check_p2p", "from_order_key", "group_members", "order_key"]
 
 _KEY_DTYPES = {
     torch.float64: torch.int64,

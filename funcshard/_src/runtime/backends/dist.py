@@ -43,22 +43,9 @@ import torch
 import torch.distributed as dist
 
 from ...errors import ConfigError, MeshError, ShardingError
-from .base import (
-    BackendImpl,
-    DeviceHandle,
-    P2POp,
-    P2PWork,
-    PeerError,
-    check_p2p,
-    default_timeout,
-    from_order_key,
-    group_members,
-    order_key,
-    overlap_allowed,
-    overlap_last,
-    prefetching,
-    tracing,
-)
+from ..comm import P2POp, P2PWork, PeerError, default_timeout
+from ..context import overlap_allowed, overlap_last, prefetching, tracing
+from .base import BackendImpl, DeviceHandle, check_p2p, from_order_key, group_members, order_key
 
 __all__ = [
     "DistBackend",

@@ -35,17 +35,8 @@ import torch._functorch.eager_transforms as _eager
 import torch.autograd.forward_ad as fwAD
 
 from ...errors import ShardingError
-from .base import (
-    BackendImpl,
-    DeviceHandle,
-    P2POp,
-    P2PWork,
-    check_p2p,
-    default_timeout,
-    from_order_key,
-    group_members,
-    order_key,
-)
+from ..comm import P2POp, P2PWork, default_timeout
+from .base import BackendImpl, DeviceHandle, check_p2p, from_order_key, group_members, order_key
 
 __all__ = ["SimBackend", "SimDevice", "SimWorld", "abandoned_threads"]
 
