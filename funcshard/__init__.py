@@ -54,6 +54,7 @@ from ._src.tree.precision import Precision as Precision
 from ._src.tree.pytree import tree_path as tree_path
 from ._src.tree.rules import logical_to_mesh as logical_to_mesh
 from ._src.tree.rules import spec_rules as spec_rules
+from ._src.tree.shapes import ShapeDtype as ShapeDtype
 from ._src.tree.spec import P as P
 
 __version__ = "0.1.0"
@@ -86,6 +87,7 @@ __all__ = [
     "MeshError",
     "P",
     "Precision",
+    "ShapeDtype",
     "ShardingError",
     "all_gather",
     "all_to_all",
