@@ -4,6 +4,7 @@
   init, step, report), with checkpoints and resume.
 - ``generate.py``: sample text from the latest checkpoint of a train run.
 - ``demo.py``: a DP x TP MLP trained with a functional step on a simulated mesh.
+- ``plan/``: the hardware table and the step-time model ``python -m funcshard plan`` times a step with.
 - ``cli.py``: the parsers, ``run`` (exit codes, one error line, Ctrl-C); ``preflight.py``: checks of the
   arguments before any work; ``data.py``: the corpus found on the machine and its batches.
 
