@@ -73,6 +73,7 @@ from ..extend import (
     current,
     find_vma,
     get_vma,
+    observer,
     pvary_to,
     record,
     set_vma,
@@ -295,6 +296,10 @@ def _run_step(
         stage.execute(plan[stage.me])
         stage_grads = stage.stage_grads()
     loss, grads = stage.result(stage_grads)
+    obs = observer()
+    if obs is not None:  # an ahead-of-time analysis (shard_map's lower) counts these as params and grads
+        obs.note("params", stage_params)
+        obs.note("grads", grads)
     return _not_differentiable(loss, [*stage.leaves, *stage.shared_orig, microbatches]), grads
 
 

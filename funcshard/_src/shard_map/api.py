@@ -29,6 +29,7 @@ from ..tree.shapes import to_meta
 from .compile import CompiledBody, compile_options, eager_body, opaque_to_dynamo, warn_sim
 from .executor import DeviceBody, audit_env, executor_for, run_local
 from .io import InputCache, Inputs, assemble_one, assemble_outputs, check_structures, donated_blocks
+from .lower import Lowered, lower, roles_of
 from .replicas import maybe_check_replicas
 
 __all__ = ["shard_map"]
@@ -110,7 +111,16 @@ def shard_map(
             warn_sim(name, id(mapped))
         return _call(f, mesh, in_specs, out_specs, check, args, cache, donated, compiled, name)
 
-    return opaque_to_dynamo(mapped, name, tell=options is None and mesh.is_multiprocess)
+    def twin(on: Mesh) -> Callable[..., Any]:  # the same function on another mesh (lower's abstract twin)
+        return shard_map(f, mesh=on, in_specs=in_specs, out_specs=out_specs, check_vma=check, donate=donate)
+
+    def lower_(*args: Any) -> Lowered:
+        """This function's ahead-of-time analysis for ``args`` (real or abstract): see ``Lowered``."""
+        return lower(twin, mesh, name, args, roles_of(args))
+
+    out = opaque_to_dynamo(mapped, name, tell=options is None and mesh.is_multiprocess)
+    out.lower = lower_  # type: ignore[attr-defined]
+    return out
 
 
 def _call(

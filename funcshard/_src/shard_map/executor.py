@@ -36,7 +36,7 @@ import torch
 from ..arrays.array import ClassShards, Coords, local_shards
 from ..arrays.reshard import apply_reshard
 from ..collectives.vma import VmaMode, find_vma, settle, tag_tensors, vary_output
-from ..runtime.context import DeviceContext, enter, transforms_active
+from ..runtime.context import DeviceContext, enter, observer, transforms_active
 from ..runtime.mesh import Mesh
 from .io import ARRAY, VALUE, WHOLE, Inputs, OutPlan, device_args, flatten
 from .sim_grad import SimState, run_differentiable
@@ -363,7 +363,7 @@ class ClassExecutor:
                 break
             for c in todo:
                 dev = world.device(mesh.rank_of(dict(zip(names, c, strict=True))))
-                done[c] = body(dev, device_args(c, body.inputs.blocks))
+                done[c] = _run_observed(body, dev, device_args(c, body.inputs.blocks))
                 if not dev.read_axes <= read:  # a finer split: more classes to run
                     read |= dev.read_axes
                     break
@@ -374,6 +374,16 @@ class ClassExecutor:
     def shards(self, blocks: dict[Coords, Any]) -> ClassShards:
         """An output's blocks, one per class (the representatives'), serving every device."""
         return ClassShards(self.positions, blocks)
+
+
+def _run_observed(body: DeviceBody, dev: Any, leaves: list[list[Any]]) -> Result:
+    """``body(dev, leaves)``, watched by the ahead-of-time analysis observing this thread, where one does."""
+    obs = observer()
+    if obs is None:
+        return body(dev, leaves)
+    owned = body.own(leaves)
+    with obs.device(dev, owned):
+        return body.run(dev, owned)
 
 
 def _representatives(names: tuple[str, ...], sizes: tuple[int, ...], read: set[str]) -> list[Coords]:
