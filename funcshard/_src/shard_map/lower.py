@@ -25,7 +25,6 @@ from typing import Any
 import optree
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils.flop_counter import FlopCounterMode
 
 from ..arrays.array import Array, ClassShards, is_array
 from ..runtime.context import observe_scope
@@ -106,6 +105,8 @@ class _Device:
 
     def __init__(self, rank: int) -> None:
         self.rank = rank
+        from torch.utils.flop_counter import FlopCounterMode  # (imports triton: only when analysing)
+
         self.meter = _Meter()
         self.flops = FlopCounterMode(display=False)
         self.saved = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
@@ -242,7 +243,8 @@ def abstract_args(args: tuple[Any, ...], mesh: Mesh) -> tuple[Any, ...]:
         if isinstance(x, Array):
             first = next(iter(x.shards.values()))
             block = torch.empty(first.shape, dtype=x.dtype, device="meta")
-            return Array(mesh, x.spec, x.shape, x.dtype, ClassShards((), {(0,) * len(mesh.axis_names): block}))
+            blocks = ClassShards((), {(0,) * len(mesh.axis_names): block})
+            return Array(mesh, x.spec, x.shape, x.dtype, blocks, x.owned)  # (owned: donated as the real one would be)
         if isinstance(x, (torch.Tensor, ShapeDtype)):
             return to_meta(x)
         return x
