@@ -99,6 +99,7 @@ from ._src.runtime.context import current as current
 from ._src.runtime.context import dynamo_tracing as dynamo_tracing
 from ._src.runtime.context import is_donated as is_donated
 from ._src.runtime.context import maybe_current as maybe_current
+from ._src.runtime.context import observer as observer
 from ._src.runtime.context import prefetch_scope as prefetch_scope
 from ._src.runtime.context import tracing as tracing
 from ._src.runtime.context import transforms_active as transforms_active
@@ -155,6 +156,7 @@ __all__ = [
     "known_vma",
     "logical_to_mesh",
     "maybe_current",
+    "observer",
     "official_vma",
     "one_op",
     "only_grad_transforms",

@@ -270,9 +270,12 @@ def _raw(t: torch.Tensor) -> torch.Tensor:
 
 
 def _key(t: torch.Tensor) -> int | None:
-    """Where ``t``'s storage lives (its data pointer), or None for a tensor without a plain storage."""
+    """Where ``t``'s storage lives (its data pointer; a meta tensor's: the storage itself, which has no memory), or
+    None for a tensor without a plain storage."""
     try:
-        ptr = _raw(t).untyped_storage().data_ptr()
+        raw = _raw(t)
+        storage = raw.untyped_storage()
+        ptr = storage._cdata if raw.is_meta else storage.data_ptr()
     except (RuntimeError, NotImplementedError, AttributeError):  # a wrapper subclass, a functorch wrapper
         return None
     return ptr or None

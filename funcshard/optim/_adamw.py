@@ -102,6 +102,10 @@ _FUSED: Any = getattr(torch, "_fused_adamw_", None)
 _VEC = 16
 
 
+#: where the fused kernel runs: the CPU, and meta (an abstract run, which should plan the memory the CPU's uses)
+_FUSED_DEVICES = ("cpu", "meta")
+
+
 def _fusable(g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, p: torch.Tensor) -> bool:
     """Whether the fused kernel takes this leaf: float32 moments and parameter, a gradient of any dtype (the
     update converts it to the moments' dtype first: asked the same of the gradient before and after that, so the
@@ -110,7 +114,7 @@ def _fusable(g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, p: torch.Tensor)
     return (
         _FUSED is not None
         and type(g) is torch.Tensor
-        and all(t.device.type == "cpu" and not t.requires_grad for t in (g, m, v, p))
+        and all(t.device.type in _FUSED_DEVICES and not t.requires_grad for t in (g, m, v, p))
         and m.dtype == v.dtype == p.dtype == torch.float32
         and not transforms_active()
     )
@@ -230,8 +234,11 @@ def _fused_update(
         else:
             add(g.contiguous(), m, v, p)
     if pieces[0]:
-        t = torch.tensor(float(step), dtype=torch.float32)  # the step count, as torch.optim.AdamW(fused=True) keeps it
         ps, gs, ms, vs = pieces
+        if ps[0].is_meta:  # an abstract run (shapes only): the step count has no value either
+            t = torch.empty((), dtype=torch.float32, device="meta")
+        else:
+            t = torch.tensor(float(step), dtype=torch.float32)  # the step count, as AdamW(fused=True) keeps it
         _FUSED(ps, gs, ms, vs, [], [t] * len(ps), lr=lr, beta1=b1, beta2=b2, weight_decay=wd, eps=eps,
                amsgrad=False, maximize=False)  # fmt: skip
     for dst, src in back + copies:
@@ -450,7 +457,7 @@ class _AdamW:
                         gs, ms, vs, ps = (list(t) for t in zip(*leaves, strict=True))
                         _fused_in_graph()(ps, gs, ms, vs, lr, count + 1, b1, b2, self.eps, wd)
             elif fused:
-                step = int(count) + 1  # read: not tracing
+                step = 1 if count.is_meta else int(count) + 1  # read: not tracing (meta: an abstract run)
                 for wd, leaves in fused.items():  # one call per weight decay (two at most: masked and not)
                     _fused_update(leaves, lr_t, b1, b2, self.eps, wd, step)
 

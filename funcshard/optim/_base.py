@@ -254,7 +254,7 @@ def check_count(fn: str, count: Any, *, read: bool = True) -> Any:
         array_error(fn, "state.count")
     if not isinstance(count, torch.Tensor) or count.dim() != 0:
         raise ShardingError(f"{fn}: state.count must be a 0-dim tensor (spec P()), found {count!r}.")
-    return int(count) if read else count
+    return int(count) if read and not count.is_meta else count  # (meta: an abstract run, no value to read)
 
 
 def check_nonneg(fn: str, **values: float) -> None:

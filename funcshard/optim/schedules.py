@@ -30,7 +30,7 @@ def lr_at(fn: str, lr: float | LrSchedule, count: torch.Tensor) -> float | torch
     schedule's 0-dim tensor, unchecked."""
     if not callable(lr):
         return float(lr)
-    if isinstance(count, torch.Tensor) and tracing():
+    if _traced(count):
         value = lr(count)
         return value if isinstance(value, torch.Tensor) else float(value)
     value = float(lr(count))
@@ -44,8 +44,9 @@ def _step_of(step: Any) -> int:
 
 
 def _traced(step: Any) -> bool:
-    """Whether ``step`` is a count in a step being recorded into a graph (its value unreadable)."""
-    return isinstance(step, torch.Tensor) and tracing()
+    """Whether ``step`` is a count whose value cannot be read: in a step being recorded into a graph, or in an
+    abstract run (a meta tensor)."""
+    return isinstance(step, torch.Tensor) and (tracing() or step.is_meta)
 
 
 def _warmup(s: torch.Tensor, init_lr: float, peak_lr: float, warmup_steps: int) -> torch.Tensor:

@@ -73,6 +73,7 @@ from ..extend import (
     current,
     find_vma,
     get_vma,
+    observer,
     pvary_to,
     record,
     set_vma,
@@ -295,6 +296,10 @@ def _run_step(
         stage.execute(plan[stage.me])
         stage_grads = stage.stage_grads()
     loss, grads = stage.result(stage_grads)
+    obs = observer()
+    if obs is not None:  # an ahead-of-time analysis (shard_map's lower) counts these as params and grads
+        obs.note("params", stage_params)
+        obs.note("grads", grads)
     return _not_differentiable(loss, [*stage.leaves, *stage.shared_orig, microbatches]), grads
 
 
@@ -489,7 +494,9 @@ class _Stage:
         """With ``first_fn``: the activation's shape, dtype and axes, from the stage holding virtual stage 0
         to every stage (a psum of a few ints over the axis, once per step)."""
         names = self.mesh.axis_names
-        vec = torch.zeros(3 + _MAX_DIMS, dtype=torch.int64, device=self.microbatches.device)
+        where = self.microbatches.device
+        # (an abstract run: the probe holds values all the same, which the abstract device sums over the stages)
+        vec = torch.zeros(3 + _MAX_DIMS, dtype=torch.int64, device="cpu" if where.type == "meta" else where)
         if self.me == self.schedule.stage_of(0)[0]:
             a = self.act
             if len(a.shape) > _MAX_DIMS or a.dtype not in _DTYPES:
@@ -677,11 +684,20 @@ class _Stage:
             vec = self.tagged(self.loss_vector(), self.loss_axes | {self.axis})
             with self.user():
                 got = lax.psum(vec, self.axis)  # [3] -> [3], invariant over the axis
+        if got.is_meta:  # an abstract run: no values to read; the loss's dtype and axes as this stage knows them
+            return self.abstract_loss()
         with torch._C.DisableTorchFunction():  # a few reads of the runtime's own vector: no dispatch to the mode
             _, index, mask = got.tolist()
             value = got[0].to(_FLOATS[int(index)])
         axes = frozenset(n for i, n in enumerate(names) if int(mask) >> i & 1) - {self.axis}
         return self.tagged(value, axes)
+
+    def abstract_loss(self) -> torch.Tensor:
+        """:meth:`loss_result` on an abstract mesh (meta tensors: shapes only): a meta scalar of the loss's dtype
+        where this stage computed a loss (the last), else float32, the dtype of a cross-entropy loss."""
+        known = self.loss_dtype is not None
+        value = torch.empty((), dtype=self.loss_dtype if known else torch.float32, device="meta")
+        return self.tagged(value, (self.loss_axes if known else frozenset()) - {self.axis})
 
     def stage_grads(self) -> PyTree:
         """The accumulated gradients of this stage's parameters, stacked over its chunks in their structure,

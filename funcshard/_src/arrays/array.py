@@ -21,7 +21,7 @@ from ..errors import ShardingError
 from ..runtime.mesh import Mesh
 from ..tree.spec import P, format_mesh, shard_slices
 
-__all__ = ["Array", "Coords", "is_array", "local_coords", "local_shards"]
+__all__ = ["Array", "ClassShards", "Coords", "is_array", "local_coords", "local_shards"]
 
 Coords = tuple[int, ...]
 
@@ -121,6 +121,32 @@ class _Deleted(dict):  # type: ignore[type-arg]
     __getitem__ = __iter__ = __len__ = values = items = keys = get = __contains__ = _raise  # type: ignore[assignment]
 
 
+class ClassShards(dict):  # type: ignore[type-arg]
+    """The blocks of an Array on a mesh that holds no data (``"abstract"``): one meta block per *class* of devices
+    (devices whose blocks cannot differ), found for any device on request, so a mesh of 4096 devices holds a few
+    blocks, not 4096. The dict holds the classes' representatives: the device with the class's coordinates on
+    the class axes and 0 on every other axis.
+
+    Example:
+        >>> s = ClassShards((0,), {(0, 0): "stage 0", (1, 0): "stage 1"})
+        >>> s[(1, 5)], len(s)
+        ('stage 1', 2)
+    """
+
+    __slots__ = ("positions",)
+
+    def __init__(self, positions: tuple[int, ...], blocks: dict[Coords, Any]) -> None:
+        super().__init__(blocks)
+        self.positions = positions  # the class axes, as positions in the mesh's axis order
+
+    def __missing__(self, coords: Coords) -> Any:
+        pos = self.positions
+        rep = tuple(c if i in pos else 0 for i, c in enumerate(coords))
+        if rep == coords:
+            raise KeyError(coords)
+        return self[rep]
+
+
 def is_array(x: Any) -> bool:
     """True for an :class:`Array` (an optree ``is_leaf`` predicate)."""
     return isinstance(x, Array)
@@ -132,7 +158,13 @@ def local_coords(mesh: Mesh) -> list[Coords]:
 
 
 def local_shards(x: torch.Tensor, mesh: Mesh, spec: P) -> dict[Coords, torch.Tensor]:
-    """The blocks of full tensor ``x`` held by this process's devices (views of ``x``)."""
+    """The blocks of full tensor ``x`` held by this process's devices (views of ``x``); on a mesh that holds no
+    data, one meta block for every device (:class:`ClassShards`)."""
+    if not mesh.backend_impl.holds_data:
+        first = dict.fromkeys(mesh.axis_names, 0)
+        block = x[shard_slices(x.shape, spec, mesh.shape, first)]
+        block = torch.empty(block.shape, dtype=x.dtype, device="meta")
+        return ClassShards((), {tuple(first.values()): block})
     dev = mesh.local_device()
     if dev is not None:
         x = x.to(dev)

@@ -24,6 +24,7 @@ from ..errors import ShardingError
 from ..runtime.mesh import Mesh
 from ..shard_map.api import shard_map
 from ..tree import pytree
+from ..tree.shapes import ShapeDtype, to_meta
 from ..tree.spec import P, block_index, check_spec, is_spec
 from .array import Array, is_array, local_shards
 from .reshard import reshard_plan
@@ -60,9 +61,13 @@ def device_put(x: PyTree, mesh: Mesh, spec: PyTree = None) -> PyTree:
             else:
                 out.append(reshard(leaf, s))
                 continue
+        if isinstance(leaf, ShapeDtype) and not mesh.backend_impl.holds_data:
+            leaf = to_meta(leaf)
         if not isinstance(leaf, torch.Tensor):
+            abstract = isinstance(leaf, ShapeDtype)
+            hint = " (fs.ShapeDtype leaves go on a mesh with backend='abstract')" if abstract else ""
             raise ShardingError(
-                f"device_put at '{path}': leaves must be torch.Tensors, found {type(leaf).__name__}; "
+                f"device_put at '{path}': leaves must be torch.Tensors{hint}, found {type(leaf).__name__}; "
                 f"convert with torch.as_tensor first."
             )
         check_spec(s, leaf.shape, mesh, path=path, fn="device_put")
@@ -119,6 +124,8 @@ def device_get(x: PyTree) -> PyTree:
     def one(a: Any) -> Any:
         if not isinstance(a, Array):
             return a
+        if not a.mesh.backend_impl.holds_data:  # an abstract Array: the whole value's shape, no data
+            return torch.empty(a.shape, dtype=a.dtype, device="meta")
         full = reshard(a, P()).local if a.mesh.is_multiprocess else _assemble(a)
         if math.prod(a.mesh.shape[n] for n in a.spec.axes) == 1:
             # one block is the whole value (a replicated Array, or axes of size 1): that device's own buffer,

@@ -52,7 +52,7 @@ from ..collectives.vma import (
     tags_of,
 )
 from ..errors import ConfigError
-from ..runtime.context import Overlap, dynamo_tracing, transforms_active
+from ..runtime.context import Overlap, dynamo_tracing, observer, transforms_active
 
 __all__ = ["graph_walk", "has_tangent", "reaches_other_leaf", "value_and_grad"]
 
@@ -261,6 +261,10 @@ class _ValueAndGrad:
                 if aux is not None:
                     aux = optree.tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, aux)
             set_vma(value, value_tag)  # the value varies over what it did inside f
+        obs = observer()
+        if obs is not None:  # an ahead-of-time analysis (shard_map's lower) counts these as params and grads
+            obs.note("params", leaves)
+            obs.note("grads", grads_flat)
         if flat is None:  # each gradient is one tensor
             grads = grads_flat[0] if isinstance(self._argnums, int) else tuple(grads_flat)
         else:
@@ -388,6 +392,10 @@ class _GradCall:
         else:
             for g, i in zip(grads, self.nums, strict=True):
                 tag_like(g, args[i])
+        obs = observer()
+        if obs is not None:  # an ahead-of-time analysis (shard_map's lower) counts these as params and grads
+            obs.note("params", [args[i] for i in self.nums])
+            obs.note("grads", grads)
         if not self.has_aux:
             return value, grads
         tag_leaves(aux, self.tags.get("aux", []))

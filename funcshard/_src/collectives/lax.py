@@ -447,7 +447,7 @@ def split_invariant(x: PyTree, axis: _Axis, *, dim: int = 0) -> PyTree:
     ctx = current("split_invariant")
     axes = axes_of(axis, ctx.mesh, "split_invariant")
     n = _n(ctx, axes)
-    idx = axis_index_int(axes)
+    idx = _index(ctx, axes)  # (where the block starts, not its shape: the same program on every device)
 
     def one(t: torch.Tensor) -> torch.Tensor:
         d = _dim(dim, t.dim(), "split_invariant", "dim", t.shape)
@@ -592,7 +592,10 @@ def axis_index(axis: _Axis) -> torch.Tensor:
     ctx = current("axis_index")
     axes = axes_of(axis, ctx.mesh, "axis_index")
     with torch._C.DisableTorchFunction():
-        idx = torch.tensor(_index(ctx, axes))
+        if ctx.device.holds_data:
+            idx = torch.tensor(_index(ctx, axes))
+        else:  # an abstract device: its value is not known to the program (``int(...)`` of it raises)
+            idx = torch.empty((), dtype=torch.int64, device="meta")
     return set_vma(idx, frozenset(axes))
 
 
@@ -603,10 +606,11 @@ def axis_index_int(axis: _Axis) -> int:
         >>> # start = axis_index_int("cp") * block
     """
     ctx = current("axis_index")
-    return _index(ctx, axes_of(axis, ctx.mesh, "axis_index"))
+    return ctx.device.index(axes_of(axis, ctx.mesh, "axis_index"))
 
 
 def _index(ctx: DeviceContext, axes: tuple[str, ...]) -> int:
+    """This device's index over ``axes``, not noted as read by the program (a block's place, not its shape)."""
     idx = 0
     for a in axes:
         idx = idx * ctx.mesh.shape[a] + ctx.device.coords[a]

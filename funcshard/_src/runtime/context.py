@@ -23,6 +23,8 @@ __all__ = [
     "enter",
     "is_donated",
     "maybe_current",
+    "observe_scope",
+    "observer",
     "overlap_allowed",
     "overlap_last",
     "prefetch_scope",
@@ -219,6 +221,19 @@ def trace_scope() -> contextlib.AbstractContextManager[None]:
 def tracing() -> bool:
     """Whether this thread records a body into a graph (:func:`trace_scope`)."""
     return getattr(_scope, "trace", False)
+
+
+def observe_scope(obs: Any) -> contextlib.AbstractContextManager[None]:
+    """Within it, :func:`observer` is ``obs``: an ahead-of-time analysis (``shard_map``'s ``lower``) watching a
+    device's run, which the executor, ``fs.value_and_grad`` and the pipeline runtime tell what they do
+    (``obs.device(dev, args)``: a device's run starts; ``obs.note(kind, tensors)``: these are ``"params"`` /
+    ``"grads"``)."""
+    return _Flag("observer", obs)
+
+
+def observer() -> Any:
+    """The analysis of :func:`observe_scope` watching this thread, or None."""
+    return getattr(_scope, "observer", None) or None
 
 
 #: whether ``torch.compile``'s dynamo is tracing the calling code (then a value read or an in-place write into

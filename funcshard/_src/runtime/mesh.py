@@ -22,7 +22,7 @@ from .backends import BackendImpl
 
 __all__ = ["BackendImpl", "Mesh", "backend_names", "get_backend", "loaded_backends", "make_mesh"]
 
-Backend = Literal["sim", "dist"]
+Backend = Literal["sim", "dist", "abstract"]
 
 
 class Mesh:
@@ -81,7 +81,7 @@ class Mesh:
 
     @property
     def backend(self) -> Backend:
-        """``"sim"`` or ``"dist"``."""
+        """``"sim"``, ``"dist"`` or ``"abstract"``."""
         return self._backend
 
     @property
@@ -224,7 +224,8 @@ def make_mesh(shape: Mapping[str, int], *, backend: str = "auto") -> Mesh:
         backend: ``"sim"`` (every device simulated in this process), ``"dist"`` (one device per
             torch.distributed process; initialises the default process group when needed and builds one
             process group per axis, once), or ``"auto"``: ``"dist"`` when torch.distributed is initialised
-            or torchrun's ``RANK``/``WORLD_SIZE`` are set, else ``"sim"``.
+            or torchrun's ``RANK``/``WORLD_SIZE`` are set, else ``"sim"``. ``"abstract"``: no data and no
+            processes, a mesh of any size for planning (``fs.eval_shape``, ``lower().cost_analysis()``).
 
     Returns:
         The mesh.
@@ -278,7 +279,7 @@ def backend_names() -> tuple[str, ...]:
 
     Example:
         >>> backend_names()
-        ('sim', 'dist')
+        ('sim', 'dist', 'abstract')
     """
     return backends.names()
 

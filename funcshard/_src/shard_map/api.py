@@ -25,9 +25,11 @@ from ..collectives.vma import clear_vma
 from ..errors import ShardingError
 from ..runtime.context import maybe_current, transforms_active
 from ..runtime.mesh import Mesh
+from ..tree.shapes import to_meta
 from .compile import CompiledBody, compile_options, eager_body, opaque_to_dynamo, warn_sim
 from .executor import DeviceBody, audit_env, executor_for, run_local
 from .io import InputCache, Inputs, assemble_one, assemble_outputs, check_structures, donated_blocks
+from .lower import Lowered, lower, roles_of
 from .replicas import maybe_check_replicas
 
 __all__ = ["shard_map"]
@@ -109,7 +111,16 @@ def shard_map(
             warn_sim(name, id(mapped))
         return _call(f, mesh, in_specs, out_specs, check, args, cache, donated, compiled, name)
 
-    return opaque_to_dynamo(mapped, name, tell=options is None and mesh.is_multiprocess)
+    def twin(on: Mesh) -> Callable[..., Any]:  # the same function on another mesh (lower's abstract twin)
+        return shard_map(f, mesh=on, in_specs=in_specs, out_specs=out_specs, check_vma=check, donate=donate)
+
+    def lower_(*args: Any) -> Lowered:
+        """This function's ahead-of-time analysis for ``args`` (real or abstract): see ``Lowered``."""
+        return lower(twin, mesh, name, args, roles_of(args))
+
+    out = opaque_to_dynamo(mapped, name, tell=options is None and mesh.is_multiprocess)
+    out.lower = lower_  # type: ignore[attr-defined]
+    return out
 
 
 def _call(
@@ -139,6 +150,8 @@ def _call(
             f"(loss.backward(), torch.autograd.grad) or torch.autograd.forward_ad, or fs.value_and_grad; or "
             f"apply the torch.func transform inside f, on the local shards."
         )
+    if not mesh.backend_impl.holds_data:  # an abstract mesh: fs.ShapeDtype leaves (and tensors) as meta tensors
+        args = optree.tree_map(to_meta, args, is_leaf=is_array)
     if not donate and compiled is None and mesh.is_multiprocess:  # the common step: one device, no donation
         sig, leaves = cache.signature(name, mesh, in_specs, args)
         if not sig.resharded and not audit_env():
@@ -235,7 +248,7 @@ def _run(
         out_plan = plan(results)
         if not check_vma and mesh.is_multiprocess:  # the outputs called replicated are (see _replicas)
             maybe_check_replicas(name, mesh, check_vma, out_plan, results[0][0], executor.device)
-        return assemble_outputs(name, mesh, out_plan, check_vma, executor.coords, results)
+        return assemble_outputs(name, mesh, out_plan, check_vma, executor.coords, results, executor.shards)
     finally:  # tags are only meaningful during this call: none may leak into a later one
         clear_vma(body.tagged)
         clear_vma(leaf for leaves, _ in results for leaf in leaves)

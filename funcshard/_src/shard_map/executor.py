@@ -9,6 +9,8 @@ specs from those results.
   its own thread (``_sim_grad``), so the backward's collectives meet their peers.
 - :class:`DistExecutor`: this process's one device; autograd spans the processes through the collectives'
   own backward passes.
+- :class:`ClassExecutor`: a mesh that holds no data (``"abstract"``): one run per class of devices whose
+  programs cannot differ, on meta tensors.
 
 Example:
     >>> import torch, funcshard as fs
@@ -21,6 +23,7 @@ Example:
 from __future__ import annotations
 
 import atexit
+import itertools
 import os
 import threading
 from collections.abc import Callable
@@ -30,15 +33,15 @@ from typing import Any, Protocol
 import optree
 import torch
 
-from ..arrays.array import Coords, local_shards
+from ..arrays.array import ClassShards, Coords, local_shards
 from ..arrays.reshard import apply_reshard
 from ..collectives.vma import VmaMode, find_vma, settle, tag_tensors, vary_output
-from ..runtime.context import DeviceContext, enter, transforms_active
+from ..runtime.context import DeviceContext, enter, observer, transforms_active
 from ..runtime.mesh import Mesh
 from .io import ARRAY, VALUE, WHOLE, Inputs, OutPlan, device_args, flatten
 from .sim_grad import SimState, run_differentiable
 
-__all__ = ["DeviceBody", "DistExecutor", "Executor", "SimExecutor", "executor_for"]
+__all__ = ["ClassExecutor", "DeviceBody", "DistExecutor", "Executor", "SimExecutor", "executor_for"]
 
 #: one device's result: its output leaves and their tree structure
 Result = tuple[list[Any], Any]
@@ -277,9 +280,20 @@ class Executor(Protocol):
         """Per device in ``coords`` order, ``(output leaves, treedef)``."""
         ...
 
+    def shards(self, blocks: dict[Coords, Any]) -> dict[Coords, Any]:
+        """An output Array's dict of blocks, from the blocks of the devices in ``coords``."""
+        ...
+
+
+def _plain(blocks: dict[Coords, Any]) -> dict[Coords, Any]:
+    """:meth:`Executor.shards` of an executor that runs every device it holds: the blocks themselves."""
+    return blocks
+
 
 class SimExecutor:
     """Every device of a ``"sim"`` mesh, one thread each (see the module docstring)."""
+
+    shards = staticmethod(_plain)
 
     def __init__(self, mesh: Mesh) -> None:
         self.mesh = mesh
@@ -298,6 +312,8 @@ class SimExecutor:
 
 class DistExecutor:
     """This process's device of a ``"dist"`` mesh."""
+
+    shards = staticmethod(_plain)
 
     def __init__(self, mesh: Mesh) -> None:
         impl = mesh.backend_impl
@@ -318,13 +334,75 @@ class DistExecutor:
         return [body(self.device, leaves)]
 
 
+class ClassExecutor:
+    """The devices of a mesh that holds no data (``"abstract"``), run once per class: devices whose programs
+    cannot differ share one run.
+
+    A body's program differs between devices only through indices it reads as Python numbers (the device
+    notes them: ``DeviceHandle.index``). The first run is device 0's; each axis it read splits the devices by
+    their coordinate on it, and one representative of each class not yet run (its coordinates on the read axes,
+    0 elsewhere) runs next, until every class has run. A pipeline's body runs once per stage; a data-parallel
+    body once. ``coords`` are the representatives' after :meth:`run`, and the outputs' blocks serve every device
+    of a class (``arrays.array.ClassShards``).
+    """
+
+    def __init__(self, mesh: Mesh) -> None:
+        self.mesh = mesh
+        self.coords: list[Coords] = [tuple(0 for _ in mesh.axis_names)]
+        self.positions: tuple[int, ...] = ()  # the class axes of the last run, as positions in axis order
+
+    def run(self, body: DeviceBody, plan: PlanFn) -> list[Result]:
+        mesh = self.mesh
+        names, sizes = mesh.axis_names, tuple(mesh.shape.values())
+        world = mesh.backend_impl.world(mesh)
+        done: dict[Coords, Result] = {}
+        read: set[str] = set()
+        while True:
+            todo = [c for c in _representatives(names, sizes, read) if c not in done]
+            if not todo:
+                break
+            for c in todo:
+                dev = world.device(mesh.rank_of(dict(zip(names, c, strict=True))))
+                done[c] = _run_observed(body, dev, device_args(c, body.inputs.blocks))
+                if not dev.read_axes <= read:  # a finer split: more classes to run
+                    read |= dev.read_axes
+                    break
+        self.positions = tuple(i for i, n in enumerate(names) if n in read)
+        self.coords = [c for c in _representatives(names, sizes, read)]
+        return [done[c] for c in self.coords]
+
+    def shards(self, blocks: dict[Coords, Any]) -> ClassShards:
+        """An output's blocks, one per class (the representatives'), serving every device."""
+        return ClassShards(self.positions, blocks)
+
+
+def _run_observed(body: DeviceBody, dev: Any, leaves: list[list[Any]]) -> Result:
+    """``body(dev, leaves)``, watched by the ahead-of-time analysis observing this thread, where one does."""
+    obs = observer()
+    if obs is None:
+        return body(dev, leaves)
+    owned = body.own(leaves)
+    with obs.device(dev, owned):
+        return body.run(dev, owned)
+
+
+def _representatives(names: tuple[str, ...], sizes: tuple[int, ...], read: set[str]) -> list[Coords]:
+    """One device per class: every combination of coordinates on the ``read`` axes, 0 on the others."""
+    ranges = [range(s) if n in read else range(1) for n, s in zip(names, sizes, strict=True)]
+    return list(itertools.product(*ranges))
+
+
+_EXECUTION = {"threads": SimExecutor, "process": DistExecutor, "classes": ClassExecutor}
+
+
 def executor_for(mesh: Mesh) -> Executor:
-    """The executor of ``mesh``'s backend (made once per mesh)."""
+    """The executor of ``mesh``'s backend (made once per mesh), as the backend declares how it runs devices
+    (``BackendImpl.execution``)."""
     ex = _EXECUTORS.get(mesh)
     if ex is None or (isinstance(ex, DistExecutor) and ex.stale()):
         if len(_EXECUTORS) > 64:
             _EXECUTORS.clear()
-        ex = _EXECUTORS[mesh] = DistExecutor(mesh) if mesh.is_multiprocess else SimExecutor(mesh)
+        ex = _EXECUTORS[mesh] = _EXECUTION[mesh.backend_impl.execution](mesh)
     return ex
 
 

@@ -428,13 +428,21 @@ def check_structures(name: str, all_coords: list[Coords], results: list[Any]) ->
 
 
 def assemble_outputs(
-    name: str, mesh: Mesh, plan: OutPlan, check_vma: bool, all_coords: list[Coords], results: list[Any]
+    name: str,
+    mesh: Mesh,
+    plan: OutPlan,
+    check_vma: bool,
+    all_coords: list[Coords],
+    results: list[Any],
+    shards: Any = None,
 ) -> Any:
     """The devices' outputs (``(leaves, treedef)`` per device, in ``all_coords`` order) checked against
-    ``plan`` and assembled into ``fs.Array``s."""
+    ``plan`` and assembled into ``fs.Array``s; ``shards`` makes an Array's dict of blocks from the devices' (the
+    executor's ``shards``; None: a plain dict)."""
     out_def = results[0][1]
     if len(results) == 1:
-        return optree.tree_unflatten(out_def, _assemble_one(name, mesh, plan, check_vma, all_coords[0], results[0][0]))
+        leaves = _assemble(name, mesh, plan, check_vma, all_coords[0], results[0][0], False, shards)
+        return optree.tree_unflatten(out_def, leaves)
     out = []
     seen: set[int] = set()  # storages of the blocks assembled so far
     for k, (path, spec, gshape) in enumerate(plan):
@@ -474,7 +482,7 @@ def assemble_outputs(
                 extra = sorted(get_vma(v) - allowed)
                 if extra:
                     _vma_error(name, path, spec, extra)
-        if not check_vma and len(vals) > 1:
+        if not check_vma and len(vals) > 1 and mesh.backend_impl.holds_data:
             _check_replicated(name, path, spec, mesh, all_coords, vals)
         owned = _owned(vals)
         if owned:  # no storage shared with another device's block or another output (returned twice)
@@ -485,26 +493,26 @@ def assemble_outputs(
                 ptrs = [v.untyped_storage().data_ptr() for v in vals if v.numel() and not v._is_zerotensor()]
                 owned = False
             seen.update(ptrs)
-        out.append(Array(mesh, spec, gshape, v0.dtype, dict(zip(all_coords, vals, strict=True)), owned))
+        blocks = dict(zip(all_coords, vals, strict=True))
+        out.append(Array(mesh, spec, gshape, v0.dtype, blocks if shards is None else shards(blocks), owned))
     return optree.tree_unflatten(out_def, out)
 
 
-def _assemble_one(
-    name: str, mesh: Mesh, plan: OutPlan, check_vma: bool, coords: Coords, leaves: list[Any]
-) -> list[Any]:
-    """:func:`assemble_outputs` of one device (``"dist"``, or a sim mesh of one): nothing to compare between
-    devices; the leaf kinds and shapes are the plan's (its key), so only the vma tags and storages are read."""
-    return _assemble(name, mesh, plan, check_vma, coords, leaves, False)
-
-
 def assemble_one(name: str, mesh: Mesh, plan: OutPlan, check_vma: bool, coords: Coords, leaves: list[Any]) -> list[Any]:
-    """:func:`_assemble_one` that also clears each block's own vma tag as it reads it (``clear_vma`` of the
-    outputs, in the same pass; where it raises, the caller clears the rest)."""
+    """:func:`assemble_outputs` of one device (``"dist"``), which also clears each block's own vma tag as it reads
+    it (``clear_vma`` of the outputs, in the same pass; where it raises, the caller clears the rest)."""
     return _assemble(name, mesh, plan, check_vma, coords, leaves, True)
 
 
 def _assemble(
-    name: str, mesh: Mesh, plan: OutPlan, check_vma: bool, coords: Coords, leaves: list[Any], clear: bool
+    name: str,
+    mesh: Mesh,
+    plan: OutPlan,
+    check_vma: bool,
+    coords: Coords,
+    leaves: list[Any],
+    clear: bool,
+    shards: Any = None,
 ) -> list[Any]:
     out: list[Any] = []
     seen: set[int] = set()  # storages of the blocks assembled so far
@@ -529,7 +537,7 @@ def _assemble(
                 seen.add(ptr)
         else:
             owned = False
-        out.append(Array(mesh, spec, gshape, v.dtype, {coords: v}, owned))
+        out.append(Array(mesh, spec, gshape, v.dtype, {coords: v} if shards is None else shards({coords: v}), owned))
     return out
 
 

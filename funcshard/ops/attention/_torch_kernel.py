@@ -88,6 +88,8 @@ def attention_torch(
         v = v.repeat_interleave(hq // hkv, dim=1)
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     if not return_lse and not sdpa_has_no_rule(q, k, v):
+        if q.is_meta:  # an abstract run: the fused kernel's memory and FLOPs (meta's SDPA is the unfused math)
+            return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)[0]
         return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
     acc = torch.promote_types(q.dtype, torch.float32)  # float32 at least (float64 stays float64)
     scores = (q.to(acc) @ k.to(acc).transpose(-1, -2)) * scale  # [b, h, sq, d] @ [b, h, d, sk] -> [b, h, sq, sk]

@@ -1,4 +1,5 @@
-"""Communication backends: ``sim`` (devices simulated in this process) and ``dist`` (torch.distributed).
+"""Communication backends: ``sim`` (devices simulated in this process), ``dist`` (torch.distributed) and
+``abstract`` (no data: shapes and communication counts only, for meshes of any size).
 
 Both expose one device handle per device with the same five collectives, each over an ordered tuple of
 mesh axes (a "group": the devices that share this device's coordinates on every other axis, ordered
@@ -24,7 +25,7 @@ This package is the only code that imports torch.distributed.
 
 Example:
     >>> get("sim").multiprocess, names()
-    (False, ('sim', 'dist'))
+    (False, ('sim', 'dist', 'abstract'))
 """
 
 from __future__ import annotations
@@ -37,7 +38,11 @@ from .base import BackendImpl, DeviceHandle, group_members
 __all__ = ["BackendImpl", "DeviceHandle", "auto", "get", "group_members", "loaded", "names", "running"]
 
 #: name -> (module of this package, its BackendImpl class), in the order the names are listed
-_REGISTRY = {"sim": ("sim", "SimBackend"), "dist": ("dist", "DistBackend")}
+_REGISTRY = {
+    "sim": ("sim", "SimBackend"),
+    "dist": ("dist", "DistBackend"),
+    "abstract": ("abstract", "AbstractBackend"),
+}
 #: the backend ``auto`` and ``running`` fall back to: every device in this process
 _DEFAULT = "sim"
 _LOADED: dict[str, BackendImpl] = {}
@@ -48,7 +53,7 @@ def names() -> tuple[str, ...]:
 
     Example:
         >>> names()
-        ('sim', 'dist')
+        ('sim', 'dist', 'abstract')
     """
     return tuple(_REGISTRY)
 

@@ -119,6 +119,7 @@ class DeviceHandle:
         pending_results: :meth:`all_reduce_pending` may return a pending result, waited for at its first use
             (``collectives.vma.settle``); default False: every result is ready.
         point_to_point: :meth:`p2p` posts sends and receives (default False).
+        holds_data: blocks and results hold values (default True); False: meta tensors, shapes only.
 
     Example:
         >>> DeviceHandle.inplace_sum, DeviceHandle.pending_results
@@ -131,6 +132,16 @@ class DeviceHandle:
     inplace_sum: bool = False
     pending_results: bool = False
     point_to_point: bool = False
+    holds_data: bool = True
+
+    def index(self, axes: tuple[str, ...]) -> int:
+        """This device's index over ``axes`` (row-major over them), as a Python number: what the body reads for
+        a shape or a branch (``axis_index_int``)."""
+        idx = 0
+        shape, coords = self.mesh.shape, self.coords
+        for a in axes:
+            idx = idx * shape[a] + coords[a]
+        return idx
 
     def all_reduce(self, x: torch.Tensor, axes: tuple[str, ...], op: str) -> torch.Tensor:
         raise NotImplementedError
@@ -194,6 +205,11 @@ class BackendImpl:
             device of the mesh.
         audit: a ``check_vma=False`` program is audited by default (``FUNCSHARD_AUDIT=1`` asks for it elsewhere).
         dtensor: arrays hand off to torch's DTensor (:meth:`dtensor_from_local`, :meth:`dtensor_layout`).
+        holds_data: arrays hold values (False: shapes and dtypes only, every block a meta tensor).
+        execution: how ``shard_map`` runs a body on this backend's devices: ``"threads"`` (every device in
+            this process, one thread each, :meth:`world`), ``"process"`` (this process's one device,
+            :meth:`device`) or ``"classes"`` (one run per class of devices whose programs cannot differ,
+            :meth:`world`).
 
     Example:
         >>> impl = BackendImpl()
@@ -205,6 +221,8 @@ class BackendImpl:
     multiprocess: bool = False
     audit: bool = False
     dtensor: bool = False
+    holds_data: bool = True
+    execution: str = "threads"
 
     # ------------------------------------------------------------------------------------ choosing, setting up
     def requested(self) -> bool:

@@ -883,6 +883,7 @@ class DistBackend(BackendImpl):
 
     name = "dist"
     multiprocess = True
+    execution = "process"
     dtensor = True
 
     def requested(self) -> bool:

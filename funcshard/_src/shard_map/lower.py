@@ -1,0 +1,276 @@
+"""Ahead-of-time analysis of a ``shard_map``'d function, as JAX's ``jit(f).lower(*args).compile()``:
+``step.lower(*args)`` runs ``step`` on the abstract twin of its mesh (``backend="abstract"``: meta tensors, one run
+per class of devices, nothing allocated) and keeps what each device did: FLOPs as run (forward, backward,
+recomputation and optimiser: torch's own FLOP formulas per aten op), communication per axis (as ``fs.comm_stats``
+counts a real run) and the peak of live tensor bytes with its parts.
+
+Example:
+    >>> import torch, funcshard as fs
+    >>> from funcshard import P
+    >>> mesh = fs.make_mesh({"dp": 2, "tp": 2}, backend="sim")
+    >>> f = fs.shard_map(lambda w, x: fs.psum(x @ w, "tp"), mesh=mesh, in_specs=(P("tp"), P("dp", "tp")),
+    ...                  out_specs=P("dp"))
+    >>> cost = f.lower(torch.ones(64, 32), torch.ones(8, 64)).cost_analysis()
+    >>> cost["flops"], cost["comm_bytes"], cost["comm_calls"]
+    (8192, {'tp': 512}, {'tp': 1})
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import optree
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from ..arrays.array import Array, ClassShards, is_array
+from ..runtime.context import observe_scope
+from ..runtime.mesh import Mesh, make_mesh
+from ..runtime.stats import comm_stats
+from ..tree.shapes import ShapeDtype, to_meta
+
+__all__ = ["Lowered", "abstract_args", "lower"]
+
+PARTS = ("params", "grads", "optimizer_state", "activations", "temporaries")
+
+
+class _Meter(TorchDispatchMode):
+    """Live tensor bytes of one device's run: every new storage an aten op makes counts until it is freed (a
+    weakref finaliser); views, in-place and ``out=`` results (an alias in the op's schema) make none. The peak
+    is exact; its parts are read from the live storages at the last time the live total grew past 1% over the
+    previous reading (so reading them costs O(live) a few hundred times, not at every op)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live = 0
+        self.peak = 0
+        self.sizes: dict[int, int] = {}  # storage key -> bytes, for the live storages
+        self.kinds: dict[int, str] = {}  # storage key -> part, where known (inputs, params, grads, activations)
+        self.at_peak: dict[int, int] = {}
+        self._read = 0
+        self._lock = threading.Lock()
+
+    def _freed(self, key: int, n: int) -> None:
+        with self._lock:
+            if self.sizes.pop(key, None) is not None:
+                self.live -= n
+
+    def add(self, t: torch.Tensor, kind: str | None = None) -> None:
+        """Count ``t``'s storage (once) as live, as part ``kind`` where given."""
+        storage = t.untyped_storage()
+        key, n = storage._cdata, storage.nbytes()
+        with self._lock:
+            if kind is not None:
+                self.kinds.setdefault(key, kind)
+            if key in self.sizes:
+                return
+            self.sizes[key] = n
+            self.live += n
+            if self.live > self.peak:
+                self.peak = self.live
+                if self.live > self._read * 1.01:
+                    self.at_peak, self._read = dict(self.sizes), self.live
+        weakref.finalize(storage, self._freed, key, n)
+
+    def mark(self, t: torch.Tensor, kind: str) -> None:
+        """``t``'s storage is part ``kind`` (a later mark wins over a part guessed from an input's role)."""
+        self.kinds[t.untyped_storage()._cdata] = kind
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        if any(r.alias_info is not None for r in func._schema.returns):
+            return out
+        for t in optree.tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                self.add(t)
+        return out
+
+    def parts(self) -> dict[str, int]:
+        """The peak and its parts (what no part claims is a temporary)."""
+        out = dict.fromkeys(PARTS, 0)
+        # no parameters marked (nothing differentiated: a forward, an evaluation): the floating inputs are those
+        trained = "params" in self.kinds.values()
+        for key, n in self.at_peak.items():
+            kind = self.kinds.get(key, "temporaries")
+            out["params" if kind == "optimizer_state" and not trained else kind] += n
+        out["temporaries"] += self.peak - sum(self.at_peak.values())
+        return {"peak": self.peak, **out}
+
+
+class _Device:
+    """What one device (a class's representative) did: FLOPs, communication, memory."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+        from torch.utils.flop_counter import FlopCounterMode  # (imports triton: only when analysing)
+
+        self.meter = _Meter()
+        self.flops = FlopCounterMode(display=False)
+        self.saved = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        if isinstance(t, torch.Tensor) and t.is_meta:
+            self.meter.mark(t, "activations")
+        return t
+
+
+class _Analysis:
+    """The observer of one ``lower`` call (``runtime.context.observe_scope``): one :class:`_Device` per run."""
+
+    def __init__(self, roles: list[str]) -> None:
+        self.roles = roles  # per argument: the part its tensors are, unless marked otherwise
+        self.devices: dict[int, _Device] = {}
+        self.active: _Device | None = None
+
+    def device(self, dev: Any, args: list[list[Any]]) -> Any:
+        """The context of device ``dev``'s run on its (owned) blocks ``args``, per argument."""
+        d = self.devices[dev.rank] = _Device(dev.rank)
+        for role, leaves in zip(self.roles, args, strict=True):
+            for t in leaves:
+                if isinstance(t, torch.Tensor):
+                    d.meter.add(t, role)
+        return _DeviceRun(self, d)
+
+    def note(self, kind: str, tensors: Any) -> None:
+        """The tensors of ``tensors`` are part ``kind`` (``"params"``, ``"grads"``) on the device running."""
+        if self.active is None:
+            return
+        for t in optree.tree_leaves(tensors):
+            if isinstance(t, torch.Tensor) and t.is_meta:
+                self.active.meter.mark(t, kind)
+
+
+class _DeviceRun:
+    def __init__(self, analysis: _Analysis, d: _Device) -> None:
+        self.analysis, self.d = analysis, d
+
+    def __enter__(self) -> None:
+        self.analysis.active = self.d
+        self.d.saved.__enter__()
+        self.d.flops.__enter__()
+        self.d.meter.__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.d.meter.__exit__(*exc)
+        self.d.flops.__exit__(*exc)
+        self.d.saved.__exit__(*exc)
+        self.analysis.active = None
+
+
+class Lowered:
+    """A ``shard_map``'d function lowered for its arguments: what every device does, without running it.
+
+    Example:
+        >>> lowered = f.lower(w, x)  # doctest: +SKIP
+        >>> lowered.cost_analysis()["flops"], lowered.memory_analysis()["peak"]  # doctest: +SKIP
+    """
+
+    def __init__(self, name: str, mesh: Mesh, devices: dict[int, _Device], comm: dict[int, Any], out: Any) -> None:
+        self.name, self.mesh, self.out = name, mesh, out
+        self._devices, self._comm = devices, comm
+
+    def cost_analysis(self, *, device: int | None = None) -> dict[str, Any]:
+        """FLOPs per device as run (forward, backward, recomputation, optimiser) and communication per axis
+        (payload bytes and calls, as ``fs.comm_stats`` counts them; a collective over several axes is keyed by
+        their tuple), of the device with the most FLOPs (then the most bytes), or of ``device`` (a rank).
+
+        Returns:
+            ``{"flops": int, "comm_bytes": {axis: int}, "comm_calls": {axis: int}, "device": rank}``.
+        """
+        rank = self._pick(device, lambda r: (self._devices[r].flops.get_total_flops(), self._bytes(r)))
+        calls: dict[Any, int] = {}
+        nbytes: dict[Any, int] = {}
+        for (_, axes), (c, b) in self._comm.get(rank, {}).items():
+            key = axes.split(",")[0] if "," not in axes else tuple(axes.split(","))
+            calls[key] = calls.get(key, 0) + c
+            nbytes[key] = nbytes.get(key, 0) + b
+        return {
+            "flops": int(self._devices[rank].flops.get_total_flops()),
+            "comm_bytes": nbytes,
+            "comm_calls": calls,
+            "device": rank,
+        }
+
+    def comm_rows(self, *, device: int | None = None) -> dict[tuple[str, str], tuple[int, int]]:
+        """``fs.comm_stats().rows()`` of one device: ``{(collective, "axis1,axis2"): (calls, bytes)}``."""
+        rank = self._pick(device, self._bytes)
+        return dict(self._comm.get(rank, {}))
+
+    def memory_analysis(self, *, device: int | None = None) -> dict[str, int]:
+        """The peak of live tensor bytes on the device whose peak is largest (or on ``device``) and its parts at
+        that time: ``"params"`` (differentiated inputs; where nothing is differentiated, every floating input),
+        ``"grads"``, ``"optimizer_state"`` (the other floating inputs of a step that differentiates),
+        ``"activations"`` (tensors saved for the backward), ``"temporaries"`` (the rest: the batch, gathered
+        weights, buffers in flight)."""
+        rank = self._pick(device, lambda r: self._devices[r].meter.peak)
+        return self._devices[rank].meter.parts()
+
+    def devices(self) -> list[int]:
+        """The ranks that ran: one representative per class of devices."""
+        return sorted(self._devices)
+
+    def _bytes(self, rank: int) -> int:
+        return sum(b for _, b in self._comm.get(rank, {}).values())
+
+    def _pick(self, device: int | None, key: Callable[[int], Any]) -> int:
+        if device is not None:
+            if device not in self._devices:  # a device of a class: its representative's figures
+                return self._class_rank(device)
+            return device
+        return max(sorted(self._devices), key=key)
+
+    def _class_rank(self, rank: int) -> int:
+        coords = self.mesh.coords_of(rank)
+        for r in sorted(self._devices, reverse=True):
+            rep = self.mesh.coords_of(r)
+            if all(v == 0 or v == coords[a] for a, v in rep.items()):
+                return r
+        return min(self._devices)
+
+    def __repr__(self) -> str:
+        cost, mem = self.cost_analysis(), self.memory_analysis()
+        return f"Lowered({self.name}, flops={cost['flops']:,}, peak={mem['peak']:,} bytes, mesh={self.mesh.shape})"
+
+
+def abstract_args(args: tuple[Any, ...], mesh: Mesh) -> tuple[Any, ...]:
+    """``args`` for the abstract twin ``mesh``: each Array as a data-less Array of its shape, dtype and layout,
+    each tensor (or ``fs.ShapeDtype``) as a meta tensor."""
+
+    def one(x: Any) -> Any:
+        if isinstance(x, Array):
+            first = next(iter(x.shards.values()))
+            block = torch.empty(first.shape, dtype=x.dtype, device="meta")
+            blocks = ClassShards((), {(0,) * len(mesh.axis_names): block})
+            return Array(mesh, x.spec, x.shape, x.dtype, blocks, x.owned)  # (owned: donated as the real one would be)
+        if isinstance(x, (torch.Tensor, ShapeDtype)):
+            return to_meta(x)
+        return x
+
+    return optree.tree_map(one, args, is_leaf=is_array)
+
+
+def lower(
+    make: Callable[[Mesh], Callable[..., Any]], mesh: Mesh, name: str, args: tuple[Any, ...], roles: list[str]
+) -> Lowered:
+    """Run ``make(abstract twin of mesh)(*args)`` on meta tensors, observed device by device."""
+    twin = mesh if not mesh.backend_impl.holds_data else make_mesh(mesh.shape, backend="abstract")
+    fn = make(twin)
+    analysis = _Analysis(roles)
+    with comm_stats() as stats, observe_scope(analysis):
+        out = fn(*abstract_args(args, twin))
+    comm = {r: stats.rows(device=r) for r in stats.devices()}
+    return Lowered(name, twin, analysis.devices, comm, out)
+
+
+def roles_of(args: tuple[Any, ...]) -> list[str]:
+    """Per argument, the part its tensors are unless marked otherwise: floating ones optimizer state (params are
+    marked by the ``value_and_grad`` that differentiates them), others temporaries (a batch of ids)."""
+    out = []
+    for a in args:
+        leaves = optree.tree_leaves(a, is_leaf=is_array)
+        floats = any(getattr(t, "dtype", torch.int64).is_floating_point for t in leaves)
+        out.append("optimizer_state" if floats else "temporaries")
+    return out
