@@ -21,6 +21,7 @@ from . import pytree as pytree
 from . import random as random
 from ._src.arrays.dtensor import from_dtensor as from_dtensor
 from ._src.arrays.dtensor import to_dtensor as to_dtensor
+from ._src.arrays.eval_shape import eval_shape as eval_shape
 from ._src.arrays.transfers import Array as Array
 from ._src.arrays.transfers import device_get as device_get
 from ._src.arrays.transfers import device_put as device_put
@@ -98,6 +99,7 @@ __all__ = [
     "comm_stats",
     "device_get",
     "device_put",
+    "eval_shape",
     "from_dtensor",
     "lax",
     "logical_to_mesh",

@@ -10,9 +10,11 @@ float16 / bfloat16 / float32 ``normal`` equal ``jax.random``'s (on CPU, jaxlib 0
 ``normal`` (``sqrt(2) * erfinv(u)``, as JAX) replays XLA's float32 ``erfinv`` step by step, its own ``log1p``
 and every fused multiply-add included; float64 ``normal`` is within 1e-12. Inside ``shard_map`` a draw with
 ``spec=P(...)`` computes only this device's block, bitwise equal to that slice of the unsharded draw: a model
-too large for one device is initialised shard by shard, identical to an unsharded init. Every transform is
-elementwise and built from correctly rounded IEEE ops (no SIMD ``log`` kernel whose last bit could depend on
-where an element sits; an FMA is emulated in float64, torch's float32 ``sqrt`` replaced by float64's).
+too large for one device is initialised shard by shard, identical to an unsharded init. Where the key is a
+meta tensor or torch's default device is ``meta`` (``fs.eval_shape``, ``with torch.device("meta")``), a draw
+is a meta tensor of its shape and dtype, computed from nothing; keys stay small real tensors there. Every
+transform is elementwise and built from correctly rounded IEEE ops (no SIMD ``log`` kernel whose last bit could
+depend on where an element sits; an FMA is emulated in float64, torch's float32 ``sqrt`` replaced by float64's).
 
 Example:
     >>> import torch, funcshard as fs
@@ -86,7 +88,7 @@ def _check_key(k: Any, fn: str) -> torch.Tensor:
             f"{fn}: key must be an int64 tensor of shape [2] (two uint32 words), found {found}; make one with "
             f"fs.random.key(seed), and pick one of split(key, n)'s rows with keys[i]."
         )
-    if bool(((k < 0) | (k > _M)).any()):
+    if not k.is_meta and bool(((k < 0) | (k > _M)).any()):  # (a meta key has no words to check)
         raise ConfigError(
             f"{fn}: key words must lie in [0, 2**32), found {k.tolist()}; make keys with fs.random.key(seed)."
         )
@@ -96,6 +98,8 @@ def _check_key(k: Any, fn: str) -> torch.Tensor:
 def _derive(k: torch.Tensor, i: torch.Tensor) -> torch.Tensor:
     """Keys number ``i`` (int64 ``[n]``, in ``[0, 2**63)``) derived from ``k``: int64 ``[n, 2]``, the two
     Threefry words of counter ``i`` (JAX's partitionable ``split``; ``fold_in`` is the same for one ``i``)."""
+    if k.is_meta or i.is_meta:  # shapes only: [1, 2] ^ [n, 1] -> [n, 2], meta (k's and i's tags, no cipher run)
+        return k.to("meta")[None, :] ^ i.to("meta")[:, None]
     x0, x1 = threefry2x32(k, i >> 32, i & _M)
     return torch.stack([x0, x1], dim=-1)  # 2 x [n] -> [n, 2]
 
@@ -116,7 +120,8 @@ def key(seed: int) -> torch.Tensor:
     if not -(2**63) <= seed < 2**64:
         raise ConfigError(f"key: seed must fit in 64 bits, found {seed}; use seed % 2**64.")
     seed &= 2**64 - 1
-    return torch.tensor([seed >> 32, seed & _M], dtype=torch.int64)
+    device = "cpu" if _meta_default() else None  # a key is a real tensor, even where draws are shapes only
+    return torch.tensor([seed >> 32, seed & _M], dtype=torch.int64, device=device)
 
 
 def split(key: torch.Tensor, n: int | Sequence[int] = 2) -> torch.Tensor:
@@ -157,11 +162,12 @@ def fold_in(key: torch.Tensor, i: int) -> torch.Tensor:
         if i.dim() != 0 or i.dtype.is_floating_point or i.dtype.is_complex or i.dtype == torch.bool:
             raise ConfigError(f"fold_in: i must be an int or a 0-dim integer tensor, found a {i.dtype} tensor "
                               f"of shape {tuple(i.shape)}.")  # fmt: skip
-        n = int(i)
-        if not 0 <= n < 2**63:
+        n = None if i.is_meta else int(i)  # (a meta i has no number to check)
+        if n is not None and not 0 <= n < 2**63:
             raise ConfigError(f"fold_in: i must lie in [0, 2**63), found {n}; fold in i % 2**63 instead.")
         # computed from the tensor, not from its number: inside shard_map the vma mode tags the key with i's axes
-        return _derive(k, i.to(device=k.device, dtype=torch.int64).reshape(1))[0]  # [] -> [1] -> [1, 2] -> [2]
+        i = i.to(dtype=torch.int64) if i.is_meta else i.to(device=k.device, dtype=torch.int64)
+        return _derive(k, i.reshape(1))[0]  # [] -> [1] -> [1, 2] -> [2]
     i = operator.index(i)
     if not 0 <= i < 2**63:
         raise ConfigError(f"fold_in: i must lie in [0, 2**63), found {i}; fold in i % 2**63 instead.")
@@ -198,6 +204,10 @@ def _words(k: Any, shape: Any, spec: P | None, fn: str) -> tuple[torch.Tensor, t
         axes = frozenset(spec.axes)
     if math.prod(shape) >= 2**63:
         raise ConfigError(f"{fn}: shape {shape} has more elements than 2**63 counters can number.")
+    if _abstract(k):  # shapes only: both words a meta tensor of the block's shape, derived from the key (its tags)
+        km = k if k.is_meta else k.to("meta")
+        w = (km[0] ^ km[1]).expand(tuple(b.stop - b.start for b in block))  # [] -> [*block]
+        return w, w, axes
     # global row-major index of each element of the block: sum over dims of index * stride
     idx = torch.zeros((), dtype=torch.int64, device=k.device)
     stride = 1
@@ -207,6 +217,17 @@ def _words(k: Any, shape: Any, spec: P | None, fn: str) -> tuple[torch.Tensor, t
         stride *= shape[d]
     x0, x1 = threefry2x32(k, idx >> 32, idx & _M)
     return x0, x1, axes
+
+
+def _meta_default() -> bool:
+    """Whether torch's default device is ``meta`` (``with torch.device("meta")``, ``fs.eval_shape``)."""
+    return torch.get_default_device().type == "meta"
+
+
+def _abstract(k: torch.Tensor) -> bool:
+    """Whether draws from ``k`` are shapes only (meta tensors, nothing computed): ``k`` is a meta tensor, or
+    torch's default device is ``meta``."""
+    return k.is_meta or _meta_default()
 
 
 def _finish(out: torch.Tensor, axes: frozenset[str]) -> torch.Tensor:
@@ -262,7 +283,8 @@ def bits(key: torch.Tensor, shape: _Shape = (), *, spec: P | None = None) -> tor
 def _scale(u: torch.Tensor, low: float, high: float, dtype: torch.dtype) -> torch.Tensor:
     """``max(low, u * (high - low) + low)`` in ``dtype`` as XLA (jaxlib 0.10) computes it: the multiply-add
     fused (one rounding) for float32 / float64, two ops each rounded to ``dtype`` for float16 / bfloat16."""
-    lo, hi = torch.tensor(low, dtype=dtype), torch.tensor(high, dtype=dtype)
+    dev = u.device if u.is_meta else None  # (meta draws: bounds beside them on meta)
+    lo, hi = torch.tensor(low, dtype=dtype, device=dev), torch.tensor(high, dtype=dtype, device=dev)
     span = hi - lo
     if dtype in (torch.float16, torch.bfloat16):
         y = u * span + lo
@@ -311,6 +333,8 @@ def uniform(
 def _number(fn: str, name: str, v: Any, fix: str) -> float:
     """``v`` (a real number or a one-element tensor) as a float; anything else is a ConfigError, not torch's
     "only one element tensors can be converted to Python scalars"."""
+    if isinstance(v, torch.Tensor) and v.is_meta:
+        raise ConfigError(f"{fn}: {name} is a meta tensor, which has no value; pass a Python number ({fix}).")
     if isinstance(v, torch.Tensor) and v.numel() == 1 and not v.is_complex():
         return float(v)
     if not isinstance(v, torch.Tensor) and hasattr(v, "__float__"):  # int, float, bool, numpy scalars
@@ -455,8 +479,11 @@ def normal(
     """
     dtype = _float_dtype(dtype, "normal")
     x0, x1, axes = _words(key, shape, spec, "normal")
-    lo = float(torch.nextafter(torch.tensor(-1.0, dtype=dtype), torch.tensor(0.0, dtype=dtype)))
+    minus_one, zero = torch.tensor(-1.0, dtype=dtype, device="cpu"), torch.tensor(0.0, dtype=dtype, device="cpu")
+    lo = float(torch.nextafter(minus_one, zero))  # the float above -1 (a real number, even where draws are meta)
     u = _scale(_unit(x0, x1, dtype), lo, 1.0, dtype)
+    if u.is_meta:  # shapes only: erfinv's data-dependent steps skipped (u has the result's shape and dtype)
+        return _finish(u, axes)
     if dtype == torch.float64:
         e = torch.erfinv(u)  # a scalar kernel: one result per element, wherever it sits
     else:
@@ -503,6 +530,8 @@ def bernoulli(
     if spec is not None:  # this device's block of p (spec checked by _words)
         ctx = maybe_current()
         full = full[tuple(shard_slices(shape, spec, ctx.mesh.shape, ctx.device.coords))]
+    if x0.is_meta and not full.is_meta:  # meta draws: p beside them on meta
+        full = full.to("meta")
     return _finish(_unit(x0, x1, p.dtype) < full, axes)
 
 

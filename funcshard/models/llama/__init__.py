@@ -13,6 +13,7 @@ Example:
 """
 
 from ..rope_scaling import RopeScaling as RopeScaling
+from .config import PRESETS as PRESETS
 from .config import Config as Config
 from .hf import from_hf as from_hf
 from .hf import to_hf as to_hf
@@ -25,6 +26,7 @@ from .sharding import batch_spec as batch_spec
 from .sharding import param_specs as param_specs
 
 __all__ = [
+    "PRESETS",
     "Config",
     "RopeScaling",
     "batch_spec",

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import KW_ONLY, dataclass
+from typing import Any
 
 from ...extend import ConfigError, Precision, ShardingError
 from ...pipeline.schedules import SCHEDULE_NAMES
 from ..rope_scaling import RopeScaling
 
-__all__ = ["Config"]
+__all__ = ["PRESETS", "Config"]
 
 
 @dataclass(frozen=True)
@@ -127,6 +129,41 @@ class Config:
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"llama.Config: {name} must be True or False, found {getattr(self, name)!r}.")
 
+    @classmethod
+    def preset(cls, name: str, **overrides: Any) -> Config:
+        """The config of a published model (or ``"debug"``, a tiny one for tests), by name.
+
+        ``"llama3-8b"`` and ``"llama3-70b"`` are Llama 3 (context 8192, plain RoPE); ``"llama3-405b"`` is Llama
+        3.1 405B and ``"llama3.2-1b"`` Llama 3.2 1B (tied embeddings), both with Llama 3.1's RoPE scaling and a
+        context of 131072, as their Hugging Face ``config.json`` say. All have the vocabulary of 128256 tokens,
+        RoPE base 500000 and RMSNorm epsilon 1e-5.
+
+        Args:
+            name: one of :data:`PRESETS`.
+            **overrides: fields to change (``max_seq_len=4096``, ``precision="bf16"``, ...), as
+                ``dataclasses.replace``.
+
+        Returns:
+            The config.
+
+        Raises:
+            ConfigError: ``name`` is not a preset (the message lists them).
+
+        Example:
+            >>> cfg = Config.preset("llama3-8b")
+            >>> cfg.dim, cfg.n_layers, cfg.ffn_dim, f"{cfg.num_params():,}"
+            (4096, 32, 14336, '8,030,261,248')
+            >>> Config.preset("llama3-8b", remat="full").remat
+            'full'
+        """
+        fields = _PRESETS.get(name) if isinstance(name, str) else None
+        if fields is None:
+            raise ConfigError(f"llama.Config.preset: no preset named {name!r}; the presets are {', '.join(PRESETS)}.")
+        unknown = sorted(set(overrides) - {f.name for f in dataclasses.fields(cls)})
+        if unknown:
+            raise ConfigError(f"llama.Config.preset: {unknown} are not fields of llama.Config.")
+        return cls(**{**fields, **overrides})
+
     def microbatches(self, pp: int) -> int:
         """The microbatches per step on a ``pp`` axis of size ``pp``: ``pp_microbatches``, or ``2 * pp``.
 
@@ -151,3 +188,34 @@ class Config:
         """Training FLOPs per token (forward + backward): 6 x params + attention (PaLM's estimate)."""
         n = self.num_params() - self.vocab_size * self.dim * (0 if self.tie_embeddings else 1)
         return 6.0 * n + 12.0 * self.n_layers * self.dim * seq_len
+
+
+# Llama 3.1's RoPE scaling of the long-context models (their config.json's "rope_scaling", rope_type "llama3")
+_LLAMA31_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+_LLAMA3 = {"vocab_size": 128256, "rope_theta": 500000.0, "norm_eps": 1e-5}
+
+#: name -> the config's fields (Meta's published shapes, as the Hugging Face config.json of each model)
+_PRESETS: dict[str, dict[str, Any]] = {
+    "debug": {
+        "vocab_size": 256, "dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "ffn_dim": 128,
+        "max_seq_len": 64, "rope_theta": 500000.0,
+    },
+    "llama3.2-1b": {
+        **_LLAMA3, "dim": 2048, "n_layers": 16, "n_heads": 32, "n_kv_heads": 8, "ffn_dim": 8192,
+        "max_seq_len": 131072, "tie_embeddings": True, "rope_scaling": RopeScaling(factor=32.0, **_LLAMA31_ROPE),
+    },
+    "llama3-8b": {
+        **_LLAMA3, "dim": 4096, "n_layers": 32, "n_heads": 32, "n_kv_heads": 8, "ffn_dim": 14336, "max_seq_len": 8192,
+    },
+    "llama3-70b": {
+        **_LLAMA3, "dim": 8192, "n_layers": 80, "n_heads": 64, "n_kv_heads": 8, "ffn_dim": 28672, "max_seq_len": 8192,
+    },
+    "llama3-405b": {
+        **_LLAMA3, "dim": 16384, "n_layers": 126, "n_heads": 128, "n_kv_heads": 8, "ffn_dim": 53248,
+        "max_seq_len": 131072, "rope_scaling": RopeScaling(factor=8.0, **_LLAMA31_ROPE),
+    },
+}  # fmt: skip
+
+#: the names :meth:`Config.preset` knows: ``"debug"`` (a tiny model for tests), ``"llama3.2-1b"``,
+#: ``"llama3-8b"``, ``"llama3-70b"``, ``"llama3-405b"``
+PRESETS: tuple[str, ...] = tuple(_PRESETS)
