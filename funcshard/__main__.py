@@ -10,6 +10,7 @@ commands:
   train     train a byte-level Llama on real text over a dp / fsdp / tp / cp mesh (simulated, or under torchrun)
   generate  sample text from the latest checkpoint of a train run
   demo      train a DP x TP MLP with a functional step on a simulated mesh (or under torchrun)
+  plan      does the train step fit, what does it send, how fast: on an abstract mesh of any size, no hardware
 
 'python -m funcshard <command> --help' lists a command's options (with their defaults) and the environment
 settings: FUNCSHARD_TIMEOUT (seconds a collective waits for its peers, default 300) and torchrun's RANK,
@@ -54,8 +55,13 @@ def _dispatch(cmd: str, rest: list[str]) -> int:
         from .job.demo import main as demo_main
 
         return demo_main(rest)
+    if cmd == "plan":
+        from .job.plan.command import main as plan_main
+
+        return plan_main(rest)
     print(
-        f"error: unknown command {cmd!r}; choose train, generate or demo (python -m funcshard --help)", file=sys.stderr
+        f"error: unknown command {cmd!r}; choose train, generate, demo or plan (python -m funcshard --help)",
+        file=sys.stderr,
     )
     return 2
 

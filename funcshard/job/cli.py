@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable
 from typing import Any, NoReturn
 
-from funcshard import MeshError, ShardingError
+from funcshard import ConfigError, MeshError, ShardingError
 from funcshard.checkpoint import CheckpointError
 from funcshard.process import PeerError, abandoned_threads, shutdown
 
@@ -38,6 +38,7 @@ __all__ = [
     "finite_positive",
     "generate_parser",
     "parse_mesh",
+    "plan_parser",
     "run",
     "train_parser",
 ]
@@ -332,6 +333,36 @@ def _add_output_options(ap: ArgumentParser) -> None:
     )
 
 
+def plan_parser() -> ArgumentParser:
+    """The options of ``python -m funcshard plan``: the train job's flags, and the model preset, the hardware and
+    the search.
+
+    Example:
+        >>> args = plan_parser().parse_args(["--preset", "llama3-70b", "--mesh", "pp=2,fsdp=4,tp=4"])
+        >>> args.hardware, args.remat, args.dtype  # resolved by the hardware: bf16 + selective on a GPU
+        ('h100', None, None)
+    """
+    ap = _parser(
+        "funcshard plan",
+        "Plan the train job's step without the hardware: lower it on an abstract mesh of any size (nothing is\n"
+        "allocated) and print, per device, whether it fits, its memory by part, its communication by axis, and\n"
+        "an estimated step time, tokens/s and MFU from a hardware table. On GPU hardware the defaults are\n"
+        "--dtype bf16 (fp32 master weights and moments) and --remat selective, as torchtitan trains.",
+    )
+    g = ap.add_argument_group("plan")
+    g.add_argument("--preset", default=None, help="a published model shape (llama3-8b, llama3-70b, ...)")
+    g.add_argument("--hardware", default="h100", help="h100, h200, a100 or cpu (docs/guides/planning.md)")
+    g.add_argument("--search", action="store_true", help="rank the layouts of --gpus devices that fit")
+    g.add_argument("--gpus", type=positive_int, default=None, help="devices to search layouts for (with --search)")
+    g.add_argument("--top", type=positive_int, default=10, help="layouts --search lists")
+    g.add_argument("--json", action="store_true", help="print the estimate (or the ranking) as JSON")
+    _add_mesh_options(ap)
+    _add_model_options(ap)
+    _add_training_options(ap)
+    ap.set_defaults(remat=None, dtype=None, mesh="fsdp=8", seq=8192, batch=8)
+    return ap
+
+
 def generate_parser() -> ArgumentParser:
     """The options of ``python -m funcshard generate``.
 
@@ -397,19 +428,19 @@ def run(parser: ArgumentParser, job: Callable[[argparse.Namespace], object], arg
     except _ArgError as e:
         return _fail(str(e))
     try:
-        job(args)
+        result = job(args)
     except Interrupted as e:
         code = _say_once(str(e), 130)
     except KeyboardInterrupt:
         code = _say_once(f"{parser.prog}: stopped (Ctrl-C).", 130)
     except PeerError as e:
         code = _fail(str(e), every_rank=True)
-    except (UsageError, MeshError, ShardingError, CheckpointError) as e:
+    except (UsageError, MeshError, ShardingError, ConfigError, CheckpointError) as e:
         code = _fail(str(e))
     except OSError as e:  # a file the job could not read or write (disk full, permissions, ...)
         code = _fail(_os_message(e))
     else:
-        code = 0
+        code = result if isinstance(result, int) else 0  # (a job may return its own exit code)
     finally:
         if "RANK" in os.environ:  # under torchrun: leave the process group cleanly
             shutdown()

@@ -32,7 +32,7 @@ import os
 import shutil
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -46,7 +46,7 @@ from . import init_from, preflight
 from .cli import Interrupted, StopOnCtrlC, UsageError, parse_mesh, run, train_parser
 from .data import eval_batches, load_corpus, train_batch
 
-__all__ = ["main", "train"]
+__all__ = ["TrainStep", "build_step", "main", "model_config", "train"]
 
 CSV_FIELDS = ("step", "train_loss", "val_loss", "tokens_per_s")
 
@@ -309,21 +309,10 @@ def _setup(args: argparse.Namespace, cfg: llama.Config, mesh_shape: dict[str, in
     if tokenizer is not None:  # --init-from a folder with a tokenizer.json: its tokens, not bytes
         corpus = init_from.tokenize_corpus(corpus, tokenizer, vocab_size=cfg.vocab_size, seq=args.seq)
     mesh = fs.make_mesh(mesh_shape)
-    specs = llama.param_specs(cfg, mesh)  # ShardingError: an axis the model cannot use
-    bs = llama.batch_spec(mesh)
-    warmup = _check_args(args, mesh, cfg)
-    opt = _optimizer(args, warmup)
-    accum = getattr(args, "grad_accum", 1)
-    if accum > 1:  # the update every accum microbatches, on their mean gradient
-        opt = optim.multi_steps(opt, accum)
-    sspecs = opt.state_specs(specs)
+    step = build_step(args, cfg, mesh)
+    specs, bs, accum = step.specs, step.batch_spec, getattr(args, "grad_accum", 1)
     if args.resume:
         _check_same_model(ckpt_dir, cfg)
-
-    def step_fn(p: Any, s: Any, tokens: torch.Tensor, targets: torch.Tensor) -> tuple[Any, Any, Any]:
-        loss, grads = llama.value_and_grad(p, tokens, targets, cfg)  # [], grads like p; pipelined on a pp axis
-        p, s = opt.update(grads, s, p)
-        return loss, p, s
 
     def eval_fn(p: Any, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         with torch.no_grad():
@@ -341,17 +330,59 @@ def _setup(args: argparse.Namespace, cfg: llama.Config, mesh_shape: dict[str, in
         ckpt_dir,
         out,
         n_threads=_threads(args, mesh),
-        train_step=_accumulating(
-            # params and state donated: the optimiser updates them in place (one copy of the state per step)
-            fs.shard_map(
-                step_fn, in_specs=(specs, sspecs, bs, bs), out_specs=(P(), specs, sspecs), donate=(0, 1), **kw
-            ),
-            accum,
-        ),
+        train_step=_accumulating(step.step, accum),
         eval_step=fs.shard_map(eval_fn, in_specs=(specs, bs, bs), out_specs=P(), **kw),
         init=init,
-        opt_init=fs.shard_map(opt.init, in_specs=(specs,), out_specs=sspecs, **kw),
+        opt_init=step.opt_init,
     )
+
+
+class TrainStep(NamedTuple):
+    """The train job's step on a mesh, and what goes with it (:func:`build_step`)."""
+
+    step: Any  # shard_map'd (params, state, tokens, targets) -> (loss, params, state); params and state donated
+    opt_init: Any  # shard_map'd params -> state
+    specs: Any  # the params' specs
+    state_specs: Any  # the optimiser state's specs
+    batch_spec: P  # the spec of a [batch, seq] token tensor
+    optimizer: optim.Optimizer
+
+
+def build_step(args: argparse.Namespace, cfg: llama.Config, mesh: fs.Mesh) -> TrainStep:
+    """The step ``train`` runs for ``args`` on ``mesh`` (``plan`` lowers the same one): ``llama.value_and_grad``
+    (pipelined on a pp axis) and the optimiser's update (clipping, AdamW on a warmup-cosine schedule, accumulation
+    with ``--grad-accum``) in ONE ``shard_map``, params and state donated.
+
+    Raises:
+        UsageError: sizes the mesh cannot use (batch, microbatches, sequence parallelism).
+        fs.ShardingError: an axis the model cannot use.
+
+    Example:
+        >>> from funcshard.job.cli import train_parser
+        >>> args = train_parser().parse_args(["--dim", "64", "--layers", "2", "--heads", "4", "--kv-heads", "2",
+        ...                                   "--ffn", "128", "--seq", "32"])
+        >>> build_step(args, model_config(args), fs.make_mesh({"tp": 2}, backend="abstract")).batch_spec
+        P(None, None)
+    """
+    specs = llama.param_specs(cfg, mesh)  # ShardingError: an axis the model cannot use
+    bs = llama.batch_spec(mesh)
+    warmup = _check_args(args, mesh, cfg)
+    opt = _optimizer(args, warmup)
+    accum = getattr(args, "grad_accum", 1)
+    if accum > 1:  # the update every accum microbatches, on their mean gradient
+        opt = optim.multi_steps(opt, accum)
+    sspecs = opt.state_specs(specs)
+
+    def step_fn(p: Any, s: Any, tokens: torch.Tensor, targets: torch.Tensor) -> tuple[Any, Any, Any]:
+        loss, grads = llama.value_and_grad(p, tokens, targets, cfg)  # [], grads like p; pipelined on a pp axis
+        p, s = opt.update(grads, s, p)
+        return loss, p, s
+
+    kw = {"mesh": mesh, "check_vma": args.check_vma}
+    # params and state donated: the optimiser updates them in place (one copy of the state per step)
+    step = fs.shard_map(step_fn, in_specs=(specs, sspecs, bs, bs), out_specs=(P(), specs, sspecs), donate=(0, 1), **kw)
+    opt_init = fs.shard_map(opt.init, in_specs=(specs,), out_specs=sspecs, **kw)
+    return TrainStep(step, opt_init, specs, sspecs, bs, opt)
 
 
 def _accumulating(step: Any, k: int) -> Any:

@@ -235,8 +235,9 @@ def _fused_update(
             add(g.contiguous(), m, v, p)
     if pieces[0]:
         ps, gs, ms, vs = pieces
-        if ps[0].is_meta:  # an abstract run (shapes only): the step count has no value either
+        if ps[0].is_meta:  # an abstract run (shapes only): the step count and a scheduled lr have no value either
             t = torch.empty((), dtype=torch.float32, device="meta")
+            lr = 0.0 if isinstance(lr, torch.Tensor) else lr  # (the kernel's tensor-lr form has no meta kernel)
         else:
             t = torch.tensor(float(step), dtype=torch.float32)  # the step count, as AdamW(fused=True) keeps it
         _FUSED(ps, gs, ms, vs, [], [t] * len(ps), lr=lr, beta1=b1, beta2=b2, weight_decay=wd, eps=eps,

@@ -1,8 +1,8 @@
 """Ahead-of-time analysis of a ``shard_map``'d function, as JAX's ``jit(f).lower(*args).compile()``:
 ``step.lower(*args)`` runs ``step`` on the abstract twin of its mesh (``backend="abstract"``: meta tensors, one run
 per class of devices, nothing allocated) and keeps what each device did: FLOPs as run (forward, backward,
-recomputation and optimiser: torch's own FLOP formulas per aten op), communication per axis (as ``fs.comm_stats``
-counts a real run) and the peak of live tensor bytes with its parts.
+recomputation and optimiser: torch's own FLOP formulas per aten op, ``FlopCounterMode``'s), communication per
+axis (as ``fs.comm_stats`` counts a real run) and the peak of live tensor bytes with its parts.
 
 Example:
     >>> import torch, funcshard as fs
@@ -43,8 +43,10 @@ class _Meter(TorchDispatchMode):
     is exact; its parts are read from the live storages at the last time the live total grew past 1% over the
     previous reading (so reading them costs O(live) a few hundred times, not at every op)."""
 
-    def __init__(self) -> None:
+    def __init__(self, flop_formulas: dict[Any, Callable[..., int]]) -> None:
         super().__init__()
+        self.formulas = flop_formulas  # aten op packet -> its FLOPs from shapes (torch's FlopCounterMode's)
+        self.flops = 0
         self.live = 0
         self.peak = 0
         self.sizes: dict[int, int] = {}  # storage key -> bytes, for the live storages
@@ -80,7 +82,11 @@ class _Meter(TorchDispatchMode):
         self.kinds[t.untyped_storage()._cdata] = kind
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
-        out = func(*args, **(kwargs or {}))
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        formula = self.formulas.get(func._overloadpacket)
+        if formula is not None:
+            self.flops += formula(*args, **kwargs, out_val=out)
         if any(r.alias_info is not None for r in func._schema.returns):
             return out
         for t in optree.tree_leaves(out):
@@ -105,10 +111,9 @@ class _Device:
 
     def __init__(self, rank: int) -> None:
         self.rank = rank
-        from torch.utils.flop_counter import FlopCounterMode  # (imports triton: only when analysing)
+        from torch.utils.flop_counter import flop_registry  # (imports triton: only when analysing)
 
-        self.meter = _Meter()
-        self.flops = FlopCounterMode(display=False)
+        self.meter = _Meter(flop_registry)
         self.saved = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
@@ -150,12 +155,10 @@ class _DeviceRun:
     def __enter__(self) -> None:
         self.analysis.active = self.d
         self.d.saved.__enter__()
-        self.d.flops.__enter__()
         self.d.meter.__enter__()
 
     def __exit__(self, *exc: Any) -> None:
         self.d.meter.__exit__(*exc)
-        self.d.flops.__exit__(*exc)
         self.d.saved.__exit__(*exc)
         self.analysis.active = None
 
@@ -180,7 +183,7 @@ class Lowered:
         Returns:
             ``{"flops": int, "comm_bytes": {axis: int}, "comm_calls": {axis: int}, "device": rank}``.
         """
-        rank = self._pick(device, lambda r: (self._devices[r].flops.get_total_flops(), self._bytes(r)))
+        rank = self._pick(device, lambda r: (self._devices[r].meter.flops, self._bytes(r)))
         calls: dict[Any, int] = {}
         nbytes: dict[Any, int] = {}
         for (_, axes), (c, b) in self._comm.get(rank, {}).items():
@@ -188,7 +191,7 @@ class Lowered:
             calls[key] = calls.get(key, 0) + c
             nbytes[key] = nbytes.get(key, 0) + b
         return {
-            "flops": int(self._devices[rank].flops.get_total_flops()),
+            "flops": int(self._devices[rank].meter.flops),
             "comm_bytes": nbytes,
             "comm_calls": calls,
             "device": rank,

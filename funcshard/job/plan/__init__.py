@@ -1,4 +1,8 @@
-"""What ``python -m funcshard plan`` times a step with: the hardware table and the step-time model.
+"""``python -m funcshard plan``: the train step lowered on an abstract mesh, and what it times the step with.
+
+- ``estimate.py``: one layout's :class:`Estimate` (``estimate``): the train job's step lowered without data,
+  memory by part, communication per axis, time, tokens/s and MFU; ``search.py``: every layout of N devices that
+  fits, fastest first; ``command.py``: the command.
 
 - ``hardware.py``: ``HARDWARE`` (``h100``, ``h200``, ``a100``, ``cpu``): peak dense FLOP/s per dtype, memory,
   NVLink and network bandwidth and latency, node size, and one efficiency per device; ``hardware(name)``.
@@ -16,11 +20,15 @@ Example:
     True
 """
 
+from .command import main as main
+from .estimate import Estimate as Estimate
+from .estimate import estimate as estimate
 from .hardware import DTYPES as DTYPES
 from .hardware import HARDWARE as HARDWARE
 from .hardware import Hardware as Hardware
 from .hardware import canonical_dtype as canonical_dtype
 from .hardware import hardware as hardware
+from .search import search as search
 from .timing import COLLECTIVES as COLLECTIVES
 from .timing import OVERLAP_BY_ROLE as OVERLAP_BY_ROLE
 from .timing import Placement as Placement
@@ -38,6 +46,7 @@ __all__ = [
     "DTYPES",
     "HARDWARE",
     "OVERLAP_BY_ROLE",
+    "Estimate",
     "Hardware",
     "Placement",
     "StepTime",
@@ -46,8 +55,11 @@ __all__ = [
     "collective_time",
     "comm_time",
     "default_overlap",
+    "estimate",
     "hardware",
+    "main",
     "model_flops",
     "placement",
+    "search",
     "step_time",
 ]

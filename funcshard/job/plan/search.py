@@ -1,0 +1,157 @@
+"""``plan --search --gpus N``: every layout of the train step over N devices that fits, fastest first.
+
+The layouts are the meshes ``{pp, fsdp, cp, tp}`` whose sizes multiply to N (tp inside a node and dividing the
+key / value heads, pp dividing the layers, cp only for long sequences), each with the remat policies. A layout
+whose parameters, gradients and AdamW moments alone (16 bytes a parameter, sharded over fsdp x tp x pp) exceed
+the device is dropped before any analysis.
+
+Each layout is lowered with one and with two layers per pipeline stage, and its FLOPs, communication and memory
+are extended linearly to the model's layers (every layer is the same program: the costs are affine in the layer
+count, the embedding and head being the constant part), so a search over a 70B model costs the analysis of
+small ones. ``estimate`` lowers the whole model (``plan`` without ``--search``).
+
+Example:
+    >>> from funcshard.job.cli import plan_parser
+    >>> args = plan_parser().parse_args(["--preset", "debug", "--seq", "64", "--batch", "8", "--hardware", "h100"])
+    >>> ranked = search(args, 4, progress=False)
+    >>> all(e.fits for e in ranked) and len(ranked) > 1
+    True
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import sys
+from typing import Any
+
+import funcshard as fs
+
+from ..cli import UsageError
+from .estimate import Estimate, estimate, n_params, plan_config
+from .hardware import hardware
+from .timing import step_time
+
+__all__ = ["candidates", "search"]
+
+_BYTES_PER_PARAM = 16  # fp32 master weight, gradient and two AdamW moments
+
+
+def candidates(args: argparse.Namespace, n: int) -> list[dict[str, int]]:
+    """The meshes of ``n`` devices the search considers for the model of ``args``, before any analysis.
+
+    Example:
+        >>> from funcshard.job.cli import plan_parser
+        >>> args = plan_parser().parse_args(["--preset", "debug", "--seq", "64", "--batch", "8"])
+        >>> candidates(args, 4)
+        [{'fsdp': 4}, {'fsdp': 2, 'tp': 2}, {'pp': 2, 'fsdp': 2}, {'pp': 2, 'tp': 2}, {'tp': 4}]
+    """
+    cfg = plan_config(args)
+    node = hardware(args.hardware).node_size
+    out = []
+    for pp in _powers(n):
+        if cfg.n_layers % pp or pp > 16:
+            continue
+        for tp in _powers(n // pp):
+            if tp > node or cfg.n_kv_heads % tp or cfg.n_heads % tp:
+                continue
+            for cp in _powers(n // (pp * tp)):
+                if cp > 1 and (args.seq < 16384 or args.seq % (2 * cp)):
+                    continue
+                fsdp = n // (pp * tp * cp)
+                if args.batch % fsdp or (pp > 1 and (args.batch // fsdp) % cfg.microbatches(pp)):
+                    continue
+                shape = {"pp": pp, "fsdp": fsdp, "cp": cp, "tp": tp}
+                mesh = {a: s for a, s in shape.items() if s > 1} or {"fsdp": 1}
+                out.append(mesh)
+    return sorted(out, key=lambda m: (m.get("pp", 1), -m.get("fsdp", 1), m.get("tp", 1)))
+
+
+def _powers(n: int) -> list[int]:
+    """The powers of two that divide ``n``."""
+    return [p for p in (2**i for i in range(int(math.log2(n)) + 1)) if n % p == 0]
+
+
+def search(args: argparse.Namespace, n: int, *, progress: bool = True) -> list[Estimate]:
+    """Every layout of ``n`` devices (:func:`candidates` x remat policies) that fits, fastest first."""
+    cfg = plan_config(args)
+    total = n_params(cfg)
+    capacity = hardware(args.hardware).hbm_bytes
+    jobs = []
+    for mesh in candidates(args, n):
+        shards = mesh.get("fsdp", 1) * mesh.get("tp", 1) * mesh.get("pp", 1)
+        if total * _BYTES_PER_PARAM / shards > capacity:
+            continue  # the state alone does not fit
+        for remat in ("none", "selective", "full"):
+            jobs.append((mesh, remat))
+    if not jobs:
+        raise UsageError(
+            f"plan --search: no layout of {n} devices holds the model's {total / 1e9:.1f}B parameters with their "
+            f"gradients and AdamW state ({human(total * _BYTES_PER_PARAM)}) within {human(capacity)} per device; "
+            f"use more devices."
+        )
+    found = []
+    for i, (mesh, remat) in enumerate(jobs, 1):
+        if progress:
+            _bar(i, len(jobs), mesh, remat)
+        sub = argparse.Namespace(**{**vars(args), "remat": remat})
+        try:
+            e = extrapolated(sub, mesh)
+        except (UsageError, fs.ShardingError, fs.ConfigError):
+            continue
+        if e.fits:
+            found.append(e)
+    if progress:
+        print(file=sys.stderr)
+    return sorted(found, key=lambda e: e.time.total)
+
+
+def extrapolated(args: argparse.Namespace, mesh: dict[str, int]) -> Estimate:
+    """:func:`estimate` of ``mesh``, from two lowered copies of the model with one and two layers per pipeline
+    stage, extended linearly to its layers."""
+    cfg = plan_config(args)
+    pp = mesh.get("pp", 1)
+    per_stage = cfg.n_layers // pp
+    if per_stage <= 2:
+        return estimate(args, mesh)
+    small = [estimate(_with_layers(args, cfg, pp * k), mesh) for k in (1, 2)]
+    scale = per_stage - 1  # the second point is one layer per stage more than the first
+
+    def line(a: float, b: float) -> int:
+        return round(a + (b - a) * scale)
+
+    a, b = small
+    memory = {k: line(a.memory[k], b.memory[k]) for k in a.memory}
+    rows = {
+        key: (line(a.comm_rows.get(key, (0, 0))[0], c), line(a.comm_rows.get(key, (0, 0))[1], nb))
+        for key, (c, nb) in b.comm_rows.items()
+    }
+    flops = line(a.cost["flops"], b.cost["flops"])
+    cost = {**b.cost, "flops": flops}
+    t = b.time
+    bubble = t.bubble / t.total if t.total else 0.0
+    update = 7 * memory["params"]
+    timing = step_time(flops, rows, mesh, b.hardware, dtype=b.dtype, bubble=bubble, memory_bytes=update)
+    out = dataclasses.replace(b, cfg=cfg, memory=memory, cost=cost, comm_rows=rows, time=timing)
+    out.seconds = a.seconds + b.seconds
+    out.notes = [*b.notes, f"extended linearly from {pp} and {2 * pp} layers to {cfg.n_layers}"]
+    return out
+
+
+def _with_layers(args: argparse.Namespace, cfg: Any, layers: int) -> argparse.Namespace:
+    """``args`` for the same model with ``layers`` layers."""
+    return argparse.Namespace(**{**vars(args), "layers_override": layers})
+
+
+def human(n: float) -> str:
+    from ..preflight import human_bytes
+
+    return human_bytes(n)
+
+
+def _bar(i: int, n: int, mesh: dict[str, int], remat: str) -> None:
+    width = 24
+    k = width * i // n
+    text = ",".join(f"{a}={s}" for a, s in mesh.items())
+    print(f"\rsearching [{'#' * k}{'.' * (width - k)}] {i}/{n} {text} remat {remat:<10}", end="", file=sys.stderr)
