@@ -213,9 +213,7 @@ def row_parallel_linear(
 
 
 def _check_ids(ids: torch.Tensor, vocab: int, what: str, fn: str, ignore: int | None = None) -> None:
-    if tracing() or ids.is_meta:  # recorded into a compiled graph / an abstract run: no values to check
-        return
-    if ids.is_meta:  # shapes only (fs.eval_shape, an abstract mesh): no values to check
+    if tracing() or ids.is_meta:  # recorded into a compiled graph / shapes only (eval_shape, an abstract mesh)
         return
     with torch._C.DisableTorchFunction():  # a check of values: no result is kept, so no tag is needed
         bad = (ids < 0) | (ids >= vocab)
