@@ -57,6 +57,7 @@ from funcshard import random as fsr
 from funcshard.job import train as job
 from funcshard.job.cli import parse_mesh, train_parser
 from funcshard.job.data import eval_batches, train_batch
+from funcshard.job.step import check_args
 
 MODES = ("fp32", "bf16", "autocast")
 
@@ -166,7 +167,7 @@ def train_twins(modes: list[str], folder: str, job_args: list[str], threads: int
     torch.set_num_threads(threads)
     args, cfg, params, corpus = job_problem(job_args)
     twins = [_Twin(m, cfg, params, args.weight_decay, native) for m in modes]
-    warmup = job._check_args(args, fs.make_mesh(parse_mesh(args.mesh)), cfg)
+    warmup = check_args(args, fs.make_mesh(parse_mesh(args.mesh)), cfg)
     final = args.lr / 10 if args.final_lr is None else args.final_lr
     schedule = fs.optim.warmup_cosine(args.lr, warmup, args.steps, final_lr=final)
     data_key = fsr.fold_in(fsr.key(args.seed), 1)

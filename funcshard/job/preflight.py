@@ -9,14 +9,13 @@ minutes of training:
   do with them (nothing an earlier run wrote is deleted without ``--overwrite``);
 - ``--out`` and ``--ckpt-dir`` are folders this process can write to (probed with a file, which also finds a
   read-only filesystem, where permission bits say nothing for root);
-- one training step fits in memory and in time: an estimate of its activations, logits, parameters and AdamW
-  state against the memory available, and of its FLOPs against ``--peak-tflops``.
+- one training step fits in memory and in time: its ``memory_analysis()`` (the step lowered on the abstract twin
+  of the mesh, nothing allocated) per device against the device's memory, and its FLOPs against
+  ``--peak-tflops``.
 
 Example:
-    >>> from funcshard.models import llama
-    >>> cfg = llama.Config(vocab_size=256, dim=256, n_layers=4, n_heads=8, n_kv_heads=4, ffn_dim=704, max_seq_len=128)
-    >>> human_bytes(step_memory(cfg, batch=16, seq=128, eval_batches=4, tp=2))
-    '779 MB'
+    >>> from funcshard.job.cli import train_parser
+    >>> check_numbers(train_parser().parse_args(["--lr", "3e-4"]))
 """
 
 from __future__ import annotations
@@ -27,10 +26,13 @@ import re
 import tempfile
 from pathlib import Path
 
+import funcshard as fs
 from funcshard.checkpoint import list_steps
 from funcshard.models import llama
 
 from .cli import UsageError, finite_positive, parse_mesh
+from .machine import available_memory, device_memory, human_bytes
+from .plan.estimate import advice, lowered_step
 
 __all__ = [
     "MAX_STEP_SECONDS",
@@ -40,10 +42,10 @@ __all__ = [
     "check_step_size",
     "check_writable",
     "human_bytes",
-    "step_memory",
 ]
 
 MAX_STEP_SECONDS = 3600.0  # a step estimated to take longer than this at --peak-tflops is refused
+_PARTS = ("params", "grads", "optimizer_state", "activations", "temporaries")
 _OURS = re.compile(r"step_\d+(\.old|\.tmp-\w+|\.trash-\w+)?|config\.json")  # what train writes into --ckpt-dir
 
 
@@ -137,62 +139,6 @@ def check_writable(flag: str, folder: Path) -> None:
         ) from None
 
 
-def step_memory(cfg: llama.Config, *, batch: int, seq: int, eval_batches: int, tp: int = 1) -> int:
-    """Bytes one training step of the whole mesh holds at its peak, all devices together (an estimate that errs
-    low, so that it refuses only what cannot fit).
-
-    Per token and layer, ``24 dim tp + 10 (ffn + dim)`` fp32 values: what stays replicated over ``tp`` (the
-    residual stream, norms, vma-tracked copies) is held once per ``tp`` device, the rest is split. Per token
-    also ``6 vocab`` values for the logits. These are three quarters of what the sim train step was measured
-    to hold over three model shapes (``dim`` 128 to 512, ``tp`` 2 and 4). Add the int64 batch windows
-    (training and validation) and parameters, gradients and the two AdamW moments.
-
-    Example:
-        >>> cfg = llama.Config(vocab_size=256, dim=32, n_layers=1, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=8)
-        >>> step_memory(cfg, batch=2, seq=8, eval_batches=1) > 0
-        True
-    """
-    d, f, layers, v = cfg.dim, cfg.ffn_dim, cfg.n_layers, cfg.vocab_size
-    per_token = 4 * (layers * (24 * d * tp + 10 * (f + d)) + 6 * v)
-    windows = 8 * (seq + 1) * batch * (3 + 2 * eval_batches)
-    state = 4 * 4 * cfg.num_params()
-    return batch * seq * per_token + windows + state
-
-
-def available_memory() -> int | None:
-    """Bytes of memory available to new allocations on this machine (``MemAvailable``), or None if unknown.
-
-    Example:
-        >>> (available_memory() or 1) > 0
-        True
-    """
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, AttributeError):
-        return None
-
-
-def human_bytes(n: float) -> str:
-    """``1.3 PB``, ``260 MB``: a byte count in decimal units, two or three significant digits.
-
-    Example:
-        >>> human_bytes(26e9), human_bytes(512)
-        ('26 GB', '512 B')
-    """
-    for unit in ("B", "kB", "MB", "GB", "TB", "PB"):
-        if n < 1000 or unit == "PB":
-            return f"{n:.2g} {unit}" if n < 100 else f"{n:.0f} {unit}"
-        n /= 1000
-    raise AssertionError  # unreachable
-
-
 def _duration(s: float) -> str:
     if s < 2 * 3600:
         return f"{s / 60:.0f} minutes"
@@ -202,37 +148,43 @@ def _duration(s: float) -> str:
 
 
 def check_step_size(args: argparse.Namespace, cfg: llama.Config) -> None:
-    """Refuse a step that cannot fit this machine's memory, or would take over an hour at ``--peak-tflops``.
+    """Refuse a step that cannot fit a device's memory, or would take over an hour at ``--peak-tflops``.
 
-    Under torchrun the processes on this machine hold their share of the mesh's memory
-    (``LOCAL_WORLD_SIZE / WORLD_SIZE``); simulated, this process holds all of it.
+    The memory is the train step's own ``memory_analysis()``: the step lowered on the abstract twin of the mesh
+    (nothing allocated; every flag counted: ``--remat``, ``--dtype``, the pipeline, FSDP's sharded state), its
+    per-device peak against the device's memory: a GPU's own under torchrun on CUDA, else this host's available
+    memory shared by the devices it runs (every device of a simulated mesh; ``LOCAL_WORLD_SIZE`` processes under
+    torchrun).
 
     Raises:
-        UsageError: with the estimate, what it is measured against, and which flags to lower.
+        UsageError: with the peak, its largest parts, what it is measured against, and the flags that shrink the
+            part that does not fit.
 
     Example:
         >>> from funcshard.job.cli import train_parser
-        >>> args = train_parser().parse_args(["--batch", "100000000"])
+        >>> args = train_parser().parse_args(["--batch", "1000000", "--mesh", "dp=2"])
         >>> cfg = llama.Config(vocab_size=256, dim=256, n_layers=4, n_heads=8, n_kv_heads=4, ffn_dim=704,
         ...                    max_seq_len=128)
         >>> check_step_size(args, cfg)
         Traceback (most recent call last):
         ...
-        funcshard.job.cli.UsageError: --batch 100000000 x --seq 128: one training step needs about ... PB of memory ...
+        funcshard.job.cli.UsageError: --batch 1000000 x --seq 128: one training step needs about ... per device ...
     """
     flags = f"--batch {args.batch} x --seq {args.seq}"
-    tp = parse_mesh(args.mesh).get("tp", 1)
-    need = step_memory(cfg, batch=args.batch, seq=args.seq, eval_batches=args.eval_batches, tp=tp)
-    world = int(os.environ.get("WORLD_SIZE", "0")) or 1
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", "0")) or world
-    here = need * min(local, world) / world if "RANK" in os.environ else need
-    have = available_memory()
-    if have is not None and here > have:
-        share = f" ({human_bytes(here)} on this machine)" if here != need else ""
-        raise UsageError(
-            f"{flags}: one training step needs about {human_bytes(need)} of memory{share} (activations, logits, "
-            f"parameters and AdamW state), more than the {human_bytes(have)} available; lower --batch or --seq."
-        )
+    shape = parse_mesh(args.mesh)
+    mesh = fs.make_mesh(shape)  # (the job's own mesh: where its devices' memory is)
+    have, sharing, what = device_memory(mesh)
+    if have is not None:
+        memory = lowered_step(args, cfg, shape).memory_analysis()
+        need = memory["peak"]
+        if need * sharing > have:
+            parts = sorted(((memory[k], k) for k in _PARTS), reverse=True)[:3]
+            top = ", ".join(f"{k} {human_bytes(n)}" for n, k in parts)
+            share = f" x {sharing} devices on this machine" if sharing > 1 else ""
+            raise UsageError(
+                f"{flags}: one training step needs about {human_bytes(need)} per device ({top}){share}, more "
+                f"than the {human_bytes(have)} of {what}; {advice(memory, have / sharing)}"
+            )
     flops = cfg.flops_per_token(args.seq) * args.batch * args.seq
     seconds = flops / (args.peak_tflops * 1e12)
     if seconds > MAX_STEP_SECONDS:

@@ -32,12 +32,12 @@ import os
 import shutil
 import time
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 
 import funcshard as fs
-from funcshard import P, checkpoint, optim
+from funcshard import P, checkpoint
 from funcshard import random as fsr
 from funcshard.models import llama
 from funcshard.process import PeerError, any_process, collective_timeout
@@ -45,8 +45,9 @@ from funcshard.process import PeerError, any_process, collective_timeout
 from . import init_from, preflight
 from .cli import Interrupted, StopOnCtrlC, UsageError, parse_mesh, run, train_parser
 from .data import eval_batches, load_corpus, train_batch
+from .step import build_step, model_config
 
-__all__ = ["TrainStep", "build_step", "main", "model_config", "train"]
+__all__ = ["main", "train"]
 
 CSV_FIELDS = ("step", "train_loss", "val_loss", "tokens_per_s")
 
@@ -58,50 +59,6 @@ def _lead() -> bool:
 def _say(*args: Any) -> None:
     if _lead():
         print(*args, flush=True)
-
-
-def model_config(args: argparse.Namespace) -> llama.Config:
-    """The Llama of the command line (byte-level: vocabulary 256).
-
-    Args:
-        args: parsed ``funcshard train`` options (``--dim``, ``--layers``, ``--heads``, ``--kv-heads``, ``--ffn``,
-            ``--seq``, ``--sp``).
-
-    Returns:
-        The ``llama.Config``, with ``sequence_parallel`` set by ``--sp``.
-
-    Example:
-        >>> from funcshard.job.cli import train_parser
-        >>> args = train_parser().parse_args(["--dim", "64", "--layers", "2", "--heads", "4", "--kv-heads", "2",
-        ...                                   "--ffn", "128", "--seq", "32", "--sp"])
-        >>> cfg = model_config(args)
-        >>> cfg.vocab_size, cfg.dim, cfg.n_layers, cfg.max_seq_len, cfg.sequence_parallel
-        (256, 64, 2, 32, True)
-    """
-    cfg = llama.Config(
-        vocab_size=256,
-        dim=args.dim,
-        n_layers=args.layers,
-        n_heads=args.heads,
-        n_kv_heads=args.kv_heads,
-        ffn_dim=args.ffn,
-        max_seq_len=args.seq,
-        pp_schedule=getattr(args, "schedule", "1f1b"),
-        pp_microbatches=getattr(args, "microbatches", None),
-        remat=getattr(args, "remat", "none"),
-        precision=_precision(args),
-    )
-    cfg = dataclasses.replace(cfg, sequence_parallel=True) if args.sp else cfg
-    return init_from.model_config(args, cfg) if getattr(args, "init_from", None) else cfg  # a Hugging Face folder's
-
-
-def _precision(args: argparse.Namespace) -> fs.Precision | None:
-    """``--dtype`` / ``--reduce-dtype`` as a policy: float32 master weights and moments, the compute dtype asked
-    for, the loss and logits in float32; ``None`` for a plain float32 run."""
-    dtype, reduce = getattr(args, "dtype", "fp32"), getattr(args, "reduce_dtype", "fp32")
-    if dtype == "fp32" and reduce == "fp32":
-        return None
-    return fs.Precision(torch.float32, dtype, reduce, torch.float32)
 
 
 def slow_matmul_note(dtype: str) -> str | None:
@@ -132,39 +89,6 @@ def model_dict(cfg: llama.Config) -> dict[str, Any]:
     d = dataclasses.asdict(cfg)
     d["precision"] = None if cfg.precision is None else str(cfg.precision)
     return d
-
-
-def _check_args(args: argparse.Namespace, mesh: fs.Mesh, cfg: llama.Config) -> int:
-    """Sizes the mesh cannot use -> UsageError; returns the warmup steps."""
-    data = math.prod(mesh.shape.get(a, 1) for a in ("dp", "fsdp"))
-    if args.batch % data:
-        raise UsageError(f"--batch {args.batch} is not divisible by the data-parallel size (dp x fsdp = {data}).")
-    accum = getattr(args, "grad_accum", 1)
-    if args.batch % (data * accum):
-        raise UsageError(
-            f"--grad-accum {accum} splits --batch {args.batch} into {accum} microbatches, each divisible by the "
-            f"data-parallel size {data}: use a --batch that is a multiple of {data * accum}."
-        )
-    pp = mesh.shape.get("pp", 1)
-    if pp > 1 and (args.batch // data) % cfg.microbatches(pp):
-        raise UsageError(
-            f"--batch {args.batch} gives {args.batch // data} sequences per pipeline (dp x fsdp = {data}), not "
-            f"divisible by --microbatches {cfg.microbatches(pp)}; use a --batch that is a multiple of "
-            f"{data * cfg.microbatches(pp)}."
-        )
-    tp = mesh.shape.get("tp", 1)
-    if args.sp and args.seq % tp:
-        raise UsageError(f"--sp needs --seq divisible by tp={tp}; found --seq {args.seq}.")
-    warmup = min(20, args.steps // 10) if args.warmup is None else args.warmup
-    if warmup >= args.steps:
-        raise UsageError(f"--warmup {warmup} must be smaller than --steps {args.steps}.")
-    return warmup
-
-
-def _optimizer(args: argparse.Namespace, warmup: int) -> optim.Optimizer:
-    final = args.lr / 10 if args.final_lr is None else args.final_lr
-    schedule = optim.warmup_cosine(args.lr, warmup, args.steps, final_lr=final)
-    return optim.chain(optim.clip_by_global_norm(args.clip), optim.adamw(schedule, weight_decay=args.weight_decay))
 
 
 def _threads(args: argparse.Namespace, mesh: fs.Mesh) -> int:
@@ -335,54 +259,6 @@ def _setup(args: argparse.Namespace, cfg: llama.Config, mesh_shape: dict[str, in
         init=init,
         opt_init=step.opt_init,
     )
-
-
-class TrainStep(NamedTuple):
-    """The train job's step on a mesh, and what goes with it (:func:`build_step`)."""
-
-    step: Any  # shard_map'd (params, state, tokens, targets) -> (loss, params, state); params and state donated
-    opt_init: Any  # shard_map'd params -> state
-    specs: Any  # the params' specs
-    state_specs: Any  # the optimiser state's specs
-    batch_spec: P  # the spec of a [batch, seq] token tensor
-    optimizer: optim.Optimizer
-
-
-def build_step(args: argparse.Namespace, cfg: llama.Config, mesh: fs.Mesh) -> TrainStep:
-    """The step ``train`` runs for ``args`` on ``mesh`` (``plan`` lowers the same one): ``llama.value_and_grad``
-    (pipelined on a pp axis) and the optimiser's update (clipping, AdamW on a warmup-cosine schedule, accumulation
-    with ``--grad-accum``) in ONE ``shard_map``, params and state donated.
-
-    Raises:
-        UsageError: sizes the mesh cannot use (batch, microbatches, sequence parallelism).
-        fs.ShardingError: an axis the model cannot use.
-
-    Example:
-        >>> from funcshard.job.cli import train_parser
-        >>> args = train_parser().parse_args(["--dim", "64", "--layers", "2", "--heads", "4", "--kv-heads", "2",
-        ...                                   "--ffn", "128", "--seq", "32"])
-        >>> build_step(args, model_config(args), fs.make_mesh({"tp": 2}, backend="abstract")).batch_spec
-        P(None, None)
-    """
-    specs = llama.param_specs(cfg, mesh)  # ShardingError: an axis the model cannot use
-    bs = llama.batch_spec(mesh)
-    warmup = _check_args(args, mesh, cfg)
-    opt = _optimizer(args, warmup)
-    accum = getattr(args, "grad_accum", 1)
-    if accum > 1:  # the update every accum microbatches, on their mean gradient
-        opt = optim.multi_steps(opt, accum)
-    sspecs = opt.state_specs(specs)
-
-    def step_fn(p: Any, s: Any, tokens: torch.Tensor, targets: torch.Tensor) -> tuple[Any, Any, Any]:
-        loss, grads = llama.value_and_grad(p, tokens, targets, cfg)  # [], grads like p; pipelined on a pp axis
-        p, s = opt.update(grads, s, p)
-        return loss, p, s
-
-    kw = {"mesh": mesh, "check_vma": args.check_vma}
-    # params and state donated: the optimiser updates them in place (one copy of the state per step)
-    step = fs.shard_map(step_fn, in_specs=(specs, sspecs, bs, bs), out_specs=(P(), specs, sspecs), donate=(0, 1), **kw)
-    opt_init = fs.shard_map(opt.init, in_specs=(specs,), out_specs=sspecs, **kw)
-    return TrainStep(step, opt_init, specs, sspecs, bs, opt)
 
 
 def _accumulating(step: Any, k: int) -> Any:

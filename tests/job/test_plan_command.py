@@ -38,7 +38,7 @@ def test_plan_defaults_on_gpu_are_bf16_and_selective_remat() -> None:
 def test_plan_counts_what_a_real_sim_run_sends() -> None:
     args = _args(*SMALL, "--mesh", "dp=2,tp=2", "--hardware", "cpu")
     e = estimate(args)
-    from funcshard.job.train import build_step
+    from funcshard.job.step import build_step
 
     mesh = fs.make_mesh({"dp": 2, "tp": 2}, backend="sim")
     step = build_step(args, e.cfg, mesh)
@@ -89,3 +89,12 @@ def test_plan_bad_input_is_one_error_line(capsys: pytest.CaptureFixture[str]) ->
     assert "llama3-8b" in capsys.readouterr().err
     assert main([*SMALL, "--search"]) == 2
     assert main([*SMALL, "--hardware", "tpu"]) == 2
+
+
+def test_advice_names_the_part_that_does_not_fit() -> None:
+    from funcshard.job.plan.estimate import advice
+
+    state = {"params": 40, "grads": 40, "optimizer_state": 80, "activations": 1, "temporaries": 1}
+    assert "fsdp" in advice(state, 100)
+    acts = {"params": 1, "grads": 1, "optimizer_state": 2, "activations": 500, "temporaries": 10}
+    assert "--remat" in advice(acts, 100)

@@ -13,24 +13,13 @@ import json
 import sys
 
 from ..cli import UsageError, plan_parser, run
-from ..preflight import human_bytes
-from .estimate import Estimate, estimate, n_params
+from ..machine import human_bytes
+from .estimate import Estimate, advice, estimate, n_params, resolve_defaults
 from .search import search
 
-__all__ = ["main", "plan", "report"]
+__all__ = ["main", "plan", "report", "resolve_defaults"]
 
 _PARTS = ("params", "grads", "optimizer_state", "activations", "temporaries")
-
-
-def resolve_defaults(args: argparse.Namespace) -> argparse.Namespace:
-    """On GPU hardware ``--dtype bf16`` and ``--remat selective`` unless given (as torchtitan trains); on
-    ``cpu`` fp32 and none."""
-    gpu = args.hardware != "cpu"
-    if args.dtype is None:
-        args.dtype = "bf16" if gpu else "fp32"
-    if args.remat is None:
-        args.remat = "selective" if gpu else "none"
-    return args
 
 
 def plan(args: argparse.Namespace) -> int:
@@ -64,7 +53,7 @@ def report(e: Estimate, args: argparse.Namespace) -> str:
     for part in _PARTS:
         lines.append(f"  {part:<16} {human_bytes(e.memory[part]):>10}  {_bar(e.memory[part], e.capacity)}")
     if not e.fits:
-        lines.append("  " + advice(e))
+        lines.append("  " + advice(e.memory, e.capacity))
     lines += [
         "",
         "communication per device (one step):",
@@ -82,26 +71,6 @@ def report(e: Estimate, args: argparse.Namespace) -> str:
     ]
     lines += [f"note: {n}" for n in e.notes]
     return "\n".join(lines)
-
-
-def advice(e: Estimate) -> str:
-    """What to change when the step does not fit: the part that is too big, and the flag that shrinks it."""
-    m, cap = e.memory, e.capacity
-    state = m["params"] + m["grads"] + m["optimizer_state"]
-    if state > cap:
-        return (
-            f"parameters, gradients and optimiser state alone take {human_bytes(state)} per device, more than the "
-            f"{human_bytes(cap)} it has: shard them over more devices (a larger fsdp or pp axis), or more GPUs."
-        )
-    if m["activations"] >= m["temporaries"]:
-        return (
-            f"activations take {human_bytes(m['activations'])}: --remat full (or selective), a smaller --batch, "
-            f"more --microbatches on a pp axis, or a cp / tp axis to split the sequence."
-        )
-    return (
-        f"temporaries take {human_bytes(m['temporaries'])} (gathered weights, logits, buffers in flight): a larger tp "
-        f"axis, a smaller --batch, or --remat."
-    )
 
 
 def ranking(ranked: list[Estimate], args: argparse.Namespace) -> str:

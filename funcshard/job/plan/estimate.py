@@ -11,8 +11,8 @@ Example:
     >>> args = plan_parser().parse_args(["--preset", "debug", "--mesh", "fsdp=2,tp=2", "--seq", "64",
     ...                                  "--batch", "4", "--hardware", "h100"])
     >>> e = estimate(args)
-    >>> e.fits, e.memory["peak"] > 0, sorted(e.cost["comm_bytes"])
-    (True, True, ['fsdp', 'tp'])
+    >>> e.fits, e.memory["peak"] > 0, {"fsdp", "tp"} <= set(e.cost["comm_bytes"])
+    (True, True, True)
 """
 
 from __future__ import annotations
@@ -31,11 +31,12 @@ import funcshard as fs
 from funcshard.models import llama
 
 from ..cli import UsageError, parse_mesh
-from ..train import build_step, model_config
+from ..machine import available_memory, human_bytes
+from ..step import build_step, model_config
 from .hardware import Hardware, hardware
 from .timing import StepTime, bubble_fraction, model_flops, step_time
 
-__all__ = ["Estimate", "estimate", "plan_config"]
+__all__ = ["Estimate", "advice", "estimate", "lowered_step", "plan_config", "resolve_defaults"]
 
 #: the model's own memory traffic per parameter byte in the optimiser's update (read p, g, m, v; write p, m, v)
 _UPDATE_PASSES = 7
@@ -137,6 +138,17 @@ def n_params(cfg: llama.Config) -> int:
     return sum(math.prod(s.shape) for s in optree.tree_leaves(shapes))
 
 
+def resolve_defaults(args: argparse.Namespace) -> argparse.Namespace:
+    """On GPU hardware ``--dtype bf16`` and ``--remat selective`` unless given (as torchtitan trains); on
+    ``cpu`` fp32 and none."""
+    gpu = args.hardware != "cpu"
+    if args.dtype is None:
+        args.dtype = "bf16" if gpu else "fp32"
+    if args.remat is None:
+        args.remat = "selective" if gpu else "none"
+    return args
+
+
 def plan_config(args: argparse.Namespace) -> llama.Config:
     """The model ``plan`` lowers: ``--preset`` (the published shapes), else the train job's flags, with the
     flags that are set on top (``--seq``, ``--remat``, ``--dtype``, ``--schedule``, ``--microbatches``, ``--sp``).
@@ -147,7 +159,7 @@ def plan_config(args: argparse.Namespace) -> llama.Config:
         >>> cfg.dim, cfg.remat, cfg.precision.compute_dtype
         (4096, 'selective', torch.bfloat16)
     """
-    base = model_config(args)
+    base = model_config(resolve_defaults(args))
     layers = getattr(args, "layers_override", None)  # (the search's smaller copies of the model)
     if args.preset is None:
         return base if layers is None else dataclasses.replace(base, n_layers=layers)
@@ -178,13 +190,8 @@ def estimate(args: argparse.Namespace, mesh_shape: dict[str, int] | None = None)
     hw = hardware(args.hardware)
     shape = parse_mesh(args.mesh) if mesh_shape is None else mesh_shape
     cfg = plan_config(args)
-    mesh = fs.make_mesh(shape, backend="abstract")
-    step = build_step(args, cfg, mesh)
-    params = fs.device_put(fs.eval_shape(llama.init, fs.random.key(0), cfg), mesh, step.specs)
-    state = step.opt_init(params)
+    lowered = lowered_step(args, cfg, shape)
     accum = getattr(args, "grad_accum", 1)
-    tokens = fs.device_put(fs.ShapeDtype((args.batch // accum, args.seq), torch.int64), mesh, step.batch_spec)
-    lowered = step.step.lower(params, state, tokens, tokens)
     memory, cost = lowered.memory_analysis(), lowered.cost_analysis()
     rows = lowered.comm_rows(device=cost["device"])
     notes = []
@@ -202,6 +209,52 @@ def estimate(args: argparse.Namespace, mesh_shape: dict[str, int] | None = None)
     return out
 
 
+def lowered_step(args: argparse.Namespace, cfg: llama.Config, shape: dict[str, int]) -> Any:
+    """The train job's step for ``args`` and ``cfg`` (``step.build_step``) lowered on the abstract mesh ``shape``,
+    from ``fs.eval_shape`` of the model's init: nothing allocated (one microbatch of ``--grad-accum``).
+
+    Example:
+        >>> from funcshard.job.cli import train_parser
+        >>> from funcshard.job.step import model_config
+        >>> args = train_parser().parse_args(["--dim", "64", "--layers", "2", "--heads", "4", "--kv-heads", "2",
+        ...                                   "--ffn", "128", "--seq", "32", "--batch", "4"])
+        >>> lowered_step(args, model_config(args), {"dp": 2, "tp": 2}).memory_analysis()["peak"] > 0
+        True
+    """
+    mesh = fs.make_mesh(shape, backend="abstract")
+    step = build_step(args, cfg, mesh)
+    params = fs.device_put(fs.eval_shape(llama.init, fs.random.key(0), cfg), mesh, step.specs)
+    state = step.opt_init(params)
+    accum = getattr(args, "grad_accum", 1)
+    tokens = fs.device_put(fs.ShapeDtype((args.batch // accum, args.seq), torch.int64), mesh, step.batch_spec)
+    return step.step.lower(params, state, tokens, tokens)
+
+
+def advice(memory: dict[str, int], capacity: float) -> str:
+    """What to change when a step does not fit: the part that is too big, and the flags that shrink it.
+
+    Example:
+        >>> advice({"params": 8, "grads": 8, "optimizer_state": 16, "activations": 0, "temporaries": 0}, 10)[:40]
+        'parameters, gradients and optimiser stat'
+    """
+    m = memory
+    state = m["params"] + m["grads"] + m["optimizer_state"]
+    if state > capacity:
+        return (
+            f"parameters, gradients and optimiser state alone take {human_bytes(state)} per device, more than the "
+            f"{human_bytes(capacity)} it has: shard them over more devices (a larger fsdp or pp axis, or tp)."
+        )
+    if m["activations"] >= m["temporaries"]:
+        return (
+            f"activations take {human_bytes(m['activations'])} per device: --remat full (or selective), a smaller "
+            f"--batch or --seq, more --microbatches on a pp axis, or a cp / tp axis to split the sequence."
+        )
+    return (
+        f"temporaries take {human_bytes(m['temporaries'])} per device (gathered weights, logits, buffers in "
+        f"flight): a larger tp axis, a smaller --batch or --seq, or --remat."
+    )
+
+
 def _dtype_name(cfg: llama.Config) -> str:
     dt = torch.float32 if cfg.precision is None else cfg.precision.compute_dtype
     return {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[dt]
@@ -210,8 +263,6 @@ def _dtype_name(cfg: llama.Config) -> str:
 def _capacity(hw: Hardware) -> int:
     """The device's memory: the table's (a GPU's own), or on ``cpu`` this host's share per process."""
     if hw.name == "cpu":
-        from ..preflight import available_memory
-
         host = available_memory()
         if host is not None:
             return host

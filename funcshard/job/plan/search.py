@@ -29,6 +29,7 @@ from typing import Any
 import funcshard as fs
 
 from ..cli import UsageError
+from ..machine import human_bytes
 from .estimate import Estimate, estimate, n_params, plan_config
 from .hardware import hardware
 from .timing import step_time
@@ -45,7 +46,7 @@ def candidates(args: argparse.Namespace, n: int) -> list[dict[str, int]]:
         >>> from funcshard.job.cli import plan_parser
         >>> args = plan_parser().parse_args(["--preset", "debug", "--seq", "64", "--batch", "8"])
         >>> candidates(args, 4)
-        [{'fsdp': 4}, {'fsdp': 2, 'tp': 2}, {'pp': 2, 'fsdp': 2}, {'pp': 2, 'tp': 2}, {'tp': 4}]
+        [{'fsdp': 4}, {'fsdp': 2, 'tp': 2}, {'pp': 2, 'fsdp': 2}, {'pp': 2, 'tp': 2}]
     """
     cfg = plan_config(args)
     node = hardware(args.hardware).node_size
@@ -88,8 +89,8 @@ def search(args: argparse.Namespace, n: int, *, progress: bool = True) -> list[E
     if not jobs:
         raise UsageError(
             f"plan --search: no layout of {n} devices holds the model's {total / 1e9:.1f}B parameters with their "
-            f"gradients and AdamW state ({human(total * _BYTES_PER_PARAM)}) within {human(capacity)} per device; "
-            f"use more devices."
+            f"gradients and AdamW state ({human_bytes(total * _BYTES_PER_PARAM)}) within {human_bytes(capacity)} "
+            f"per device; use more devices."
         )
     found = []
     for i, (mesh, remat) in enumerate(jobs, 1):
@@ -142,12 +143,6 @@ def extrapolated(args: argparse.Namespace, mesh: dict[str, int]) -> Estimate:
 def _with_layers(args: argparse.Namespace, cfg: Any, layers: int) -> argparse.Namespace:
     """``args`` for the same model with ``layers`` layers."""
     return argparse.Namespace(**{**vars(args), "layers_override": layers})
-
-
-def human(n: float) -> str:
-    from ..preflight import human_bytes
-
-    return human_bytes(n)
 
 
 def _bar(i: int, n: int, mesh: dict[str, int], remat: str) -> None:
