@@ -611,15 +611,17 @@ class _Stage:
             )
         if not self.vma:
             return y
-        extra = get_vma(y) - a.axes
+        have = get_vma(y)
+        extra = have - a.axes
         if extra:
             raise ShardingError(
                 f"pipeline.run: stage_fn's output on virtual stage {vs} varies over {sorted(extra)}, "
                 f"which the activations do not (they vary over {sorted(a.axes - {self.axis})}); reduce "
                 f"it inside stage_fn (fs.psum / fs.pmean) or pass microbatches varying over them."
             )
-        # invariant parts made varying (their cotangent is psum'd; the output itself where it varies over them all)
-        return lax.pvary(y, tuple(n for n in self.mesh.axis_names if n in a.axes))
+        if a.axes <= have:
+            return y
+        return lax.pvary(y, tuple(n for n in self.mesh.axis_names if n in a.axes))  # invariant parts: cotangent psum'd
 
     def params_of(self, vs: int, chunk: int) -> list[torch.Tensor]:
         """The leaves virtual stage ``vs`` differentiates: its chunk's, and the shared ones on the first and
