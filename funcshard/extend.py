@@ -11,15 +11,22 @@ checks it). What it holds:
   tags, asks the rule, runs the op and tags its results: no tag bookkeeping around it. An op whose operands enter its
   own collectives (ring attention's k and v) declares them (``Op.varying_operands``, ``Op.agree``): ``bind`` makes
   them varying first (``Pvary``), as for a collective's operand.
+  A Function whose operands need no tags (an identity with a hand-made backward, an unstacking node) is a ``Prim``
+  applied with :func:`call` as well.
 - **May the fast path run?** :func:`transforms_active` is the one predicate: a hand-written fast path (an in-place
   write, a kept buffer, a hand-made autograd node) runs only where it is False; further conditions
-  (:func:`tracing`: a body recorded into a graph; grad mode; an operand's flags) are spelled beside it.
+  (:func:`tracing`: a body recorded into a graph; grad mode; an operand's flags) are spelled beside it. Beside it,
+  :func:`tags_agree` says whether ops that each mix one group of tensors (an optimiser's leaf) may run with the vma
+  mode off: where each group's tags agree it would change no tag.
 - **Varying axes (vma).** Inside ``shard_map`` each tensor carries the set of mesh axes it varies over. Read it
   with :func:`get_vma` (untagged: invariant), :func:`find_vma` (None where untagged), :func:`known_vma` (what the
   current vma mode knows: None where nothing is; :class:`Audited` where only the sim audit of a
-  ``check_vma=False`` call knows) or :func:`official_vma` (what shard_map itself knows); write it with
-  :func:`set_vma`. Make a value vary over more axes with :func:`pvary_to` (its cotangent summed over them). The tag
-  itself is stored by ``funcshard._src.collectives`` alone: nothing else touches the attribute.
+  ``check_vma=False`` call knows) or :func:`official_vma` (what shard_map itself knows); write it on a tensor the
+  caller makes outside the vma mode (a received block, a detached copy) with :func:`set_vma`; make a value vary
+  over more axes with ``funcshard.lax.pvary``. The tag itself is stored by ``funcshard._src.collectives`` alone:
+  nothing else touches the attribute.
+- **Point to point.** :func:`p2p` posts a batch of sends and receives over a mesh axis, outside autograd (a
+  runtime that does its own backward, as ``pipeline.run``), counted by ``fs.comm_stats``.
 - **Device context.** :func:`current` / :func:`maybe_current` (this device's mesh, handle and vma mode),
   :func:`axes_of` (an ``axis`` argument checked against the mesh).
 - The public names the library's own subpackages need (``P``, the errors, ``Array``, ``Precision``,
@@ -72,6 +79,7 @@ from ._src.collectives.lax import psum_owned as psum_owned
 from ._src.collectives.lax import psum_pending as psum_pending
 from ._src.collectives.lax import pvary_cast as pvary_cast
 from ._src.collectives.lax import split_invariant as split_invariant
+from ._src.collectives.p2p import p2p as p2p
 from ._src.collectives.prims import AllReduce as AllReduce
 from ._src.collectives.prims import BucketPool as BucketPool
 from ._src.collectives.prims import Ppermute as Ppermute
@@ -86,17 +94,14 @@ from ._src.collectives.vma import keep_tags as keep_tags
 from ._src.collectives.vma import known_vma as known_vma
 from ._src.collectives.vma import official_vma as official_vma
 from ._src.collectives.vma import one_op as one_op
-from ._src.collectives.vma import pvary_to as pvary_to
 from ._src.collectives.vma import set_vma as set_vma
 from ._src.collectives.vma import settle as settle
+from ._src.collectives.vma import tags_agree as tags_agree
 from ._src.errors import ConfigError as ConfigError
 from ._src.errors import FuncshardError as FuncshardError
 from ._src.errors import ShardingError as ShardingError
-from ._src.runtime.comm import P2POp as P2POp
-from ._src.runtime.comm import P2PWork as P2PWork
 from ._src.runtime.context import axes_of as axes_of
 from ._src.runtime.context import current as current
-from ._src.runtime.context import dynamo_tracing as dynamo_tracing
 from ._src.runtime.context import is_donated as is_donated
 from ._src.runtime.context import maybe_current as maybe_current
 from ._src.runtime.context import observer as observer
@@ -106,7 +111,6 @@ from ._src.runtime.context import transforms_active as transforms_active
 from ._src.runtime.mesh import BackendImpl as BackendImpl
 from ._src.runtime.mesh import get_backend as get_backend
 from ._src.runtime.stats import capture as capture
-from ._src.runtime.stats import record as record
 from ._src.shard_map.api import shard_map as shard_map
 from ._src.tree.precision import Precision as Precision
 from ._src.tree.pytree import PyTree as PyTree
@@ -127,8 +131,6 @@ __all__ = [
     "FuncshardError",
     "Op",
     "P",
-    "P2POp",
-    "P2PWork",
     "Ppermute",
     "Precision",
     "Prim",
@@ -145,7 +147,6 @@ __all__ = [
     "current_vma_mode",
     "device_get",
     "device_scope",
-    "dynamo_tracing",
     "find_vma",
     "get_backend",
     "get_vma",
@@ -160,12 +161,11 @@ __all__ = [
     "official_vma",
     "one_op",
     "only_grad_transforms",
+    "p2p",
     "prefetch_scope",
     "psum_owned",
     "psum_pending",
     "pvary_cast",
-    "pvary_to",
-    "record",
     "remat",
     "remat_policies",
     "set_vma",
@@ -175,6 +175,7 @@ __all__ = [
     "shard_slices",
     "spec_rules",
     "split_invariant",
+    "tags_agree",
     "tracing",
     "transforms_active",
     "value_and_grad",

@@ -24,9 +24,8 @@ import threading
 from typing import Any
 
 import torch
-from torch.autograd.function import _SingleLevelFunction
 
-from ..extend import BucketPool, keep_tags, maybe_current, settle, tracing, transforms_active
+from ..extend import BucketPool, Prim, call, keep_tags, maybe_current, settle, tracing, transforms_active
 
 __all__ = ["Unstack", "unstack"]
 
@@ -41,8 +40,9 @@ def _pool() -> BucketPool:
     return pool
 
 
-class Unstack(torch.autograd.Function):
-    """``[n, *s] -> n x [*s]``, the rows of ``x`` (views), as ``torch.unbind(x, 0)``.
+class Unstack(Prim):
+    """``[n, *s] -> n x [*s]``, the rows of ``x`` (views), as ``torch.unbind(x, 0)``; applied with ``call(Unstack, x)``
+    (the C ``apply``: no binding of the arguments to ``forward``'s signature per call).
 
     - forward: ``ys[i] = x[i]`` (views).
     - backward: the ``n`` cotangents (zeros where a row got none) stacked into ``[n, *s]``: into a kept buffer
@@ -133,12 +133,6 @@ def _strided_rows(gs: tuple[torch.Tensor | None, ...], shape: torch.Size, dtype:
     return first.as_strided(shape, (step, *first.stride()), base)  # n x [*s] -> [n, *s], a view
 
 
-#: ``Unstack.apply`` without ``torch.autograd.Function.apply``'s Python around it (the C ``apply`` it ends in):
-#: that binds the arguments to ``forward``'s signature (``inspect.signature``, ~30 Python calls) at every call, for
-#: the torch.func transforms, which :func:`unstack` never runs it under
-_unstack_apply: Any = super(_SingleLevelFunction, Unstack).apply
-
-
 def unstack(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """The rows of a stacked ``[n, *s]`` leaf: ``torch.unbind(x, 0)``, whose gradient (under the ``dist``
     backend, where a process runs one device) is stacked into a buffer kept from step to step instead of fresh
@@ -163,6 +157,4 @@ def unstack(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         or transforms_active()
     ):
         return torch.unbind(x, 0)  # [n, *s] -> n x [*s]
-    if type(x) is torch.Tensor and not torch._C._functorch.is_functorch_wrapped_tensor(x):
-        return _unstack_apply(x)  # [n, *s] -> n x [*s]
-    return Unstack.apply(x)  # [n, *s] -> n x [*s]
+    return call(Unstack, x)  # [n, *s] -> n x [*s]

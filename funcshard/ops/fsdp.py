@@ -41,8 +41,10 @@ from ..extend import (
     ConfigError,
     P,
     Precision,
+    Prim,
     ShardingError,
     all_gather_cast,
+    call,
     current_vma_mode,
     device_scope,
     is_spec,
@@ -150,7 +152,7 @@ def fsdp_gather(
     def finish() -> Any:
         for idx, g in issued:
             if type(g).__name__ == "AsyncCollectiveTensor":  # dist's prefetch: waited for once, here
-                g = _Settled.apply(g)  # [n, ...] -> [n, ...]
+                g = call(_Settled, g)  # [n, ...] -> [n, ...]
             for i, full in zip(idx, _unpack_bucket(g, [leaves[i] for i in idx], [dims[i] for i in idx]), strict=True):
                 out[i] = full
         return optree.tree_unflatten(treedef, out)
@@ -193,18 +195,26 @@ def _gathered_dims(params: Any, leaves: list[Any], flat_specs: list[P], axis: st
     return dims
 
 
-class _Settled(torch.autograd.Function):
+class _Settled(Prim):
     """Identity (forward and backward) that waits for a pending gathered bucket (dist's prefetch) once: the
     leaves cut from it are then plain views, where on the pending result each op on them (the unpacking views,
     then every layer op reading a weight) passes through its Python wrapper first (~600 such ops a step of the
-    13.2M Llama)."""
+    13.2M Llama). Applied with ``call(_Settled, g)``.
+
+    - forward: ``y = g`` waited for (a plain tensor with ``g``'s varying axes).
+    - backward: the cotangent as it is.
+    """
 
     @staticmethod
-    def forward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
+    def forward(g: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         return settle(g)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        pass
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         return grad
 
 
@@ -655,20 +665,27 @@ class reshard_after_forward:
         """
         if self.layer is None:
             return t
-        return _IssueOnBackward.apply(t, self.layer)  # [...] -> [...]
+        return call(_IssueOnBackward, t, self.layer)  # [...] -> [...]
 
 
-class _IssueOnBackward(torch.autograd.Function):
+class _IssueOnBackward(Prim):
     """Identity forward; the backward issues a reshard scope's regather (:meth:`reshard_after_forward.regather_at`)
-    and passes the gradient through."""
+    and passes the gradient through. Applied with ``call(_IssueOnBackward, t, layer)``.
+
+    - forward: ``y = t`` (a view).
+    - backward: ``layer``'s regather issued; the cotangent as it is.
+    """
 
     @staticmethod
-    def forward(ctx: Any, t: torch.Tensor, layer: _Layer) -> torch.Tensor:
-        ctx.layer = layer
+    def forward(t: torch.Tensor, layer: _Layer) -> torch.Tensor:  # type: ignore[override]
         return t.view_as(t)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        ctx.layer = inputs[1]
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
         ctx.layer.issue()
         return grad, None
 

@@ -10,7 +10,7 @@ import optree
 import torch
 
 from .. import pytree
-from ..extend import ConfigError, P, dynamo_tracing, get_vma, is_donated, tracing, transforms_active
+from ..extend import ConfigError, P, is_donated, tags_agree, tracing, transforms_active
 from ._base import (
     AdamWState,
     Optimizer,
@@ -122,44 +122,15 @@ def _fusable(g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, p: torch.Tensor)
 
 def _quiet(rows: Sequence[Sequence[Any]], hyper: Sequence[Any] = ()) -> bool:
     """Whether the in-place update may run with torch functions off (no vma mode over its ops): not recorded into
-    a graph nor under a torch.func transform, and each leaf's operands (``rows``: the gradients, moments and
-    parameters, lists in leaf order; leaf ``i`` is their ``i``-th entries) tagged with one set of axes, leaves
-    possibly with different ones (under tp the sharded weights vary, the norms do not), every tensor among the
-    ``hyper``-parameters (lr, step size, bias correction) with one tag within each leaf's, none requiring grad.
-    Then the mode would change nothing: each leaf's update mixes only its own operands and the hyper-parameters
-    (nothing to widen that is not in the leaf's tag, no error to raise; the fused kernel is elementwise per leaf),
+    a graph nor under a torch.func transform (the fast-path predicate), and each leaf's operands (``rows``: the
+    gradients, moments and parameters, lists in leaf order; leaf ``i`` is their ``i``-th entries) tagged with one
+    set of axes, leaves possibly with different ones, every tensor among the ``hyper``-parameters (lr, step size,
+    bias correction) with one tag within each leaf's, none requiring grad (:func:`funcshard.extend.tags_agree`).
+    Then the mode would change nothing: each leaf's update mixes only its own operands and the hyper-parameters,
     writes only into those leaves (their tags stay) and its temporaries (views, blocks, padding, the step count)
     never leave it; it would only tag them, ~500 Python calls a step of the 13.2M Llama's 75 leaf rows (dp), ~300
     torch functions under tp. The numbers are the same."""
-    if tracing() or transforms_active():
-        return False
-    ok, h = _one_tag(hyper)  # the hyper-parameters' tag
-    if not ok:
-        return False
-    for leaf in zip(*rows, strict=True):
-        ok, first = _one_tag(leaf)
-        if not ok:
-            return False
-        if h and (first is None or not h <= first):  # a varying hyper-parameter meets a leaf outside its axes
-            return False
-    return True
-
-
-def _one_tag(values: Sequence[Any]) -> tuple[bool, frozenset[str] | None]:
-    """Whether the tensors among ``values`` are plain tensors that do not require grad, all varying over the same
-    axes (untagged: none), and those axes (None: no tensor among ``values``)."""
-    tag = None
-    for t in values:
-        if not isinstance(t, torch.Tensor):
-            continue
-        if type(t) is not torch.Tensor or t.requires_grad:
-            return False, None
-        v = get_vma(t)
-        if tag is None:
-            tag = v
-        elif v != tag:
-            return False, None
-    return True, tag
+    return not tracing() and not transforms_active() and tags_agree(zip(*rows, strict=True), hyper)
 
 
 def _mask_leaves(mask: PyTree, params: PyTree) -> list[bool]:
@@ -389,7 +360,7 @@ class _AdamW:
         ):
             return self._apply_in_place(grads, state, params)
         checked = None
-        if not tracing() and not dynamo_tracing() and _FUSED is not None:
+        if not tracing() and not torch.compiler.is_compiling() and _FUSED is not None:
             # the donated step's arithmetic on copies (the fused kernel's numbers, donated or not)
             checked = self._checked(grads, state, params, "adamw.update")
             g_leaves, m_leaves, v_leaves, p_leaves = checked[:4]

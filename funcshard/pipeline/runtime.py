@@ -65,17 +65,16 @@ from torch.autograd.function import BackwardCFunction
 
 from .. import lax
 from ..extend import (
-    P2POp,
-    P2PWork,
+    Op,
     ShardingError,
     axis_index_int,
+    bind,
     capture,
     current,
     find_vma,
     get_vma,
     observer,
-    pvary_to,
-    record,
+    p2p,
     set_vma,
     tracing,
     transforms_active,
@@ -300,7 +299,7 @@ def _run_step(
     if obs is not None:  # an ahead-of-time analysis (shard_map's lower) counts these as params and grads
         obs.note("params", stage_params)
         obs.note("grads", grads)
-    return _not_differentiable(loss, [*stage.leaves, *stage.shared_orig, microbatches]), grads
+    return _not_differentiable(loss, [*stage.leaves, *stage.shared_orig, microbatches], axis), grads
 
 
 @dataclass
@@ -361,8 +360,8 @@ class _Stage:
         ]
         self.chunk_params = [optree.tree_unflatten(self.treedef, ls) for ls in self.chunk_leaves]
         self.received: dict[Send, torch.Tensor] = {}  # hand-offs within the stage (the turn of a V)
-        self.recv_works: dict[Send, P2PWork] = {}  # posted receives, by block
-        self.send_works: deque[P2PWork] = deque()  # posted sends not known to be done, oldest first
+        self.recv_works: dict[Send, Any] = {}  # posted receives (their works), by block
+        self.send_works: deque[Any] = deque()  # posted sends (their works) not known to be done, oldest first
         # the (microbatch, chunk) pairs whose backward this stage splits (a W follows the B)
         self.split = {(a.microbatch, a.chunk) for a in schedule.actions[self.me] if a.kind == "W"}
         self.saved: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}  # (mb, vs) -> (x, y or loss)
@@ -434,14 +433,13 @@ class _Stage:
 
     def post(self, sends: list[tuple[Send, torch.Tensor]], upto: int) -> None:
         """One batch of point-to-point operations: ``sends``, and the receives planned up to unit ``upto``."""
-        ops, recvs = [], []
+        out, into, recvs = [], [], []  # (block, peer, tag) of each send and each receive; the received blocks
         for x, t in sends:
             if x in self.notes:  # the block and the loss note behind it, as bytes: [block bytes + 24]
                 if self.note is None:
                     raise RuntimeError(f"pipeline.run: stage {self.me} must send the loss with {x} before knowing it")
                 t = torch.cat([t.reshape(-1).view(torch.uint8), self.note.view(torch.uint8)])
-            ops.append(P2POp("send", t, x.dst, x.tag(self.m)))
-            record(self.device.rank, "send", (self.axis,), t.numel() * t.element_size())
+            out.append((t, x.dst, x.tag(self.m)))
         a = self.act
         with torch._C.DisableTorchFunction():
             while self.next_post <= min(upto, len(self.posts) - 1):
@@ -451,12 +449,12 @@ class _Stage:
                         buf = torch.empty(n, dtype=torch.uint8, device=self.microbatches.device)
                     else:
                         buf = torch.empty(a.shape, dtype=a.dtype, device=self.microbatches.device)
-                    ops.append(P2POp("recv", buf, x.src, x.tag(self.m)))
+                    into.append((buf, x.src, x.tag(self.m)))
                     recvs.append(x)
                 self.next_post += 1
-            if not ops:
+            if not out and not into:
                 return
-            works = self.device.p2p(ops, (self.axis,))  # each block [*act] -> [*act], at its peer
+            works = p2p(out, into, self.axis)  # each block [*act] -> [*act], at its peer
         while self.send_works and self.send_works[0].is_completed():  # let go of blocks already delivered
             self.send_works.popleft()
         self.send_works.extend(works[: len(sends)])
@@ -620,14 +618,17 @@ class _Stage:
             )
         if not self.vma:
             return y
-        extra = get_vma(y) - a.axes
+        have = get_vma(y)
+        extra = have - a.axes
         if extra:
             raise ShardingError(
                 f"pipeline.run: stage_fn's output on virtual stage {vs} varies over {sorted(extra)}, "
                 f"which the activations do not (they vary over {sorted(a.axes - {self.axis})}); reduce "
                 f"it inside stage_fn (fs.psum / fs.pmean) or pass microbatches varying over them."
             )
-        return pvary_to(y, a.axes, self.device)  # invariant parts: their cotangent is psum'd
+        if a.axes <= have:
+            return y
+        return lax.pvary(y, tuple(n for n in self.mesh.axis_names if n in a.axes))  # invariant parts: cotangent psum'd
 
     def params_of(self, vs: int, chunk: int) -> list[torch.Tensor]:
         """The leaves virtual stage ``vs`` differentiates: its chunk's, and the shared ones on the first and
@@ -759,33 +760,42 @@ def _differentiable(what: str, where: str, leaf: Any) -> None:
         )
 
 
-class _Undifferentiable(torch.autograd.Function):
-    """``run``'s loss where its inputs require grad: the value, whose backward raises (see ``_THROUGH``)."""
+class _Undifferentiable(Op):
+    """``run``'s loss where its inputs require grad: the value (a copy, varying over what the loss varies over),
+    whose backward raises (see ``_THROUGH``). Bound with ``bind(_Undifferentiable, loss, axis=..., name=...,
+    params=inputs)``: the inputs only connect the value to the graph of ``run``'s inputs."""
 
     @staticmethod
-    def forward(ctx: Any, value: torch.Tensor, *inputs: torch.Tensor) -> torch.Tensor:
-        return value.clone()
+    def forward(dev: Any, axes: tuple[str, ...], value: torch.Tensor, *inputs: torch.Tensor) -> tuple[torch.Tensor]:  # type: ignore[override]
+        return (value.clone(),)
 
     @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor) -> Any:
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        pass
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> Any:  # type: ignore[override]
         raise ShardingError(
             _THROUGH.format(how="its loss was differentiated (backward, autograd.grad, value_and_grad)")
         )
 
+    @staticmethod
+    def vma(axes: frozenset[str], value: frozenset[str]) -> frozenset[str]:
+        """vma rule: the copy varies over what the loss does."""
+        return value
 
-def _not_differentiable(loss: torch.Tensor, inputs: list[torch.Tensor]) -> torch.Tensor:
+
+def _not_differentiable(loss: torch.Tensor, inputs: list[torch.Tensor], axis: str) -> torch.Tensor:
     """``loss``, or, when autograd records and one of ``run``'s ``inputs`` requires grad (``run`` called under
     ``fs.value_and_grad`` or ``torch.autograd.grad`` of its inputs), a copy whose backward raises: differentiating
     it would otherwise find no path to the inputs and give zero gradients without a word."""
     if not torch.is_grad_enabled():
         return loss
-    with torch._C.DisableTorchFunction():
+    with torch._C.DisableTorchFunction():  # (flag reads)
         needs = [t for t in inputs if t.requires_grad]
-        if not needs:
-            return loss
-        out = _Undifferentiable.apply(loss, *needs)
-    axes = find_vma(loss)
-    return out if axes is None else set_vma(out, axes)
+    if not needs:
+        return loss
+    return bind(_Undifferentiable, loss, axis=axis, name="pipeline.run", params=tuple(needs))[0]  # type: ignore[index]
 
 
 def _detached(t: torch.Tensor) -> torch.Tensor:

@@ -9,7 +9,8 @@ q, k and v with those of the unsharded computation.
 Ring attention's hand-written backward is checked on its own as well: both layouts, causal or not, through
 ``torch.autograd.grad``, ``torch.func.grad`` and ``fs.value_and_grad``, check_vma on and off, in float32 and
 float64, on cp=2, cp=4 and dp=2 x cp=2, under sim and dist; its grad of grad; the transforms it hands to
-autograd (vmap, jvp); what it saves for the backward (O(s/n), whatever n) and what it sends.
+autograd (vmap, jvp); what it sends. (What it saves for the backward, O(s/n) whatever n, against autograd through
+the ring: ``tests/whitebox/ops/test_ring_saves_one_block.py``.)
 """
 
 from __future__ import annotations
@@ -29,7 +30,6 @@ from funcshard.ops import (
     zigzag_positions,
     zigzag_split,
 )
-from funcshard.ops.attention._ring_kernel import ring_through_autograd
 
 B, S, D = 2, 16, 8
 HEADS = {"mha": (4, 4), "gqa": (8, 2)}  # (q heads, kv heads); gqa on cp=4 repeats kv heads for Ulysses
@@ -231,55 +231,6 @@ def test_ring_vmap_and_jvp() -> None:
     torch.testing.assert_close(fs.device_get(tangent).index_select(2, inv), ref_tangent, rtol=1e-5, atol=1e-5)
 
 
-def _saved_bytes(cp: int, fn, layout: str) -> list[int]:
-    """Per device: the bytes of the distinct storages saved for the backward by one ``fn(q, k, v)`` (GQA,
-    a local block of 8 positions), counted by a saved-tensors hook."""
-    mesh = fs.make_mesh({"cp": cp}, backend="sim")
-    h, hkv = HEADS["gqa"]
-    q, k, v = (_rand(B, hh, 8 * cp, D, seed=i) for i, hh in ((1, h), (2, hkv), (3, hkv)))
-    spec = P(None, None, "cp")
-
-    def inner(q, k, v):
-        q, k, v = (t.clone().requires_grad_(True) for t in (q, k, v))  # own storages, the size of the block
-        storages: dict[int, int] = {}
-
-        def pack(t: torch.Tensor) -> torch.Tensor:
-            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-            return t
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            fn(q, k, v, layout)
-        return torch.tensor([sum(storages.values())])
-
-    return fs.device_get(fs.shard_map(inner, mesh=mesh, in_specs=(spec,) * 3, out_specs=P("cp"))(q, k, v)).tolist()
-
-
-@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
-def test_ring_saved_bytes(layout: str) -> None:
-    """Saved for the backward: q, k, v, out and the float32 log-sum-exp of this device's block, nothing per ring
-    step, so the same at every ring size; autograd through the ring keeps every received block and the
-    per-step scores, O(n) blocks."""
-    h, hkv = HEADS["gqa"]
-    q_bytes, kv_bytes, lse_bytes = B * h * 8 * D * 4, B * hkv * 8 * D * 4, B * h * 8 * 4
-    local = 2 * q_bytes + 2 * kv_bytes + lse_bytes  # q and out, k and v, lse: 10752 bytes
-
-    def ring(q, k, v, layout):
-        return ring_attention(q, k, v, layout=layout)
-
-    def through_autograd(q, k, v, layout):
-        return ring_through_autograd(q, k, v, "cp", True, layout, None)
-
-    new = {cp: _saved_bytes(cp, ring, layout) for cp in (2, 4)}
-    old = {cp: _saved_bytes(cp, through_autograd, layout) for cp in (2, 4)}
-    print(f"saved bytes per device ({layout}): ring_attention {new}, autograd through the ring {old}")
-    assert new[2] == [local] * 2 and new[4] == [local] * 4
-    # through autograd: the busiest device (every device under zigzag) keeps the n-1 received k/v blocks
-    # besides q, k, v, and more with every step
-    busiest = min if layout == "zigzag" else max
-    assert busiest(old[4]) >= local - lse_bytes + 3 * 2 * kv_bytes
-    assert busiest(old[4]) > max(old[2]) > local
-
-
 # --- the zigzag layout ----------------------------------------------------------------------------------------
 
 
@@ -352,7 +303,8 @@ def test_ring_communication(cp: int, dtype: torch.dtype) -> None:
         fs.shard_map(grads, mesh=mesh, in_specs=(spec,) * 3, out_specs=[spec] * 3)(q, k, v)
     # backward: n-1 ring steps of the k/v block with its dk/dv accumulator (one [4, ...] message when both are
     # float32, else two), then one hop of the dk/dv accumulator home. (Autograd through the ring sent n-1
-    # ppermutes of the k/v cotangent instead, at the memory of every received block: test_ring_saved_bytes.)
+    # ppermutes of the k/v cotangent instead, at the memory of every received block: tests/whitebox/ops/
+    # test_ring_saves_one_block.py)
     per_step = 1 if dtype == torch.float32 else 2
     assert st.calls("ppermute", "cp") == (cp - 1) + (cp - 1) * per_step + 1
     assert st.bytes() == (cp - 1) * kv_block + (cp - 1) * (kv_block + dkv_block) + dkv_block

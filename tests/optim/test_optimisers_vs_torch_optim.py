@@ -13,7 +13,7 @@ from typing import Any
 import optree
 import pytest
 import torch
-from _optim_trees import CLIP_SHAPES, CLIP_SPECS, MESH, Tree, _close, _mse, _rand
+from _optim_trees import CLIP_SHAPES, CLIP_SPECS, MESH, _close, _mse, _rand, _torch_steps
 
 import funcshard as fs
 from funcshard import P, optim, value_and_grad
@@ -28,32 +28,6 @@ LLAMA_SPECS = {
     "head": P("tp"),
 }
 LLAMA_SHAPES = {"embed": (64, 32), "layers": {"wq": (2, 32, 32), "wo": (2, 32, 32)}, "norm": (32,), "head": (64, 32)}
-
-
-# leaves sharded over one axis, over two, and replicated: three distinct non-empty axis sets
-def _torch_steps(
-    params: Tree,
-    grads_seq: list[Tree],
-    make: Callable[[list[torch.Tensor]], torch.optim.Optimizer],
-    *,
-    clip: float | None = None,
-    lrs: list[float] | None = None,
-) -> tuple[Tree, torch.optim.Optimizer, list[torch.Tensor], list[torch.Tensor]]:
-    """The reference: torch.optim (optionally after clip_grad_norm_) on the unsharded params."""
-    leaves, treedef = optree.tree_flatten(params)
-    ref = [p.clone().requires_grad_(True) for p in leaves]
-    opt = make(ref)
-    norms = []
-    for k, grads in enumerate(grads_seq):
-        for p, g in zip(ref, optree.tree_leaves(grads), strict=True):
-            p.grad = g.clone()
-        if clip is not None:
-            norms.append(torch.nn.utils.clip_grad_norm_(ref, clip))
-        if lrs is not None:
-            for group in opt.param_groups:
-                group["lr"] = lrs[k]
-        opt.step()
-    return optree.tree_unflatten(treedef, [p.detach() for p in ref]), opt, ref, norms
 
 
 # ------------------------------------------------------------------------------- (a) AdamW on a sharded tree
@@ -103,63 +77,6 @@ def test_adamw_sharded_matches_torch(run, check_vma: bool) -> None:
 
 def test_adamw_sharded_with_schedule_matches_torch(run) -> None:
     assert set(run(_adamw_body, MESH, True, True)) == {"ok"}
-
-
-# leaves of several update blocks (funcshard.optim._adamw.CHUNK elements each), one with a ragged last block
-BIG_SPECS = {"w": P(None, "tp"), "b": P("tp"), "n": P()}
-_BLOCK = 1 << 20  # funcshard.optim._adamw.CHUNK (checked in the test)
-BIG_SHAPES = {"w": (3, _BLOCK + 34), "b": (2 * _BLOCK + 6,), "n": (7,)}
-
-
-def _adamw_donated_body(mesh: fs.Mesh) -> tuple[int, bool, bool]:
-    from funcshard.optim import _adamw
-
-    fused, _adamw._FUSED = _adamw._FUSED, None  # the op-by-op path (a compiled step, other dtypes; fused: below)
-    try:
-        return _adamw_donated_blocks(mesh)
-    finally:
-        _adamw._FUSED = fused
-
-
-def _adamw_donated_blocks(mesh: fs.Mesh) -> tuple[int, bool, bool]:
-    from funcshard.optim._adamw import CHUNK, _chunks
-
-    params = _rand(BIG_SHAPES, 0)
-    grads_seq = [_rand(BIG_SHAPES, k + 1) for k in range(3)]
-    opt = optim.adamw(1e-2, b1=0.9, b2=0.95, eps=1e-8, weight_decay=0.1)
-    sspecs = opt.state_specs(BIG_SPECS)
-    step = fs.shard_map(
-        lambda p, g, s: opt.update(g, s, p),
-        mesh=mesh,
-        in_specs=(BIG_SPECS, BIG_SPECS, sspecs),
-        out_specs=(BIG_SPECS, sspecs),
-        donate=(0, 2),
-    )
-    p = fs.device_put(params, mesh, BIG_SPECS)
-    state = fs.shard_map(opt.init, mesh=mesh, in_specs=(BIG_SPECS,), out_specs=sspecs)(p)
-    for g in grads_seq:
-        p, state = step(p, g, state)
-    ref, topt, ref_leaves, _ = _torch_steps(
-        params,
-        grads_seq,
-        lambda ps: torch.optim.AdamW(ps, lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, foreach=False),
-    )
-    got = fs.device_get(p)
-    exact = all(torch.equal(a, b) for a, b in zip(optree.tree_leaves(got), optree.tree_leaves(ref), strict=True))
-    nu = optree.tree_leaves(fs.device_get(state.nu))
-    exact = exact and all(torch.equal(v, topt.state[r]["exp_avg_sq"]) for r, v in zip(ref_leaves, nu, strict=True))
-    assert CHUNK == _BLOCK, "BIG_SHAPES are sized for the update's block"
-    local_w = torch.zeros(3, _BLOCK // 2 + 17)  # one device's block of "w": 1.5 blocks
-    blocks = len(list(_chunks(CHUNK, local_w, local_w)))
-    return blocks, exact, len(list(_chunks(0, local_w))) == 1
-
-
-def test_adamw_donated_blocks_match_torch_bit_for_bit(run) -> None:
-    # the op-by-op in-place update runs block by block (cache-sized): torch.optim.AdamW's numbers, bit for bit
-    # (float32 CPU leaves take torch's fused kernel instead: tests/whitebox/optim/test_adamw_fused_kernel.py)
-    for blocks, exact, whole in run(_adamw_donated_body, {"tp": 2}):
-        assert blocks == 2 and whole  # a local leaf of 1.5 blocks is cut in two; chunk 0: one block
-        assert exact
 
 
 def test_adamw_transform_plus_apply_updates_matches_update() -> None:

@@ -1,8 +1,9 @@
 """The optimiser tests' trees: a mesh, sharded leaves of several layouts, random values for them, a closeness check
-over a tree, and a small regression loss."""
+over a tree, a small regression loss, and the reference steps of ``torch.optim`` on the unsharded params."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import optree
@@ -50,3 +51,28 @@ def _close(a: Tree, b: Tree, rtol: float = 1e-6, atol: float = 1e-8) -> None:
 
 def _mse(p: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return ((x @ p["w"] + p["b"] - y) ** 2).mean()
+
+
+def _torch_steps(
+    params: Tree,
+    grads_seq: list[Tree],
+    make: Callable[[list[torch.Tensor]], torch.optim.Optimizer],
+    *,
+    clip: float | None = None,
+    lrs: list[float] | None = None,
+) -> tuple[Tree, torch.optim.Optimizer, list[torch.Tensor], list[torch.Tensor]]:
+    """The reference: torch.optim (optionally after clip_grad_norm_) on the unsharded params."""
+    leaves, treedef = optree.tree_flatten(params)
+    ref = [p.clone().requires_grad_(True) for p in leaves]
+    opt = make(ref)
+    norms = []
+    for k, grads in enumerate(grads_seq):
+        for p, g in zip(ref, optree.tree_leaves(grads), strict=True):
+            p.grad = g.clone()
+        if clip is not None:
+            norms.append(torch.nn.utils.clip_grad_norm_(ref, clip))
+        if lrs is not None:
+            for group in opt.param_groups:
+                group["lr"] = lrs[k]
+        opt.step()
+    return optree.tree_unflatten(treedef, [p.detach() for p in ref]), opt, ref, norms

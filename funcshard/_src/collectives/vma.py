@@ -14,7 +14,7 @@ the tag is looked up through them.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import optree
@@ -52,6 +52,7 @@ __all__ = [
     "tag_like",
     "tag_tensors",
     "tag_through",
+    "tags_agree",
     "tags_of",
     "take_vma",
     "vary_output",
@@ -192,6 +193,53 @@ def official_vma(t: torch.Tensor) -> frozenset[str] | None:
     a collective's result, a tracked value): None for none, or for axes that only the audit knows."""
     v = find_vma(t)
     return None if isinstance(v, Audited) else v
+
+
+def tags_agree(groups: Iterable[Sequence[Any]], shared: Sequence[Any] = ()) -> bool:
+    """Whether the tensors of each of ``groups`` are plain tensors that need no gradient, all varying over one set of
+    axes (groups possibly over different ones: under tp the sharded weights vary, the norms do not), and the tensors
+    among ``shared`` (non-tensors skipped) likewise, over axes within every group's.
+
+    Then ops that each mix the tensors of one group with the shared ones (an optimiser's update of one leaf: its
+    gradient, moments and parameter, with the learning rate), writing into that group's tensors or into temporaries
+    that never leave them, change no tag: the vma mode would only tag those temporaries (nothing to widen that is not
+    in the group's axes, no error to raise) and they may run with torch functions off, for the same numbers. Ask it
+    beside the fast-path predicate: ``not transforms_active() and not tracing() and tags_agree(...)``.
+
+    Example:
+        >>> import torch
+        >>> tags_agree([(torch.ones(2), torch.zeros(2))], (0.5,))  # untagged: invariant alike
+        True
+        >>> tags_agree([(torch.ones(2, requires_grad=True),)])
+        False
+    """
+    ok, axes = _one_tag(shared)
+    if not ok:
+        return False
+    for group in groups:
+        ok, first = _one_tag(group)
+        if not ok:
+            return False
+        if axes and (first is None or not axes <= first):  # a varying shared value meets a group outside its axes
+            return False
+    return True
+
+
+def _one_tag(values: Sequence[Any]) -> tuple[bool, frozenset[str] | None]:
+    """Whether the tensors among ``values`` are plain tensors that do not require grad, all varying over the same
+    axes (untagged: none), and those axes (None: no tensor among ``values``)."""
+    tag = None
+    for t in values:
+        if not isinstance(t, torch.Tensor):
+            continue
+        if type(t) is not torch.Tensor or t.requires_grad:
+            return False, None
+        v = get_vma(t)
+        if tag is None:
+            tag = v
+        elif v != tag:
+            return False, None
+    return True, tag
 
 
 def active_mode() -> VmaMode | None:
