@@ -291,10 +291,14 @@ def test_job_imports_only_public_names() -> None:
                 if node.level == 0 and (mod == "funcshard" or mod.startswith("funcshard.")):
                     aliases.update(a.asname or a.name for a in node.names)
                     bad = any(_private(p) for p in mod.split(".")) or any(_private(n) for n in names)
-                elif node.level == 1:  # a sibling in the job
-                    bad = any(_private(n) for n in names)
-                elif node.level >= 2:  # only "from .. import <public subpackage>"
-                    bad = node.level > 2 or bool(mod) or any(_private(n) for n in names)
+                elif node.level >= 1:  # resolved against the file's package
+                    pkg = ["funcshard", *path.relative_to(ROOT).parent.parts]
+                    base = pkg[: len(pkg) - (node.level - 1)]
+                    target = [*base, *(mod.split(".") if mod else [])]
+                    if target[:2] == ["funcshard", "job"]:  # a module of the job itself
+                        bad = any(_private(n) for n in names)
+                    else:  # leaving the job: only "from <funcshard> import <public subpackage>"
+                        bad = target != ["funcshard"] or any(_private(n) for n in names)
                 else:
                     continue
                 if bad:

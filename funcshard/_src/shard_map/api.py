@@ -111,16 +111,25 @@ def shard_map(
             warn_sim(name, id(mapped))
         return _call(f, mesh, in_specs, out_specs, check, args, cache, donated, compiled, name)
 
-    def twin(on: Mesh) -> Callable[..., Any]:  # the same function on another mesh (lower's abstract twin)
+    out = opaque_to_dynamo(mapped, name, tell=options is None and mesh.is_multiprocess)
+    out.lower = _lowering(f, mesh, in_specs, out_specs, check, donate, name)  # type: ignore[attr-defined]
+    return out
+
+
+def _lowering(
+    f: Callable[..., Any], mesh: Mesh, in_specs: Any, out_specs: Any, check: bool, donate: Any, name: str
+) -> Callable[..., Lowered]:
+    """The ``lower`` of a shard_map'd function: its ahead-of-time analysis for given arguments (real or abstract),
+    run on the same function over the abstract twin of ``mesh`` (see ``Lowered``)."""
+
+    def twin(on: Mesh) -> Callable[..., Any]:  # the same function on another mesh
         return shard_map(f, mesh=on, in_specs=in_specs, out_specs=out_specs, check_vma=check, donate=donate)
 
     def lower_(*args: Any) -> Lowered:
-        """This function's ahead-of-time analysis for ``args`` (real or abstract): see ``Lowered``."""
+        """This function's ahead-of-time analysis for ``args``: ``.cost_analysis()``, ``.memory_analysis()``."""
         return lower(twin, mesh, name, args, roles_of(args))
 
-    out = opaque_to_dynamo(mapped, name, tell=options is None and mesh.is_multiprocess)
-    out.lower = lower_  # type: ignore[attr-defined]
-    return out
+    return lower_
 
 
 def _call(
