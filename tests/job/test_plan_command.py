@@ -60,9 +60,10 @@ def test_plan_json_is_plain_data(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_405b_on_8_gpus_does_not_fit_and_says_why(capsys: pytest.CaptureFixture[str]) -> None:
-    code = main(["--preset", "llama3-405b", "--mesh", "fsdp=8", "--seq", "8192", "--batch", "8", "--layers", "1"])
+    code = main(["--preset", "llama3-405b", "--mesh", "fsdp=8", "--seq", "8192", "--batch", "8"])
     out = capsys.readouterr().out
     assert code == 1 and "DOES NOT FIT" in out and "optimiser state" in out
+    assert "fp32 master weights are 1.6 TB in all" in out
 
 
 def test_search_ranks_layouts_that_fit(capsys: pytest.CaptureFixture[str]) -> None:

@@ -53,6 +53,11 @@ def report(e: Estimate, args: argparse.Namespace) -> str:
     for part in _PARTS:
         lines.append(f"  {part:<16} {human_bytes(e.memory[part]):>10}  {_bar(e.memory[part], e.capacity)}")
     if not e.fits:
+        total = n_params(e.cfg)
+        lines.append(
+            f"  the model's fp32 master weights are {human_bytes(4 * total)} in all ({total / 1e9:.1f}B parameters; "
+            f"{human_bytes(16 * total)} with gradients and AdamW's two moments), over {e.devices} devices"
+        )
         lines.append("  " + advice(e.memory, e.capacity))
     lines += [
         "",

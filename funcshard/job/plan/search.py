@@ -1,7 +1,9 @@
 """``plan --search --gpus N``: every layout of the train step over N devices that fits, fastest first.
 
 The layouts are the meshes ``{pp, fsdp, cp, tp}`` whose sizes multiply to N (tp inside a node and dividing the
-key / value heads, pp dividing the layers, cp only for long sequences), each with the remat policies. A layout
+key / value heads, pp dividing the layers, cp only for long sequences), each with the remat policies from the
+cheapest (none, selective, full): once one fits, the dearer ones are not tried (the same communication and
+more recomputation cannot be faster). A layout
 whose parameters, gradients and AdamW moments alone (16 bytes a parameter, sharded over fsdp x tp x pp) exceed
 the device is dropped before any analysis.
 
@@ -93,9 +95,13 @@ def search(args: argparse.Namespace, n: int, *, progress: bool = True) -> list[E
             f"per device; use more devices."
         )
     found = []
+    settled: set[tuple[tuple[str, int], ...]] = set()  # meshes where a cheaper remat policy already fits
     for i, (mesh, remat) in enumerate(jobs, 1):
         if progress:
             _bar(i, len(jobs), mesh, remat)
+        key = tuple(mesh.items())
+        if key in settled:  # more recomputation, the same communication: slower than the policy that fits
+            continue
         sub = argparse.Namespace(**{**vars(args), "remat": remat})
         try:
             e = extrapolated(sub, mesh)
@@ -103,6 +109,7 @@ def search(args: argparse.Namespace, n: int, *, progress: bool = True) -> list[E
             continue
         if e.fits:
             found.append(e)
+            settled.add(key)
     if progress:
         print(file=sys.stderr)
     return sorted(found, key=lambda e: e.time.total)
