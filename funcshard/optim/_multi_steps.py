@@ -87,7 +87,9 @@ def multi_steps(opt: Optimizer, k: int) -> Optimizer:
         _, g_leaves, treedef = named_leaves(where, "grads", grads)
         a_leaves = check_like(where, "state.acc_grads", state.acc_grads, grads, "grads")
         acc = [a + (g - a) / (n + 1) for g, a in zip(g_leaves, a_leaves, strict=True)]  # running mean
-        return n, optree.tree_unflatten(treedef, acc), n == k - 1
+        # (an abstract run has no count to read: it plans the microbatch that updates, the dearest)
+        emit = True if isinstance(n, torch.Tensor) and n.is_meta else n == k - 1
+        return n, optree.tree_unflatten(treedef, acc), emit
 
     def after(state: MultiStepsState, n: int, acc: PyTree, emit: bool, inner: Any) -> MultiStepsState:
         if emit:

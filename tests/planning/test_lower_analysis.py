@@ -114,3 +114,20 @@ def test_memory_analysis_peak_within_10_percent_of_live_bytes(remat: str, shape:
     step(params, state, x, x)
     measured = max(h + p for h, p in zip(held, counts.peaks(), strict=True))
     assert 0.9 <= predicted / measured <= 1.1, (predicted, measured)
+
+
+@pytest.mark.parametrize("shape", [{"pp": 2, "fsdp": 2}, {"fsdp": 2, "tp": 2}], ids=str)
+def test_memory_parts_hold_the_real_shards(shape: dict[str, int]) -> None:
+    """On an abstract mesh the params and optimiser state parts are the bytes of the real shards' layout."""
+    from funcshard.job.cli import plan_parser
+    from funcshard.job.plan.estimate import lowered_step, plan_config
+
+    argv = ["--dim", "64", "--layers", "4", "--heads", "4", "--kv-heads", "2", "--ffn", "128", "--seq", "32"]
+    args = plan_parser().parse_args([*argv, "--batch", "8", "--hardware", "h100"])
+    cfg = plan_config(args)
+    mem = lowered_step(args, cfg, shape).memory_analysis(device=0)
+    mesh = fs.make_mesh(shape, backend="sim")
+    real = fs.device_put(llama.init(fs.random.key(0), cfg), mesh, llama.param_specs(cfg, mesh))
+    layout = _inputs_bytes(real, (0,) * len(shape))
+    assert mem["params"] == layout
+    assert 0 <= mem["optimizer_state"] - 2 * layout <= 16  # the moments, and the step count and clipping norm

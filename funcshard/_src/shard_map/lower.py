@@ -35,6 +35,7 @@ from ..tree.shapes import ShapeDtype, to_meta
 __all__ = ["Lowered", "abstract_args", "lower"]
 
 PARTS = ("params", "grads", "optimizer_state", "activations", "temporaries")
+_INPUT_ROLES = ("params", "optimizer_state")  # the parts an input's role may give it
 
 
 class _Meter(TorchDispatchMode):
@@ -78,8 +79,16 @@ class _Meter(TorchDispatchMode):
         weakref.finalize(storage, self._freed, key, n)
 
     def mark(self, t: torch.Tensor, kind: str) -> None:
-        """``t``'s storage is part ``kind`` (a later mark wins over a part guessed from an input's role)."""
-        self.kinds[t.untyped_storage()._cdata] = kind
+        """``t``'s storage is part ``kind``. An input keeps its role (a weight saved for the backward is still a
+        parameter), except that ``"params"`` names which floating inputs are the parameters; params are the
+        inputs' own storages: a copy the program makes of them (a cast, a stage's chunk) stays a temporary."""
+        key = t.untyped_storage()._cdata
+        have = self.kinds.get(key)
+        if have in _INPUT_ROLES:
+            if kind == "params":
+                self.kinds[key] = kind
+        elif kind != "params":
+            self.kinds[key] = kind
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
@@ -269,11 +278,37 @@ def lower(
 
 
 def roles_of(args: tuple[Any, ...]) -> list[str]:
-    """Per argument, the part its tensors are unless marked otherwise: floating ones optimizer state (params are
-    marked by the ``value_and_grad`` that differentiates them), others temporaries (a batch of ids)."""
+    """Per argument, the part its tensors are unless marked otherwise: ``"params"`` for a floating argument whose
+    tree another argument holds a copy of the structure of (an optimiser state's moments: ``(params, state,
+    batch)``), other floating ones ``"optimizer_state"`` (params are also marked by the ``value_and_grad`` that
+    differentiates them), the rest temporaries (a batch of ids).
+
+    Example:
+        >>> w = {"a": torch.ones(2), "b": torch.ones(3)}
+        >>> roles_of((w, ({"a": torch.ones(2), "b": torch.ones(3)},), torch.ones(2, dtype=torch.int64)))
+        ['params', 'optimizer_state', 'temporaries']
+    """
+    specs = [optree.tree_structure(a, is_leaf=is_array) for a in args]
     out = []
-    for a in args:
+    for i, a in enumerate(args):
         leaves = optree.tree_leaves(a, is_leaf=is_array)
-        floats = any(getattr(t, "dtype", torch.int64).is_floating_point for t in leaves)
-        out.append("optimizer_state" if floats else "temporaries")
+        if not any(getattr(t, "dtype", torch.int64).is_floating_point for t in leaves):
+            out.append("temporaries")
+            continue
+        mirrored = specs[i].num_leaves > 1 and any(_holds(b, specs[i]) for j, b in enumerate(args) if j != i)
+        out.append("params" if mirrored else "optimizer_state")
     return out
+
+
+def _holds(tree: Any, spec: Any) -> bool:
+    """Whether ``tree`` has a subtree of structure ``spec``."""
+    found = []
+
+    def match(x: Any) -> bool:
+        hit = not is_array(x) and optree.tree_structure(x, is_leaf=is_array) == spec
+        if hit:
+            found.append(x)
+        return hit or is_array(x)
+
+    optree.tree_leaves(tree, is_leaf=match)
+    return bool(found)
