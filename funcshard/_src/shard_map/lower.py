@@ -92,11 +92,14 @@ class _Meter(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        out = func(*args, **kwargs)
+        aliases = _ALIASING.get(func)
+        if aliases is None:
+            aliases = _ALIASING[func] = any(r.alias_info is not None for r in func._schema.returns)
+        out = func(*args, **kwargs) if aliases else _meta_call(func, args, kwargs)
         formula = self.formulas.get(func._overloadpacket)
         if formula is not None:
             self.flops += formula(*args, **kwargs, out_val=out)
-        if any(r.alias_info is not None for r in func._schema.returns):
+        if aliases:
             return out
         for t in optree.tree_leaves(out):
             if isinstance(t, torch.Tensor):
@@ -113,6 +116,70 @@ class _Meter(TorchDispatchMode):
             out["params" if kind == "optimizer_state" and not trained else kind] += n
         out["temporaries"] += self.peak - sum(self.at_peak.values())
         return {"peak": self.peak, **out}
+
+
+#: per aten op: whether its results alias an input (a view, an in-place or out= result)
+_ALIASING: dict[Any, bool] = {}
+#: (op, the arguments' shapes, strides and dtypes, the other arguments) -> its results' shapes, strides and dtypes:
+#: torch's meta kernels are Python (``torch._refs``) and a step repeats the same ops on the same shapes; a new
+#: result is made from the cached layout, as ``FakeTensorMode``'s cache does
+_META_CACHE: dict[Any, Any] = {}
+
+
+def _meta_call(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """``func(*args, **kwargs)`` of an op whose results are fresh tensors, by its cached result layout where the
+    arguments are meta tensors and plain values seen before."""
+    try:
+        key = (func, _key(args), _key(tuple(sorted(kwargs.items()))))
+        hash(key)
+    except _Unkeyable:
+        return func(*args, **kwargs)
+    layout = _META_CACHE.get(key)
+    if layout is None:
+        out = func(*args, **kwargs)
+        try:
+            _META_CACHE[key] = _layout(out)
+        except _Unkeyable:  # (a result that holds values: a real tensor the program reads)
+            pass
+        return out
+    return _rebuild(layout)
+
+
+class _Unkeyable(Exception):
+    pass
+
+
+def _key(x: Any) -> Any:
+    if isinstance(x, torch.Tensor):
+        if not x.is_meta or type(x) is not torch.Tensor:
+            raise _Unkeyable
+        return ("T", tuple(x.shape), x.stride(), x.dtype, x.storage_offset())
+    if isinstance(x, (tuple, list)):
+        return (type(x).__name__, *(_key(v) for v in x))
+    if x is None or isinstance(x, (bool, int, float, str, torch.dtype, torch.device, torch.layout)):
+        return x
+    if isinstance(x, torch.memory_format):
+        return str(x)
+    raise _Unkeyable
+
+
+def _layout(out: Any) -> Any:
+    if isinstance(out, torch.Tensor):
+        if not out.is_meta:
+            raise _Unkeyable
+        return ("T", tuple(out.shape), out.stride(), out.dtype)
+    if isinstance(out, (tuple, list)):
+        return (type(out), [_layout(v) for v in out])
+    return ("V", out)
+
+
+def _rebuild(layout: Any) -> Any:
+    if layout[0] == "T":
+        return torch.empty_strided(layout[1], layout[2], dtype=layout[3], device="meta")
+    if layout[0] == "V":
+        return layout[1]
+    kind, items = layout
+    return kind([_rebuild(v) for v in items])
 
 
 class _Device:
