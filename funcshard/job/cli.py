@@ -359,7 +359,7 @@ def plan_parser() -> ArgumentParser:
     _add_mesh_options(ap)
     _add_model_options(ap)
     _add_training_options(ap)
-    ap.set_defaults(remat=None, dtype=None, mesh="fsdp=8", seq=8192, batch=8)
+    ap.set_defaults(remat=None, dtype=None, mesh="fsdp=8", seq=8192, batch=None)
     return ap
 
 

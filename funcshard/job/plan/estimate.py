@@ -140,8 +140,14 @@ def n_params(cfg: llama.Config) -> int:
 
 def resolve_defaults(args: argparse.Namespace) -> argparse.Namespace:
     """On GPU hardware ``--dtype bf16`` and ``--remat selective`` unless given (as torchtitan trains); on
-    ``cpu`` fp32 and none."""
+    ``cpu`` fp32 and none. ``--batch`` unless given: two sequences per device (of ``--mesh``, or ``--gpus`` with
+    ``--search``)."""
     gpu = args.hardware != "cpu"
+    if args.batch is None:
+        devices = (
+            args.gpus if getattr(args, "search", False) and args.gpus else math.prod(parse_mesh(args.mesh).values())
+        )
+        args.batch = 2 * devices
     if args.dtype is None:
         args.dtype = "bf16" if gpu else "fp32"
     if args.remat is None:

@@ -1,7 +1,7 @@
 """``plan --search --gpus N``: every layout of the train step over N devices that fits, fastest first.
 
 The layouts are the meshes ``{pp, fsdp, cp, tp}`` whose sizes multiply to N (tp inside a node and dividing the
-key / value heads, pp dividing the layers, cp only for long sequences), each with the remat policies from the
+key / value heads, pp up to 8 dividing the layers, cp only for long sequences), each with the remat policies from the
 cheapest (none, selective, full): once one fits, the dearer ones are not tried (the same communication and
 more recomputation cannot be faster). A layout
 whose parameters, gradients and AdamW moments alone (16 bytes a parameter, sharded over fsdp x tp x pp) exceed
@@ -15,7 +15,7 @@ small ones. ``estimate`` lowers the whole model (``plan`` without ``--search``).
 Example:
     >>> from funcshard.job.cli import plan_parser
     >>> args = plan_parser().parse_args(["--preset", "debug", "--seq", "64", "--batch", "8", "--hardware", "h100"])
-    >>> ranked = search(args, 4, progress=False)
+    >>> ranked = search(args, 4, progress=False, workers=1)
     >>> all(e.fits for e in ranked) and len(ranked) > 1
     True
 """
@@ -23,8 +23,11 @@ Example:
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import dataclasses
 import math
+import multiprocessing
+import os
 import sys
 from typing import Any
 
@@ -54,7 +57,7 @@ def candidates(args: argparse.Namespace, n: int) -> list[dict[str, int]]:
     node = hardware(args.hardware).node_size
     out = []
     for pp in _powers(n):
-        if cfg.n_layers % pp or pp > 16:
+        if cfg.n_layers % pp or pp > 8:
             continue
         for tp in _powers(n // pp):
             if tp > node or cfg.n_kv_heads % tp or cfg.n_heads % tp:
@@ -76,43 +79,54 @@ def _powers(n: int) -> list[int]:
     return [p for p in (2**i for i in range(int(math.log2(n)) + 1)) if n % p == 0]
 
 
-def search(args: argparse.Namespace, n: int, *, progress: bool = True) -> list[Estimate]:
-    """Every layout of ``n`` devices (:func:`candidates` x remat policies) that fits, fastest first."""
+def search(args: argparse.Namespace, n: int, *, progress: bool = True, workers: int | None = None) -> list[Estimate]:
+    """Every layout of ``n`` devices (:func:`candidates`, each with its cheapest remat policy that fits) that fits,
+    fastest first. The layouts are analysed in ``workers`` processes (default: one per core; 1: in this one)."""
     cfg = plan_config(args)
     total = n_params(cfg)
     capacity = hardware(args.hardware).hbm_bytes
-    jobs = []
+    meshes = []
     for mesh in candidates(args, n):
         shards = mesh.get("fsdp", 1) * mesh.get("tp", 1) * mesh.get("pp", 1)
-        if total * _BYTES_PER_PARAM / shards > capacity:
-            continue  # the state alone does not fit
-        for remat in ("none", "selective", "full"):
-            jobs.append((mesh, remat))
-    if not jobs:
+        if total * _BYTES_PER_PARAM / shards <= capacity:  # else the state alone does not fit
+            meshes.append(mesh)
+    if not meshes:
         raise UsageError(
             f"plan --search: no layout of {n} devices holds the model's {total / 1e9:.1f}B parameters with their "
             f"gradients and AdamW state ({human_bytes(total * _BYTES_PER_PARAM)}) within {human_bytes(capacity)} "
             f"per device; use more devices."
         )
-    found = []
-    settled: set[tuple[tuple[str, int], ...]] = set()  # meshes where a cheaper remat policy already fits
-    for i, (mesh, remat) in enumerate(jobs, 1):
-        if progress:
-            _bar(i, len(jobs), mesh, remat)
-        key = tuple(mesh.items())
-        if key in settled:  # more recomputation, the same communication: slower than the policy that fits
-            continue
-        sub = argparse.Namespace(**{**vars(args), "remat": remat})
-        try:
-            e = extrapolated(sub, mesh)
-        except (UsageError, fs.ShardingError, fs.ConfigError):
-            continue
-        if e.fits:
-            found.append(e)
-            settled.add(key)
+    workers = min(len(meshes), os.cpu_count() or 1) if workers is None else workers
+    found: list[Estimate] = []
+    if workers <= 1:
+        for i, mesh in enumerate(meshes, 1):
+            if progress:
+                _bar(i, len(meshes), mesh)
+            found += _fastest_fitting(args, mesh)
+    else:
+        ctx = multiprocessing.get_context("spawn")  # (no fork of a process that holds torch's threads)
+        with concurrent.futures.ProcessPoolExecutor(workers, mp_context=ctx) as pool:
+            futures = {pool.submit(_fastest_fitting, args, mesh): mesh for mesh in meshes}
+            for i, done in enumerate(concurrent.futures.as_completed(futures), 1):
+                if progress:
+                    _bar(i, len(meshes), futures[done])
+                found += done.result()
     if progress:
         print(file=sys.stderr)
     return sorted(found, key=lambda e: e.time.total)
+
+
+def _fastest_fitting(args: argparse.Namespace, mesh: dict[str, int]) -> list[Estimate]:
+    """The estimate of ``mesh`` with the cheapest remat policy that fits (none, selective, full), or nothing: a
+    dearer policy has the same communication and more recomputation, so it cannot be faster."""
+    for remat in ("none", "selective", "full"):
+        try:
+            e = extrapolated(argparse.Namespace(**{**vars(args), "remat": remat}), mesh)
+        except (UsageError, fs.ShardingError, fs.ConfigError):
+            return []
+        if e.fits:
+            return [e]
+    return []
 
 
 def extrapolated(args: argparse.Namespace, mesh: dict[str, int]) -> Estimate:
@@ -152,8 +166,8 @@ def _with_layers(args: argparse.Namespace, cfg: Any, layers: int) -> argparse.Na
     return argparse.Namespace(**{**vars(args), "layers_override": layers})
 
 
-def _bar(i: int, n: int, mesh: dict[str, int], remat: str) -> None:
+def _bar(i: int, n: int, mesh: dict[str, int]) -> None:
     width = 24
     k = width * i // n
     text = ",".join(f"{a}={s}" for a, s in mesh.items())
-    print(f"\rsearching [{'#' * k}{'.' * (width - k)}] {i}/{n} {text} remat {remat:<10}", end="", file=sys.stderr)
+    print(f"\rsearching [{'#' * k}{'.' * (width - k)}] {i}/{n} layouts ({text:<24})", end="", file=sys.stderr)
