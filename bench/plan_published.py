@@ -12,12 +12,12 @@ from what is planned in ways the model does not describe (Float8 linears, torch.
 power-capped GPUs); the guide's notes say where, and by how much that is expected to move each ratio.
 
 The 405B rows lower copies of the model with one and two layers per pipeline stage (per chunk, interleaved) and
-extend them linearly (``funcshard.job.plan.search.extrapolated``, as ``plan --search`` does): the whole model
-on 512 devices takes minutes, the copies about half a minute, and FLOPs and communication come out the same.
+extend them linearly (``funcshard.job.plan.search.extrapolated``, as ``plan --search`` does): several times
+faster than lowering the whole model on 512 devices, with the same FLOPs and communication.
 Its 126 layers do not split into 8 equal stages; torchtitan gives stages 15 or 16 layers, so the step is paced by
 the 16-layer stages: it is planned as 128 layers (16 a stage) and its MFU counts the model FLOPs of 126.
 
-    PYTHONPATH=. python bench/plan_published.py           # about 3 minutes on two cores
+    PYTHONPATH=. python bench/plan_published.py           # about a minute on two cores
     PYTHONPATH=. python bench/plan_published.py --rows 8b maxtext   # a subset
 """
 
