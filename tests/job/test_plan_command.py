@@ -85,6 +85,22 @@ def test_search_extrapolation_matches_the_whole_model() -> None:
     assert abs(fast.memory["peak"] / whole.memory["peak"] - 1) < 0.05
 
 
+def test_search_extrapolation_of_an_interleaved_pipeline() -> None:
+    from funcshard.job.plan.search import extrapolated
+
+    # 12 layers, pp=2, 2 chunks a stage: lowered with 4 and 8 layers (1 and 2 a chunk), extended to 3 a chunk
+    flags = "--dim 64 --layers 12 --heads 4 --kv-heads 2 --ffn 128 --seq 32 --batch 8 --mesh pp=2,fsdp=2"
+    args = _args(*flags.split(), "--schedule", "interleaved", "--hardware", "h100")
+    whole, fast = estimate(args), extrapolated(args, {"pp": 2, "fsdp": 2})
+    assert "from 4 and 8 layers" in fast.notes[-1]
+    assert fast.comm_rows == whole.comm_rows and fast.cost["flops"] == whole.cost["flops"]
+    assert fast.cost["comm_bytes"] == whole.cost["comm_bytes"] and fast.cost["comm_calls"] == whole.cost["comm_calls"]
+    assert abs(fast.memory["peak"] / whole.memory["peak"] - 1) < 0.05
+    parts = [fast.memory[p] for p in ("params", "grads", "optimizer_state", "activations", "temporaries")]
+    assert min(parts) >= 0 and sum(parts) == fast.memory["peak"]
+    assert fast.memory["params"] == whole.memory["params"]
+
+
 def test_plan_bad_input_is_one_error_line(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["--preset", "llama3-9000"]) == 2
     assert "llama3-8b" in capsys.readouterr().err

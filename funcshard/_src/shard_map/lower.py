@@ -51,14 +51,19 @@ class _Meter(TorchDispatchMode):
         self.live = 0
         self.peak = 0
         self.sizes: dict[int, int] = {}  # storage key -> bytes, for the live storages
-        self.kinds: dict[int, str] = {}  # storage key -> part, where known (inputs, params, grads, activations)
-        self.at_peak: dict[int, int] = {}
+        # a key is the storage's address, which a later storage may reuse: each storage gets a serial number, and
+        # the parts are kept by serial, so a freed storage's part never sticks to the next one at its address
+        self.serials: dict[int, int] = {}  # storage key -> serial, for the live storages
+        self.kinds: dict[int, str] = {}  # serial -> part, where known (inputs, params, grads, activations)
+        self.at_peak: dict[int, int] = {}  # serial -> bytes, of the storages live at the peak
+        self._count = 0
         self._read = 0
         self._lock = threading.Lock()
 
-    def _freed(self, key: int, n: int) -> None:
+    def _freed(self, key: int, n: int, serial: int) -> None:
         with self._lock:
-            if self.sizes.pop(key, None) is not None:
+            if self.serials.get(key) == serial:
+                del self.serials[key], self.sizes[key]
                 self.live -= n
 
     def add(self, t: torch.Tensor, kind: str | None = None) -> None:
@@ -66,29 +71,37 @@ class _Meter(TorchDispatchMode):
         storage = t.untyped_storage()
         key, n = storage._cdata, storage.nbytes()
         with self._lock:
-            if kind is not None:
-                self.kinds.setdefault(key, kind)
-            if key in self.sizes:
+            serial = self.serials.get(key)
+            if serial is not None:  # already live
+                if kind is not None:
+                    self.kinds.setdefault(serial, kind)
                 return
+            serial = self.serials[key] = self._count
+            self._count += 1
+            if kind is not None:
+                self.kinds[serial] = kind
             self.sizes[key] = n
             self.live += n
             if self.live > self.peak:
                 self.peak = self.live
                 if self.live > self._read * 1.01:
-                    self.at_peak, self._read = dict(self.sizes), self.live
-        weakref.finalize(storage, self._freed, key, n)
+                    self.at_peak = {self.serials[k]: size for k, size in self.sizes.items()}
+                    self._read = self.live
+        weakref.finalize(storage, self._freed, key, n, serial)
 
     def mark(self, t: torch.Tensor, kind: str) -> None:
         """``t``'s storage is part ``kind``. An input keeps its role (a weight saved for the backward is still a
         parameter), except that ``"params"`` names which floating inputs are the parameters; params are the
         inputs' own storages: a copy the program makes of them (a cast, a stage's chunk) stays a temporary."""
-        key = t.untyped_storage()._cdata
-        have = self.kinds.get(key)
+        serial = self.serials.get(t.untyped_storage()._cdata)
+        if serial is None:  # not a storage this device made or was given
+            return
+        have = self.kinds.get(serial)
         if have in _INPUT_ROLES:
             if kind == "params":
-                self.kinds[key] = kind
+                self.kinds[serial] = kind
         elif kind != "params":
-            self.kinds[key] = kind
+            self.kinds[serial] = kind
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
@@ -111,8 +124,8 @@ class _Meter(TorchDispatchMode):
         out = dict.fromkeys(PARTS, 0)
         # no parameters marked (nothing differentiated: a forward, an evaluation): the floating inputs are those
         trained = "params" in self.kinds.values()
-        for key, n in self.at_peak.items():
-            kind = self.kinds.get(key, "temporaries")
+        for serial, n in self.at_peak.items():
+            kind = self.kinds.get(serial, "temporaries")
             out["params" if kind == "optimizer_state" and not trained else kind] += n
         out["temporaries"] += self.peak - sum(self.at_peak.values())
         return {"peak": self.peak, **out}

@@ -32,6 +32,7 @@ import sys
 from typing import Any
 
 import funcshard as fs
+from funcshard.pipeline import by_name
 
 from ..cli import UsageError
 from ..machine import human_bytes
@@ -42,6 +43,7 @@ from .timing import step_time
 __all__ = ["candidates", "search"]
 
 _BYTES_PER_PARAM = 16  # fp32 master weight, gradient and two AdamW moments
+_PARTS = ("params", "grads", "optimizer_state", "activations", "temporaries")
 
 
 def candidates(args: argparse.Namespace, n: int) -> list[dict[str, int]]:
@@ -131,33 +133,48 @@ def _fastest_fitting(args: argparse.Namespace, mesh: dict[str, int]) -> list[Est
 
 def extrapolated(args: argparse.Namespace, mesh: dict[str, int]) -> Estimate:
     """:func:`estimate` of ``mesh``, from two lowered copies of the model with one and two layers per pipeline
-    stage, extended linearly to its layers."""
+    stage (per chunk of a stage, for schedules with several), extended linearly to its layers.
+
+    The peak memory, the FLOPs and the communication are affine in the layer count. The peak's parts are not:
+    which buffers are live at the peak can change from one layer count to the next. The parameters and the
+    optimiser state are extended (they are affine), the other parts are the larger copy's, and the peak's growth
+    beyond those goes to the activations, the part that grows with the layers (each layer's saved inputs).
+    """
     cfg = plan_config(args)
     pp = mesh.get("pp", 1)
-    per_stage = cfg.n_layers // pp
-    if per_stage <= 2:
+    chunks = by_name(cfg.pp_schedule, pp, cfg.microbatches(pp)).n_virtual if pp > 1 else 1
+    per_chunk = cfg.n_layers // (pp * chunks)
+    if per_chunk <= 2 or cfg.n_layers % (pp * chunks):
         return estimate(args, mesh)
-    small = [estimate(_with_layers(args, cfg, pp * k), mesh) for k in (1, 2)]
-    scale = per_stage - 1  # the second point is one layer per stage more than the first
+    small = [estimate(_with_layers(args, cfg, pp * chunks * k), mesh) for k in (1, 2)]
+    scale = per_chunk - 1  # the second point is one layer per chunk more than the first
 
     def line(a: float, b: float) -> int:
         return round(a + (b - a) * scale)
 
     a, b = small
-    memory = {k: line(a.memory[k], b.memory[k]) for k in a.memory}
+    memory = dict(b.memory)
+    for part in ("peak", "params", "optimizer_state"):
+        memory[part] = line(a.memory[part], b.memory[part])
+    memory["activations"] += memory["peak"] - sum(memory[p] for p in _PARTS)
     rows = {
         key: (line(a.comm_rows.get(key, (0, 0))[0], c), line(a.comm_rows.get(key, (0, 0))[1], nb))
         for key, (c, nb) in b.comm_rows.items()
     }
     flops = line(a.cost["flops"], b.cost["flops"])
-    cost = {**b.cost, "flops": flops}
+    calls: dict[Any, int] = {}
+    sent: dict[Any, int] = {}
+    for (_, axes), (c, nb) in rows.items():  # per axis, as ``cost_analysis`` keys them
+        k = axes if "," not in axes else tuple(axes.split(","))
+        calls[k], sent[k] = calls.get(k, 0) + c, sent.get(k, 0) + nb
+    cost = {**b.cost, "flops": flops, "comm_bytes": sent, "comm_calls": calls}
     t = b.time
     bubble = t.bubble / t.total if t.total else 0.0
     update = 7 * memory["params"]
     timing = step_time(flops, rows, mesh, b.hardware, dtype=b.dtype, bubble=bubble, memory_bytes=update)
     out = dataclasses.replace(b, cfg=cfg, memory=memory, cost=cost, comm_rows=rows, time=timing)
     out.seconds = a.seconds + b.seconds
-    out.notes = [*b.notes, f"extended linearly from {pp} and {2 * pp} layers to {cfg.n_layers}"]
+    out.notes = [*b.notes, f"extended linearly from {pp * chunks} and {2 * pp * chunks} layers to {cfg.n_layers}"]
     return out
 
 
