@@ -3,7 +3,7 @@ Llama train step, under ``sim`` and on 4 gloo processes.
 
 The step is the train job's (``funcshard.job.train.build_step``: ``llama.value_and_grad``, clipping, AdamW on a
 warmup-cosine schedule, params and moments donated, in one ``shard_map``), for a Llama of dim 128, 4 layers, 4 heads
-(2 kv), ffn 384, vocabulary 512 (1.3M parameters), global batch 8 x seq 128, float32, with remat ``none`` /
+(2 kv), ffn 384, vocabulary 512 (0.92M parameters), global batch 8 x seq 128, float32, with remat ``none`` /
 ``full`` / ``selective``, on these meshes:
 
 - ``sim dp=1``: one simulated device in this process;
@@ -39,7 +39,7 @@ prints, for rank 0 of that case, the aten ops of the real body and of the abstra
 allocates, where they differ (how a gap is found: a kernel or a buffer taken in one run and not the other).
 
 Usage:
-    python bench/plan_accuracy.py                  # every case: ~1-2 minutes on 2 cores
+    python bench/plan_accuracy.py                  # every case: 20-80 s on 2 cores (by their load)
     python bench/plan_accuracy.py --remat none     # one remat policy
     python bench/plan_accuracy.py --no-dist        # the sim row only
 """
