@@ -11,6 +11,7 @@ from typing import Any
 import optree
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import funcshard as fs
 from funcshard import P
@@ -77,6 +78,35 @@ def test_recomputes_and_saves_by_policy() -> None:
     calls = []
     fs.remat(lambda x, w: _f(x, w, calls), rp.everything_saveable)(x, wr).sum().backward()
     assert len(calls) == 1, "everything_saveable recomputes nothing"
+
+
+class _CountMatmuls(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.mm = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.mm += func.overloadpacket is torch.ops.aten.mm
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.counters
+def test_policy_saves_are_replayed_past_autograds_own_detaches() -> None:
+    # tanh saves its output for the backward: autograd detaches it in the recomputation (no saved-tensor hook
+    # there) but not in the forward (whose hook saves nothing); a replay that numbered those detaches lost its
+    # place there and recomputed the second matmul (and everything after it), as full remat would
+    x, w = _data()
+    wr = w.clone().requires_grad_()
+    counter = _CountMatmuls()
+    with counter:
+        y = fs.remat(_f, rp.dots_saveable)(x, wr)
+        forward = counter.mm
+        y.sum().backward()
+    assert forward == 2
+    assert counter.mm - forward == 3, "the backward's own: dL/dw of x @ w, dL/dh and dL/dw of h @ w.T; no recompute"
+    ref = w.clone().requires_grad_()
+    _f(x, ref).sum().backward()
+    assert torch.equal(wr.grad, ref.grad)
 
 
 def test_higher_derivatives_and_vmap() -> None:
@@ -181,6 +211,34 @@ def test_in_shard_map_with_collectives(run, check_vma: bool, policy_name: str, s
         # ppermute calls (comm_stats counts a replayed one too): plain 1 + 1 (its backward); remat'd: 1 + 1 + the
         # recomputation's; torch.func.grad: 1 + 1
         assert n_ppermute == 2 + 3 + 2
+
+
+def _row_parallel_body(mesh: fs.Mesh) -> list[torch.Tensor]:
+    from funcshard.ops import row_parallel_linear
+
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(8, 6, generator=g), torch.randn(4, 6, generator=g)
+
+    def block(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        # [b/dp, in/tp] @ [in/tp, out] -> psum over tp, summed in the matmul's own buffer (psum_owned under dist)
+        return torch.tanh(row_parallel_linear(x, w, axis="tp"))
+
+    def step(w: torch.Tensor, x: torch.Tensor) -> Any:
+        def loss(blk: Any) -> Any:
+            return lambda w: fs.psum(blk(x, w).pow(2).sum(), "dp")
+
+        return (*fs.value_and_grad(loss(block))(w), *fs.value_and_grad(loss(fs.remat(block, rp.dots_saveable)))(w))
+
+    specs = (P(), P(None, "tp"))
+    f = fs.shard_map(step, mesh=mesh, in_specs=(P(None, "tp"), P("dp", "tp")), out_specs=specs * 2)
+    return [fs.device_get(o) for o in f(w, x)]
+
+
+def test_saved_matmul_of_a_row_parallel_sum_is_not_summed_into(run) -> None:
+    # the policy saves the matmul's output, which psum_owned would sum into in place (dist): the recomputation
+    # must hand back the partial product, not the sum (summed a second time then)
+    for v0, g0, v1, g1 in run(_row_parallel_body, {"dp": 2, "tp": 2}):
+        assert torch.equal(v0, v1) and torch.equal(g0, g1)
 
 
 def _outside_body(mesh: fs.Mesh) -> list[torch.Tensor]:

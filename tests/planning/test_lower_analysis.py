@@ -6,7 +6,7 @@ from __future__ import annotations
 import optree
 import pytest
 import torch
-from _live_bytes import PerThread
+from _live_bytes import LiveBytes, PerThread
 from torch.utils.flop_counter import FlopCounterMode
 
 import funcshard as fs
@@ -131,3 +131,13 @@ def test_memory_parts_hold_the_real_shards(shape: dict[str, int]) -> None:
     layout = _inputs_bytes(real, (0,) * len(shape))
     assert mem["params"] == layout
     assert 0 <= mem["optimizer_state"] - 2 * layout <= 16  # the moments, and the step count and clipping norm
+
+
+def test_live_bytes_counts_a_pending_collectives_wrapper_as_the_tensor_inside() -> None:
+    # the dist backend's pending results are AsyncCollectiveTensors (made by this op): wrapper subclasses whose own
+    # storage is a placeholder with a size and no memory; counted, every pending fsdp gradient shard counted twice
+    with LiveBytes() as m:
+        x = torch.ones(256)  # 1 KiB
+        y = torch.ops._c10d_functional._wrap_tensor_autograd(x)
+        assert type(y) is not torch.Tensor
+    assert m.peak == 1024

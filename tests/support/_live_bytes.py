@@ -3,7 +3,8 @@
 :class:`LiveBytes` is a ``TorchDispatchMode`` that sees every aten op's outputs and counts each new storage's
 bytes until the storage is freed (a weakref finaliser on it): ``live`` now, ``peak`` since the last
 :meth:`LiveBytes.reset`. Only new storages count: views, in-place and ``out=`` results (whose schema says they
-alias an input) are skipped, so storages made before the mode was entered are never counted. Everything torch
+alias an input) are skipped, so storages made before the mode was entered are never counted; a wrapper subclass
+(a pending collective's ``AsyncCollectiveTensor``) counts as the tensors it wraps. Everything torch
 computes in this thread while the mode is on is seen: the forward, the autograd engine's backward on CPU (it
 runs in the calling thread), and the ops a ``TorchDispatchMode`` nested inside (``fs.remat``'s) passes on.
 Under ``sim`` each simulated device is a thread: :class:`PerThread` gives every thread its own count.
@@ -26,7 +27,7 @@ from typing import Any
 
 import optree
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 
 from funcshard._src.runtime.context import maybe_current
 
@@ -57,9 +58,7 @@ class LiveBytes(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         if any(r.alias_info is not None for r in func._schema.returns):
             return out  # a view, an in-place or out= result: the storage of an input, not a new one
-        for t in optree.tree_leaves(out):
-            if not isinstance(t, torch.Tensor):
-                continue
+        for t in _plain_tensors(optree.tree_leaves(out)):
             storage = t.untyped_storage()
             key, n = id(storage), storage.nbytes()
             with self._lock:
@@ -70,6 +69,22 @@ class LiveBytes(TorchDispatchMode):
                 self.peak = max(self.peak, self.live)
             weakref.finalize(storage, self._freed, key, n)
         return out
+
+
+def _plain_tensors(leaves: list[Any]) -> list[torch.Tensor]:
+    """The tensors among ``leaves`` that hold memory: a wrapper subclass (the ``AsyncCollectiveTensor`` of a
+    pending collective) stands for the tensors inside it; its own storage is a placeholder with a size and no
+    memory, which would count once more what the inner tensor already holds."""
+    out = []
+    for t in leaves:
+        if not isinstance(t, torch.Tensor):
+            continue
+        if is_traceable_wrapper_subclass(t):
+            attrs, _ = t.__tensor_flatten__()
+            out += _plain_tensors([getattr(t, a) for a in attrs])
+        else:
+            out.append(t)
+    return out
 
 
 class PerThread:

@@ -78,6 +78,12 @@ _aten = torch.ops.aten
 _DOTS = frozenset({_aten.mm, _aten.addmm, _aten.bmm, _aten.baddbmm, _aten.addbmm, _aten.convolution, _aten.dot})
 # the same without a batch dim: the weight matmuls of a transformer, not attention's q @ k^T and p @ v
 _DOTS_NO_BATCH = frozenset({_aten.mm, _aten.addmm, _aten.dot})
+# not numbered by the forward's log nor by the replay: autograd itself dispatches a ``detach`` of an op's output
+# that it saves for the backward (``rsqrt``, ``tanh``, ``exp``, ...), but only where no saved-tensor hook takes
+# the tensor, which differs between the forward (its hook saves nothing) and the recomputation (no hook), so
+# counting them put the replay off its numbering at the first such op and recomputed everything after it (the
+# FLOPs and the memory of full remat, not the policy's). A detach makes a view: never saved, always recomputed.
+_DETACH = _aten.detach.default
 
 
 @dataclass(frozen=True)
@@ -232,7 +238,7 @@ class _Record(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
-        if self.paused:
+        if self.paused or func is _DETACH:  # (not numbered: see _DETACH)
             return out
         k = self.count
         self.count += 1
@@ -316,7 +322,7 @@ class _Replay(TorchDispatchMode):
         self.off = False  # the ops ran differently from the forward: compute everything from there on
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
-        if self.paused:
+        if self.paused or func is _DETACH:  # (not numbered: see _DETACH)
             return func(*args, **(kwargs or {}))
         k = self.count
         self.count += 1
@@ -347,6 +353,11 @@ class _Devices:
         self._done = True
 
     def __getattr__(self, name: str) -> Any:
+        if name in ("inplace_sum", "pending_results") and not self._done:
+            # inside the region, every sum is a plain all_reduce (below): one summed into its input's own buffer
+            # (``psum_owned`` of a row-parallel matmul) would write into an output the policy saved, which the
+            # recomputation then hands back already summed (and sums again); and the log is paused for it
+            return False
         attr = getattr(self._real, name)
         if name not in self._COLLECTIVES:
             return attr
