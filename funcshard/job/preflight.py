@@ -32,7 +32,7 @@ from funcshard.models import llama
 
 from .cli import UsageError, finite_positive, parse_mesh
 from .machine import available_memory, device_memory, human_bytes
-from .plan.estimate import advice, lowered_step
+from .plan.estimate import PARTS, advice, lowered_step
 
 __all__ = [
     "MAX_STEP_SECONDS",
@@ -45,7 +45,6 @@ __all__ = [
 ]
 
 MAX_STEP_SECONDS = 3600.0  # a step estimated to take longer than this at --peak-tflops is refused
-_PARTS = ("params", "grads", "optimizer_state", "activations", "temporaries")
 _OURS = re.compile(r"step_\d+(\.old|\.tmp-\w+|\.trash-\w+)?|config\.json")  # what train writes into --ckpt-dir
 
 
@@ -178,7 +177,7 @@ def check_step_size(args: argparse.Namespace, cfg: llama.Config) -> None:
         memory = lowered_step(args, cfg, shape).memory_analysis()
         need = memory["peak"]
         if need * sharing > have:
-            parts = sorted(((memory[k], k) for k in _PARTS), reverse=True)[:3]
+            parts = sorted(((memory[k], k) for k in PARTS), reverse=True)[:3]
             top = ", ".join(f"{k} {human_bytes(n)}" for n, k in parts)
             share = f" x {sharing} devices on this machine" if sharing > 1 else ""
             raise UsageError(

@@ -368,7 +368,7 @@ class ClassExecutor:
                     read |= dev.read_axes
                     break
         self.positions = tuple(i for i, n in enumerate(names) if n in read)
-        self.coords = [c for c in _representatives(names, sizes, read)]
+        self.coords = _representatives(names, sizes, read)
         return [done[c] for c in self.coords]
 
     def shards(self, blocks: dict[Coords, Any]) -> ClassShards:

@@ -26,7 +26,7 @@ import optree
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ..arrays.array import Array, ClassShards, is_array
+from ..arrays.array import Array, is_array, local_shards
 from ..runtime.context import observe_scope
 from ..runtime.mesh import Mesh, make_mesh
 from ..runtime.stats import comm_stats
@@ -137,6 +137,7 @@ _ALIASING: dict[Any, bool] = {}
 #: torch's meta kernels are Python (``torch._refs``) and a step repeats the same ops on the same shapes; a new
 #: result is made from the cached layout, as ``FakeTensorMode``'s cache does
 _META_CACHE: dict[Any, Any] = {}
+_META_CACHE_SIZE = 100_000
 
 
 def _meta_call(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -150,6 +151,8 @@ def _meta_call(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     layout = _META_CACHE.get(key)
     if layout is None:
         out = func(*args, **kwargs)
+        if len(_META_CACHE) > _META_CACHE_SIZE:  # (a search over many shapes: start afresh)
+            _META_CACHE.clear()
         try:
             _META_CACHE[key] = _layout(out)
         except _Unkeyable:  # (a result that holds values: a real tensor the program reads)
@@ -332,10 +335,8 @@ def abstract_args(args: tuple[Any, ...], mesh: Mesh) -> tuple[Any, ...]:
     each tensor (or ``fs.ShapeDtype``) as a meta tensor."""
 
     def one(x: Any) -> Any:
-        if isinstance(x, Array):
-            first = next(iter(x.shards.values()))
-            block = torch.empty(first.shape, dtype=x.dtype, device="meta")
-            blocks = ClassShards((), {(0,) * len(mesh.axis_names): block})
+        if isinstance(x, Array):  # its blocks cut as device_put cuts them on the twin (meta: shapes only)
+            blocks = local_shards(torch.empty(x.shape, dtype=x.dtype, device="meta"), mesh, x.spec)
             return Array(mesh, x.spec, x.shape, x.dtype, blocks, x.owned)  # (owned: donated as the real one would be)
         if isinstance(x, (torch.Tensor, ShapeDtype)):
             return to_meta(x)

@@ -14,12 +14,10 @@ import sys
 
 from ..cli import UsageError, plan_parser, run
 from ..machine import human_bytes
-from .estimate import Estimate, advice, estimate, n_params, resolve_defaults
+from .estimate import PARTS, Estimate, advice, estimate, n_params, resolve_defaults
 from .search import search
 
 __all__ = ["main", "plan", "report", "resolve_defaults"]
-
-_PARTS = ("params", "grads", "optimizer_state", "activations", "temporaries")
 
 
 def plan(args: argparse.Namespace) -> int:
@@ -50,7 +48,7 @@ def report(e: Estimate, args: argparse.Namespace) -> str:
         f"memory per device: {'fits' if e.fits else 'DOES NOT FIT'}: peak {human_bytes(e.memory['peak'])} of "
         f"{human_bytes(e.capacity)}",
     ]
-    for part in _PARTS:
+    for part in PARTS:
         lines.append(f"  {part:<16} {human_bytes(e.memory[part]):>10}  {_bar(e.memory[part], e.capacity)}")
     if not e.fits:
         total = n_params(e.cfg)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import math
 import time
 from dataclasses import dataclass, field
@@ -36,10 +37,22 @@ from ..step import build_step, model_config
 from .hardware import Hardware, hardware
 from .timing import StepTime, bubble_fraction, model_flops, step_time
 
-__all__ = ["Estimate", "advice", "estimate", "lowered_step", "plan_config", "resolve_defaults"]
+__all__ = [
+    "PARTS",
+    "UPDATE_PASSES",
+    "Estimate",
+    "advice",
+    "estimate",
+    "lowered_step",
+    "n_params",
+    "plan_config",
+    "resolve_defaults",
+]
 
 #: the model's own memory traffic per parameter byte in the optimiser's update (read p, g, m, v; write p, m, v)
-_UPDATE_PASSES = 7
+UPDATE_PASSES = 7
+#: the parts of ``memory_analysis()``'s peak
+PARTS = ("params", "grads", "optimizer_state", "activations", "temporaries")
 
 
 @dataclass
@@ -132,8 +145,10 @@ class Estimate:
         }
 
 
+@functools.lru_cache(maxsize=64)
 def n_params(cfg: llama.Config) -> int:
-    """The model's parameter count (from ``fs.eval_shape`` of its init: nothing allocated)."""
+    """The model's parameter count (from ``fs.eval_shape`` of its init: nothing allocated; once per config, as
+    a report and a search ask it for every row)."""
     shapes = fs.eval_shape(llama.init, fs.random.key(0), cfg)
     return sum(math.prod(s.shape) for s in optree.tree_leaves(shapes))
 
@@ -208,7 +223,7 @@ def estimate(args: argparse.Namespace, mesh_shape: dict[str, int] | None = None)
     pp = shape.get("pp", 1)
     bubble = bubble_fraction(cfg.pp_schedule, pp, cfg.microbatches(pp)) if pp > 1 else 0.0
     dtype = _dtype_name(cfg)
-    update = _UPDATE_PASSES * memory["params"]
+    update = UPDATE_PASSES * memory["params"]
     timing = step_time(cost["flops"], rows, shape, hw, dtype=dtype, bubble=bubble, memory_bytes=update)
     out = Estimate(shape, cfg, hw, args.batch, args.seq, dtype, memory, cost, rows, timing, _capacity(hw))
     out.seconds, out.notes = time.perf_counter() - t0, notes

@@ -36,14 +36,13 @@ from funcshard.pipeline import by_name
 
 from ..cli import UsageError
 from ..machine import human_bytes
-from .estimate import Estimate, estimate, n_params, plan_config
+from .estimate import PARTS, UPDATE_PASSES, Estimate, estimate, n_params, plan_config
 from .hardware import hardware
 from .timing import step_time
 
 __all__ = ["candidates", "search"]
 
 _BYTES_PER_PARAM = 16  # fp32 master weight, gradient and two AdamW moments
-_PARTS = ("params", "grads", "optimizer_state", "activations", "temporaries")
 
 
 def candidates(args: argparse.Namespace, n: int) -> list[dict[str, int]]:
@@ -146,7 +145,7 @@ def extrapolated(args: argparse.Namespace, mesh: dict[str, int]) -> Estimate:
     per_chunk = cfg.n_layers // (pp * chunks)
     if per_chunk <= 2 or cfg.n_layers % (pp * chunks):
         return estimate(args, mesh)
-    small = [estimate(_with_layers(args, cfg, pp * chunks * k), mesh) for k in (1, 2)]
+    small = [estimate(_with_layers(args, pp * chunks * k), mesh) for k in (1, 2)]
     scale = per_chunk - 1  # the second point is one layer per chunk more than the first
 
     def line(a: float, b: float) -> int:
@@ -156,7 +155,7 @@ def extrapolated(args: argparse.Namespace, mesh: dict[str, int]) -> Estimate:
     memory = dict(b.memory)
     for part in ("peak", "params", "optimizer_state"):
         memory[part] = line(a.memory[part], b.memory[part])
-    memory["activations"] += memory["peak"] - sum(memory[p] for p in _PARTS)
+    memory["activations"] += memory["peak"] - sum(memory[p] for p in PARTS)
     rows = {
         key: (line(a.comm_rows.get(key, (0, 0))[0], c), line(a.comm_rows.get(key, (0, 0))[1], nb))
         for key, (c, nb) in b.comm_rows.items()
@@ -170,7 +169,7 @@ def extrapolated(args: argparse.Namespace, mesh: dict[str, int]) -> Estimate:
     cost = {**b.cost, "flops": flops, "comm_bytes": sent, "comm_calls": calls}
     t = b.time
     bubble = t.bubble / t.total if t.total else 0.0
-    update = 7 * memory["params"]
+    update = UPDATE_PASSES * memory["params"]
     timing = step_time(flops, rows, mesh, b.hardware, dtype=b.dtype, bubble=bubble, memory_bytes=update)
     out = dataclasses.replace(b, cfg=cfg, memory=memory, cost=cost, comm_rows=rows, time=timing)
     out.seconds = a.seconds + b.seconds
@@ -178,7 +177,7 @@ def extrapolated(args: argparse.Namespace, mesh: dict[str, int]) -> Estimate:
     return out
 
 
-def _with_layers(args: argparse.Namespace, cfg: Any, layers: int) -> argparse.Namespace:
+def _with_layers(args: argparse.Namespace, layers: int) -> argparse.Namespace:
     """``args`` for the same model with ``layers`` layers."""
     return argparse.Namespace(**{**vars(args), "layers_override": layers})
 

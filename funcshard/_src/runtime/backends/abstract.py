@@ -108,7 +108,7 @@ class AbstractWorld:
 
     A program that sums a few numbers over an axis and reads them (the pipeline runtime tells every stage the
     shape of the activations it will receive) gets, on an abstract mesh, the sum over the group's devices that
-    already ran of what each passed (the others counted as zeros, the identity of every reduction here): the
+    already ran of what each passed (the others left out: each reduction is of what arrived so far): the
     executor runs one device per class in rank order, so the first stage, which knows the shape, has run by then.
     """
 
