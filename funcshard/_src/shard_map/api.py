@@ -20,7 +20,7 @@ from typing import Any
 
 import optree
 
-from ..arrays.array import Array, is_array
+from ..arrays.array import Array
 from ..collectives.vma import clear_vma
 from ..errors import ShardingError
 from ..runtime.context import maybe_current, transforms_active
@@ -102,9 +102,15 @@ def shard_map(
     if options is not None and mesh.is_multiprocess:  # one device per process: its body compiles
         compiled = CompiledBody(name, options)
     check = bool(check_vma)
+    local = options is None and not donated and mesh.is_multiprocess  # its calls may take the common step's path
 
     @functools.wraps(f)
     def mapped(*args: Any) -> Any:
+        if local and maybe_current() is None and not transforms_active():  # _call's common step, one frame less
+            sig, leaves = cache.signature(name, mesh, in_specs, args)
+            if not sig.resharded and not audit_env():
+                return _run_local(name, f, mesh, out_specs, check, sig, leaves, cache)
+            return _run(name, f, mesh, out_specs, check, cache.inputs(mesh, sig, leaves), cache, None)
         if options is not None and compiled is None:
             warn_sim(name, id(mapped))
         return _call(f, mesh, in_specs, out_specs, check, args, cache, donated, compiled, name)
@@ -150,10 +156,11 @@ def _call(
         try:
             return _run(name, f, mesh, out_specs, check_vma, inputs, cache, compiled)
         finally:  # consumed, whether or not the call got through (its blocks may be half written)
+            why = f"donated to {name} (donate={donate})"
             for i in donate:
-                for leaf in optree.tree_leaves(args[i], is_leaf=is_array):
+                for leaf in optree.tree_leaves(args[i]):  # (an Array is a leaf: no pytree node of optree's)
                     if isinstance(leaf, Array):
-                        leaf.delete(f"donated to {name} (donate={donate})")
+                        leaf.delete(why)
     return _run(name, f, mesh, out_specs, check_vma, inputs, cache, compiled)
 
 
@@ -188,7 +195,7 @@ def _run_local(
             if not check_vma:  # the outputs called replicated are: once per output signature (see _replicas)
                 maybe_check_replicas(name, mesh, check_vma, plan, out_leaves, executor.device)
             out = assemble_one(name, mesh, plan, check_vma, executor.coords[0], out_leaves)  # (tags cleared)
-            return optree.tree_unflatten(out_def, out)
+            return out_def.unflatten(out)  # (optree.tree_unflatten's own call)
         except BaseException:
             clear_vma(out_leaves)
             raise
@@ -238,4 +245,5 @@ def _run(
         return assemble_outputs(name, mesh, out_plan, check_vma, executor.coords, results)
     finally:  # tags are only meaningful during this call: none may leak into a later one
         clear_vma(body.tagged)
-        clear_vma(leaf for leaves, _ in results for leaf in leaves)
+        for leaves, _ in results:  # (per device: no generator resumed once a leaf)
+            clear_vma(leaves)
