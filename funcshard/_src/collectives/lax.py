@@ -96,7 +96,7 @@ def psum(x: PyTree, axis: _Axis) -> PyTree:
     Example:
         >>> # inside shard_map over {"tp": 4}: y = fs.psum(x, "tp")  # [b, d] -> [b, d]
     """
-    if type(x) is torch.Tensor and _getrefcount(x) == _TEMP_REFS:
+    if type(x) is torch.Tensor and _getrefcount(x) == _TEMP_REFS and x.nbytes >= INPLACE_MIN_BYTES:
         # a temporary no one else can see (``psum(a @ b, "tp")``): summed in its own buffer, as psum_owned does, where
         # _sole_holder_now says so (asked by _reduce_tensor under its DisableTorchFunction; it asks for the
         # transforms; the backend falls back to a copy in a compiled graph)
@@ -264,14 +264,6 @@ def _split_buckets(idx: list[int], leaves: list[Any]) -> list[list[int]]:
     return out
 
 
-def _pvary_axes(axes: tuple[str, ...], have: Any) -> tuple[str, ...]:
-    """The axes of ``axes`` a value with tag ``have`` still has to be made varying over: unknown or audited
-    axes are pvary-ed all, as dist (which knows none) does."""
-    if have is None or isinstance(have, Audited) or have.isdisjoint(axes):
-        return axes
-    return tuple(a for a in axes if a not in have)
-
-
 def pvary(x: PyTree, axis: _Axis) -> PyTree:
     """Mark ``x`` as varying over ``axis``: identity (forward), psum over ``axis`` (backward).
 
@@ -290,9 +282,14 @@ def pvary(x: PyTree, axis: _Axis) -> PyTree:
     with torch._C.DisableTorchFunction():  # dtype, device, sizes read without the vma mode (tags set here)
         if isinstance(x, torch.Tensor):  # one tensor (the common operand): no tree walk, no buckets
             have = known_vma(x, ctx.check_vma)
-            todo = _pvary_axes(axes, have)
-            if not todo:
-                return x
+            # the axes it still has to be made varying over: unknown or audited axes are pvary-ed all, as dist (which
+            # knows none) does
+            if have is None or isinstance(have, Audited) or have.isdisjoint(axes):
+                todo = axes
+            else:
+                todo = tuple(a for a in axes if a not in have)
+                if not todo:
+                    return x
             y = _prims.call_on(_prims.Pvary, x, ctx.device, todo)  # [*s] -> [*s]
             return bind_result(_prims.Pvary, y, have, axes)
         leaves, treedef = optree.tree_flatten(x)
@@ -301,7 +298,7 @@ def pvary(x: PyTree, axis: _Axis) -> PyTree:
         for i, t in enumerate(leaves):
             if isinstance(t, torch.Tensor):
                 have = haves[i]
-                # (_pvary_axes, written out: one frame less a leaf)
+                # (the axes it still has to be made varying over, as for one tensor above)
                 if have is None or isinstance(have, Audited) or have.isdisjoint(axes):
                     todo = axes
                 else:

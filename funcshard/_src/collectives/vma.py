@@ -341,7 +341,8 @@ def bind_result(prim: Any, y: torch.Tensor, have: frozenset[str] | None, axes: t
     if have is None:
         return y
     v = prim.vma(have, frozenset(axes))
-    return set_vma(y, Audited(v) if isinstance(have, Audited) else v)
+    setattr(y, _ATTR, Audited(v) if isinstance(have, Audited) else v)  # (set_vma, inline)
+    return y
 
 
 def bind_results(

@@ -101,8 +101,7 @@ def shard_map(
     f = eager_body(f, name, bool(check_vma))
     if options is not None and mesh.is_multiprocess:  # one device per process: its body compiles
         compiled = CompiledBody(name, options)
-    check = bool(check_vma)
-    local = options is None and not donated and mesh.is_multiprocess  # its calls may take the common step's path
+    check, local = bool(check_vma), options is None and not donated and mesh.is_multiprocess  # (local: one device)
 
     @functools.wraps(f)
     def mapped(*args: Any) -> Any:

@@ -480,8 +480,7 @@ class DistDevice(DeviceHandle):
         now and waited for at its first use, as :meth:`all_reduce`; in a compiled graph it is ``all_reduce``."""
         if tracing() or x._is_zerotensor():  # (a ZeroTensor has no buffer to sum into)
             return self.all_reduce(x, axes, "sum")  # [*s] -> [*s]
-        hit = self._order.get(axes)  # (_group's own lookup)
-        g, members, _, _ = hit if hit is not None else self._group(axes)
+        g, members, _, _ = self._group(axes)
         buf = x.detach()
         if _funcol is not None and _in_backward() and overlap_enabled():  # (_functional(_in_backward()): not tracing)
             with _waiting("psum", axes, members):
