@@ -95,7 +95,10 @@ class Array:
     @property
     def requires_grad(self) -> bool:
         """True when any local shard requires grad."""
-        return any(s.requires_grad for s in self.shards.values())
+        for s in self.shards.values():  # (a loop: no generator's frame; read for every donated Array of a step)
+            if s.requires_grad:
+                return True
+        return False
 
     def __repr__(self) -> str:
         return (
@@ -109,8 +112,14 @@ class _Deleted(dict):  # type: ignore[type-arg]
 
     def __init__(self, a: Array, why: str) -> None:
         super().__init__()
-        self.msg = (
-            f"this Array (shape={a.shape}, spec={a.spec!r}) was {why}: its buffers now belong to that call's "
+        self.what = (a.shape, a.spec, why)  # (the message is written where it is raised: every step deletes many)
+
+    @property
+    def msg(self) -> str:
+        """Why the Array is gone, and what to use instead."""
+        shape, spec, why = self.what
+        return (
+            f"this Array (shape={shape}, spec={spec!r}) was {why}: its buffers now belong to that call's "
             f"results. Use the value the call returned (params, state = step(params, state, ...)), or leave the "
             f"argument out of donate= to keep it."
         )

@@ -30,6 +30,7 @@ Example:
 
 from __future__ import annotations
 
+import logging
 import operator
 import types
 from collections.abc import Callable
@@ -40,11 +41,11 @@ import torch
 from torch.autograd.graph import _engine_run_backward
 
 from ..collectives.vma import (
-    EMPTY,
     active_mode,
-    find_vma,
+    copy_vmas,
     get_vma,
     set_vma,
+    set_vmas,
     settle,
     tag_leaves,
     tag_like,
@@ -52,7 +53,7 @@ from ..collectives.vma import (
     tags_of,
 )
 from ..errors import ConfigError
-from ..runtime.context import Overlap, dynamo_tracing, observer, transforms_active
+from ..runtime.context import dynamo_tracing, observer, swap_overlap, transforms_active
 
 __all__ = ["graph_walk", "has_tangent", "reaches_other_leaf", "value_and_grad"]
 
@@ -76,6 +77,8 @@ def _check_argnums(argnums: Any) -> tuple[int, ...]:
 
 #: id of an argnums object that passed the check -> (that object, its tuple of ints)
 _ARGNUMS: dict[int, tuple[Any, tuple[int, ...]]] = {}
+#: argnums naming the first arguments in order, ``(0,)`` to ``(0, ..., 15)`` (then every argument may be taken as is)
+_IN_ORDER = frozenset(tuple(range(k)) for k in range(1, 17))
 
 
 def _checked_argnums(argnums: Any) -> tuple[int, ...]:
@@ -177,7 +180,7 @@ class _ValueAndGrad:
         if dynamo_tracing():  # torch.compile traces this call: torch.func's transform, which dynamo traces whole
             _check_differentiable(self.__wrapped__, args, nums)
             return _GradCall(self.__wrapped__, self._argnums, nums, self._has_aux)._func(args, kwargs)
-        xs = [args[i] for i in nums]
+        xs = list(args) if n == len(nums) and nums in _IN_ORDER else [args[i] for i in nums]
         # each differentiated argument flattened once, for the check and for the plain path; None: every one is
         # a tensor (the common step's arguments), its own leaf
         flat = None
@@ -208,16 +211,7 @@ class _ValueAndGrad:
         is one tensor); the value and ``aux`` tagged as they were inside ``f``, each gradient like its input."""
         nums, has_aux = self._nums, self._has_aux
         leaves, tags = copies
-        if flat is None and len(args) == len(nums) and nums == tuple(range(len(nums))):
-            args = leaves  # (every argument differentiated, in order)
-        else:
-            args = list(args)
-            if flat is None:
-                for i, c in zip(nums, leaves, strict=True):
-                    args[i] = c
-            else:
-                for i, tree in zip(nums, _unflatten_args(leaves, flat), strict=True):
-                    args[i] = tree
+        args = _substituted(args, nums, leaves, flat)
         outer = torch.is_grad_enabled()
         aux_tags = None
         if not outer:  # like torch.func.grad, an outer no_grad does not stop the differentiation
@@ -238,8 +232,11 @@ class _ValueAndGrad:
                 keep, last = graph_walk([value], leaves) if outer and differentiable else (False, None)
             if differentiable:
                 # dist: the gradient reductions travel while the backward goes on (the last node's: synchronous)
-                with Overlap(None if keep else last):
+                prev = swap_overlap((True, None if keep else last))  # (as ``with Overlap(...)``, no scope object)
+                try:
                     found = _autograd_grad(value, leaves, keep)
+                finally:
+                    swap_overlap(prev)
             else:  # f does not depend on its inputs: zero gradients, as torch.func gives
                 found = (None,) * len(leaves)
         finally:
@@ -249,13 +246,13 @@ class _ValueAndGrad:
         # each gradient varies over what its input varies over (untagged input: invariant)
         grads_flat = []
         with torch._C.DisableTorchFunction():  # tagged here, no torch.func wrapper on this path
-            for g, x, v in zip(found, leaves, tags, strict=True):
+            for g, x in zip(found, leaves, strict=True):
                 if g is None:
                     g = torch.zeros_like(x)
                 elif type(g) is not torch.Tensor:
                     g = settle(g)
-                set_vma(g, EMPTY if v is None else v)
                 grads_flat.append(g)
+            set_vmas(grads_flat, tags)
             if not keep:  # (a pending loss sum, whose backward was seeded without it, is waited for here)
                 value = (value if type(value) is torch.Tensor else settle(value)).detach()
                 if aux is not None:
@@ -300,15 +297,10 @@ def _leaf_copies(xs: list[Any]) -> tuple[list[torch.Tensor], list[frozenset[str]
     """Detached copies of ``xs`` that require grad, each tagged as its tensor is (called with torch functions
     disabled, no torch.func transform active), and each one's tag (None: untagged), for its gradient."""
     leaves: list[torch.Tensor] = []
-    tags: list[frozenset[str] | None] = []
-    for x in xs:
-        c = x.detach().requires_grad_()
-        v = find_vma(x)  # (its own tag, else a view's base's)
-        if v is not None:  # the tag the argument had (untagged stays untagged: check_vma=False)
-            set_vma(c, v)
-        leaves.append(c)
-        tags.append(v)
-    return leaves, tags
+    for x in xs:  # (a loop: no comprehension's frame)
+        leaves.append(x.detach().requires_grad_())
+    # the tag each argument had (its own, else a view's base's; untagged stays untagged: check_vma=False)
+    return leaves, copy_vmas(leaves, xs)
 
 
 def _name(f: Callable[..., Any]) -> str:
@@ -426,10 +418,29 @@ def _autograd_grad(value: torch.Tensor, leaves: list[torch.Tensor], keep: bool) 
         if not value.is_floating_point():  # (a complex value: torch.autograd.grad's error)
             return torch.autograd.grad(value, leaves, allow_unused=True, create_graph=keep)
         ones = torch.ones_like(value, memory_format=torch.preserve_format)  # [] : d value / d value
+        if (_HOST_ONLY[0] if _HOST_ONLY else _host_only()) and not _graph_log.isEnabledFor(logging.DEBUG):
+            # what _engine_run_backward does around the engine is for the engine's device threads (the caller's
+            # contextvars, stashed for them) and for autograd's debug log: no device, no log, the engine itself
+            return _run_backward((value,), (ones,), keep, keep, tuple(leaves), True, accumulate_grad=False)
         return _engine_run_backward((value,), (ones,), keep, keep, tuple(leaves), True, accumulate_grad=False)
     finally:
         if mode is not None:
             torch._C._push_on_torch_function_stack(mode)
+
+
+_run_backward = torch.autograd.Variable._execution_engine.run_backward  # (what _engine_run_backward calls)
+_graph_log = logging.getLogger("torch.autograd.graph")  # (the logger _engine_run_backward asks)
+_HOST_ONLY: list[bool] = []
+
+
+def _host_only() -> bool:
+    """Whether this process has no accelerator (asked once): the autograd engine then starts no device thread, and
+    every backward runs on the thread that asks for it."""
+    if not _HOST_ONLY:
+        accelerator = getattr(torch, "accelerator", None)
+        found = accelerator.is_available() if accelerator is not None else torch.cuda.is_available()
+        _HOST_ONLY.append(not found)
+    return _HOST_ONLY[0]
 
 
 _fwd_ad = torch.autograd.forward_ad  # (its ``_current_level``: -1 while no forward-mode AD level is open)
@@ -442,6 +453,23 @@ def _flatten(x: Any) -> tuple[list[Any], Any]:
     if isinstance(x, torch.Tensor):
         return [x], _LEAF
     return optree.tree_flatten(x)
+
+
+def _substituted(
+    args: tuple[Any, ...], nums: tuple[int, ...], leaves: list[torch.Tensor], flat: list[tuple[list[Any], Any]] | None
+) -> Any:
+    """``args`` with the differentiated ones (positions ``nums``) replaced by their leaf copies ``leaves`` (``flat``:
+    each one's leaves and structure, or None where each is one tensor)."""
+    if flat is None and len(args) == len(nums) and nums in _IN_ORDER:
+        return leaves  # (every argument differentiated, in order)
+    out = list(args)
+    if flat is None:
+        for i, c in zip(nums, leaves, strict=True):
+            out[i] = c
+    else:
+        for i, tree in zip(nums, _unflatten_args(leaves, flat), strict=True):
+            out[i] = tree
+    return out
 
 
 def _unflatten_args(leaves: list[Any], flat: list[tuple[list[Any], Any]]) -> list[Any]:
@@ -554,37 +582,35 @@ def graph_walk(outs: list[torch.Tensor], own: list[torch.Tensor]) -> tuple[bool,
         if o.grad_fn is None and o.requires_grad and id(o) not in ids:  # an output is such a leaf
             return True, None
     acc = _ACC[0] if _ACC else _accumulate_grad()
-    # every node stacked stays referenced (in ``seen``, which compares node objects by identity: torch hands out
-    # one Python object per node while it lives), so none is met as a new one; a leaf's node is checked where it
-    # is met, never stacked (it has no inputs, and no sequence number of the forward's).
-    # Only a node none of whose inputs is another node's output (a sink) is asked its sequence number: every
-    # other one has an input made before it in the forward, with a lower number (a thread's numbers only grow)
-    seen: set[Any] = set()
+    # every node met stays referenced (in ``seen``, which compares node objects by identity: torch hands out one
+    # Python object per node while it lives), so none is met as a new one; ``seen`` starts with None (an input
+    # that needs no gradient), so one lookup skips both. A leaf's node is checked where it is first met, never
+    # stacked (it has no inputs, and no sequence number of the forward's). The lowest sequence number is a sink's
+    # (a node none of whose inputs is another node's output): every other node has an input made before it in the
+    # forward, with a lower number (a thread's numbers only grow)
+    seen: set[Any] = {None}
     stack = []
     for o in outs:
         fn = o.grad_fn
-        if fn is not None:
+        if fn is not None and fn not in seen:
+            seen.add(fn)
             stack.append(fn)
     last, first_nr = None, _NO_NR
     pop, push, add = stack.pop, stack.append, seen.add
     while stack:
         node = pop()
-        sink = True
+        nr = node._sequence_nr()
+        if nr < first_nr:
+            last, first_nr = node, nr
         for n, _ in node.next_functions:
-            if n is None:
+            if n in seen:
                 continue
+            add(n)
             if type(n) is acc:  # a leaf's node: only these have a .variable
                 if id(n.variable) not in ids:
                     return True, None
-                continue
-            sink = False
-            if n not in seen:
-                add(n)
+            else:
                 push(n)
-        if sink:
-            nr = node._sequence_nr()
-            if nr < first_nr:
-                last, first_nr = node, nr
     return False, last
 
 

@@ -5,7 +5,6 @@ invariant gathers) for the ops above."""
 from __future__ import annotations
 
 import math
-import os
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -14,10 +13,10 @@ import optree
 import torch
 
 from ..errors import ConfigError, ShardingError
-from ..runtime.context import DeviceContext, axes_of, current, tracing, transforms_active
+from ..runtime.context import DeviceContext, axes_of, current, env, tracing, transforms_active
 from . import prims as _prims
 from . import prims_cast as _prims_cast
-from .vma import EMPTY, Audited, bind_operand, bind_result, get_vma, known_vma, set_vma
+from .vma import EMPTY, Audited, bind_operand, bind_result, bind_results, get_vma, known_vma, known_vmas, set_vma
 
 __all__ = [
     "all_gather",
@@ -81,7 +80,7 @@ def _reduce_tensor(t: torch.Tensor, ctx: DeviceContext, axes: tuple[str, ...], o
         t, have = bind_operand(_prims.AllReduce, t, axes, ctx.device, ctx.check_vma, name)
         if op == "sum" and t.dtype == torch.bool:  # a count of the True copies, as JAX (not their logical or)
             t = t.to(torch.int32)
-        y = _prims.call(prim, t, ctx.device, axes, op, name)  # [*s] -> [*s], invariant over axes
+        y = _prims.call_on(prim, t, ctx.device, axes, op, name)  # [*s] -> [*s], invariant over axes
         if name == "pmean":  # JAX's dtypes: floats keep theirs, int64 -> float64, other integers -> float32
             y = (y.double() if y.dtype == torch.int64 else y) / _n(ctx, axes)
     return bind_result(_prims.AllReduce, y, have, axes)
@@ -97,7 +96,7 @@ def psum(x: PyTree, axis: _Axis) -> PyTree:
     Example:
         >>> # inside shard_map over {"tp": 4}: y = fs.psum(x, "tp")  # [b, d] -> [b, d]
     """
-    if type(x) is torch.Tensor and _getrefcount(x) == _TEMP_REFS:
+    if type(x) is torch.Tensor and _getrefcount(x) == _TEMP_REFS and x.nbytes >= INPLACE_MIN_BYTES:
         # a temporary no one else can see (``psum(a @ b, "tp")``): summed in its own buffer, as psum_owned does, where
         # _sole_holder_now says so (asked by _reduce_tensor under its DisableTorchFunction; it asks for the
         # transforms; the backend falls back to a copy in a compiled graph)
@@ -227,7 +226,7 @@ def bucket_bytes() -> int:
         >>> bucket_bytes()  # FUNCSHARD_BUCKET_MB=4 python ... gives 4194304
         26214400
     """
-    text = os.environ.get("FUNCSHARD_BUCKET_MB")
+    text = env("FUNCSHARD_BUCKET_MB")
     hit = _BUCKET_CACHE.get(text)
     if hit is None:
         try:
@@ -265,12 +264,6 @@ def _split_buckets(idx: list[int], leaves: list[Any]) -> list[list[int]]:
     return out
 
 
-def _pvary_axes(axes: tuple[str, ...], have: Any) -> tuple[str, ...]:
-    """The axes of ``axes`` a value with tag ``have`` still has to be made varying over: unknown or audited
-    axes are pvary-ed all, as dist (which knows none) does."""
-    return tuple(a for a in axes if have is None or isinstance(have, Audited) or a not in have)
-
-
 def pvary(x: PyTree, axis: _Axis) -> PyTree:
     """Mark ``x`` as varying over ``axis``: identity (forward), psum over ``axis`` (backward).
 
@@ -289,17 +282,27 @@ def pvary(x: PyTree, axis: _Axis) -> PyTree:
     with torch._C.DisableTorchFunction():  # dtype, device, sizes read without the vma mode (tags set here)
         if isinstance(x, torch.Tensor):  # one tensor (the common operand): no tree walk, no buckets
             have = known_vma(x, ctx.check_vma)
-            todo = _pvary_axes(axes, have)
-            if not todo:
-                return x
-            y = _prims.call(_prims.Pvary, x, ctx.device, todo)  # [*s] -> [*s]
+            # the axes it still has to be made varying over: unknown or audited axes are pvary-ed all, as dist (which
+            # knows none) does
+            if have is None or isinstance(have, Audited) or have.isdisjoint(axes):
+                todo = axes
+            else:
+                todo = tuple(a for a in axes if a not in have)
+                if not todo:
+                    return x
+            y = _prims.call_on(_prims.Pvary, x, ctx.device, todo)  # [*s] -> [*s]
             return bind_result(_prims.Pvary, y, have, axes)
         leaves, treedef = optree.tree_flatten(x)
         groups: dict[Any, list[int]] = {}
+        haves = known_vmas(leaves, ctx.check_vma)
         for i, t in enumerate(leaves):
             if isinstance(t, torch.Tensor):
-                have = known_vma(t, ctx.check_vma)
-                todo = _pvary_axes(axes, have)
+                have = haves[i]
+                # (the axes it still has to be made varying over, as for one tensor above)
+                if have is None or isinstance(have, Audited) or have.isdisjoint(axes):
+                    todo = axes
+                else:
+                    todo = tuple(a for a in axes if a not in have)
                 if todo:
                     groups.setdefault((todo, t.dtype, t.device, have), []).append(i)
             elif isinstance(t, (int, float)) and not isinstance(t, bool):
@@ -312,12 +315,12 @@ def pvary(x: PyTree, axis: _Axis) -> PyTree:
             for idx in _split_buckets(group, leaves):
                 if len(idx) == 1:
                     ys: tuple[torch.Tensor, ...] = (
-                        _prims.call(_prims.Pvary, leaves[idx[0]], ctx.device, todo),
+                        _prims.call_on(_prims.Pvary, leaves[idx[0]], ctx.device, todo),
                     )  # [*s] -> [*s]
                 else:  # n x [*s_i] -> same; backward: one all-reduce of the bucket
-                    ys = _prims.call(_prims.PvaryBucket, ctx.device, todo, *(leaves[i] for i in idx))
-                for i, y in zip(idx, ys, strict=True):
-                    out[i] = bind_result(_prims.Pvary, y, have, axes)
+                    ys = _prims.call(_prims.PvaryBucket, ctx.device, todo, *[leaves[i] for i in idx])
+                for i, y in zip(idx, bind_results(_prims.Pvary, ys, have, axes), strict=True):
+                    out[i] = y
     return optree.tree_unflatten(treedef, out)
 
 

@@ -24,6 +24,7 @@ All use the ``setup_context`` form, so the ``torch.func`` transforms see them.
 
 from __future__ import annotations
 
+import sys
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -53,6 +54,7 @@ __all__ = [
     "ReduceScatter",
     "SplitInvariant",
     "call",
+    "call_on",
     "group_size",
 ]
 
@@ -78,6 +80,19 @@ def call(fn: type[torch.autograd.Function], *args: Any) -> Any:
     if apply is None:
         apply = _APPLY[fn] = super(torch.autograd.Function, fn).apply  # type: ignore[misc]
     return apply(*args)
+
+
+def call_on(fn: type[torch.autograd.Function], x: torch.Tensor, *rest: Any) -> Any:
+    """:func:`call` of ``fn`` on one tensor operand ``x`` and arguments ``rest`` that hold no tensor (a device, axes,
+    names): only ``x`` is looked at for a dead torch.func wrapper."""
+    if transforms_active():
+        return _custom_function_call(fn, x, *rest)
+    if _is_wrapped(x):  # a dead torch.func wrapper (escaped from a finished transform) is unwrapped, as apply does
+        (x,) = _unwrap_dead((x,))
+    apply = _APPLY.get(fn)
+    if apply is None:
+        apply = _APPLY[fn] = super(torch.autograd.Function, fn).apply  # type: ignore[misc]
+    return apply(x, *rest)
 
 
 #: per Function class, the C++ ``apply`` bound to it (``super(Function, cls).apply``: a super object and a bound
@@ -162,7 +177,7 @@ class AllReduce(Prim):
 
     @staticmethod
     def forward(x: torch.Tensor, dev: Any, axes: tuple[str, ...], op: str, name: str) -> torch.Tensor:  # type: ignore[override]
-        record(dev.rank, name, axes, _nbytes(x))
+        record(dev.rank, name, axes, x.nbytes)
         return dev.all_reduce(x, axes, op)  # [*s] -> [*s]
 
     @staticmethod
@@ -178,7 +193,7 @@ class AllReduce(Prim):
         if ctx.op == "sum":  # the transpose is pvary: identity here, and a psum when this backward is differentiated
             if not torch.is_grad_enabled() and not transforms_active():
                 return g, None, None, None, None  # not differentiated (no graph recorded): the identity itself
-            return call(Pvary, g, ctx.dev, ctx.axes), None, None, None, None  # [*s] -> [*s]
+            return call_on(Pvary, g, ctx.dev, ctx.axes), None, None, None, None  # [*s] -> [*s]
         x, y = ctx.saved_tensors
         mask = (x == y).to(g.dtype)
         count = call(AllReduce, mask, ctx.dev, ctx.axes, "sum", "psum")  # [*s] -> [*s]: devices at the extreme
@@ -263,8 +278,13 @@ class Pvary(Prim):
 
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
-        if _no_graph():  # this backward is not differentiated: the sum itself, no Function to record
-            return AllReduce.forward(g, ctx.dev, ctx.axes, "sum", "psum"), None, None  # [*s] -> [*s]
+        # (_no_graph(), written out) this backward is not differentiated: the sum itself, no Function to record
+        if not _grad_enabled() and _fwd_ad._current_level < 0 and not transforms_active():
+            dev = ctx.dev
+            if dev.inplace_sum and _given_up(g):  # Megatron's backward all-reduce: in the cotangent's own buffer
+                record(dev.rank, "psum", ctx.axes, g.nbytes)
+                return dev.all_reduce_inplace(g, ctx.axes), None, None  # [*s] -> [*s], in g's buffer
+            return AllReduce.forward(g, dev, ctx.axes, "sum", "psum"), None, None  # [*s] -> [*s]
         return call(AllReduce, g, ctx.dev, ctx.axes, "sum", "psum"), None, None  # [*s] -> [*s]
 
     @staticmethod
@@ -276,6 +296,66 @@ class Pvary(Prim):
         info: VmapInfo, in_dims: _Dims, x: torch.Tensor, dev: Any, axes: tuple[str, ...]
     ) -> tuple[torch.Tensor, int | None]:
         return call(Pvary, x, dev, axes), in_dims[0]  # [.., B, ..] -> [.., B, ..]
+
+
+def _given_up(g: torch.Tensor) -> bool:
+    """Whether the cotangent ``g`` a ``backward`` was handed (and passes on as it came) is seen by that backward
+    alone, so that it may be summed in place: its Python object held as a fresh cotangent's is (no hook kept it),
+    its C++ tensor by that object only (no other node's input, nothing saved it), its memory by ``g`` only (no view,
+    no copy sharing it; the storage object made to ask is the second holder), as :func:`_cotangent_refs` found at
+    import. Called from the backward itself, before ``g`` is passed anywhere else."""
+    if _getrefcount(g) != _BWD_REFS or type(g) is not torch.Tensor or transforms_active() or _is_wrapped(g):
+        return False
+    if g._use_count() != 1 or g._base is not None or not g.is_contiguous():
+        return False  # (a ZeroTensor passes: all_reduce_inplace sums it out of place)
+    return torch._C._storage_Use_Count(g.untyped_storage()._cdata) == 2
+
+
+_getrefcount = sys.getrefcount
+
+
+def _refs(g: torch.Tensor) -> int:
+    """The references ``g`` has inside a function a backward passes it to (as :func:`_given_up`'s ``g``)."""
+    return _getrefcount(g)
+
+
+def _cotangent_refs() -> int:
+    """The count :func:`_refs` finds for a fresh cotangent in a ``backward`` (asked once, on a small graph), or 0
+    (never in place) where a cotangent a hook holds as well shows the same count (a Python that lends its
+    references: nothing to tell the two apart by)."""
+    seen: list[int] = []
+
+    class Probe(Prim):
+        @staticmethod
+        def forward(x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+            return x.view_as(x)
+
+        @staticmethod
+        def setup_context(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
+            pass
+
+        @staticmethod
+        def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+            seen.append(_refs(g))
+            return g
+
+    try:
+        with torch.enable_grad():
+            held: list[torch.Tensor] = []
+            for hold in (False, True):
+                x = torch.zeros(2, requires_grad=True)
+                y = call(Probe, x)
+                if hold:  # a hook that keeps the cotangent it is shown
+                    y.register_hook(held.append)
+                torch.autograd.grad((y * 2).sum(), x)  # [2]: y's cotangent a fresh product
+    except Exception:  # noqa: BLE001 - a torch that cannot run the probe here: never in place
+        return 0
+    fresh, kept = seen
+    return fresh if fresh != kept else 0
+
+
+#: :func:`_cotangent_refs`, asked once
+_BWD_REFS = _cotangent_refs()
 
 
 def _uses(t: torch.Tensor) -> int:

@@ -39,14 +39,18 @@ __all__ = [
     "bind",
     "bind_operand",
     "bind_result",
+    "bind_results",
+    "copy_vmas",
     "find_vma",
     "get_vma",
     "keep_tags",
     "known_vma",
+    "known_vmas",
     "official_vma",
     "one_op",
     "pvary_to",
     "set_vma",
+    "set_vmas",
     "settle",
     "tag_leaves",
     "tag_like",
@@ -55,6 +59,7 @@ __all__ = [
     "tags_agree",
     "tags_of",
     "take_vma",
+    "take_vmas",
     "vary_output",
 ]
 
@@ -94,6 +99,9 @@ def find_vma(t: torch.Tensor) -> frozenset[str] | None:
 
 def get_vma(t: torch.Tensor) -> frozenset[str]:
     """The axes ``t`` varies over (looking through torch.func wrappers); untagged means invariant."""
+    v = getattr(t, _ATTR, None)  # (find_vma's first read, inline: the common operand carries its own tag)
+    if v is not None:
+        return v
     v = find_vma(t)
     return EMPTY if v is None else v
 
@@ -134,6 +142,37 @@ def tag_tensors(leaves: Iterable[Any], tags: Iterable[frozenset[str]], tagged: l
         if isinstance(t, T):
             setattr(t, _ATTR, v)
             push(t)
+
+
+def copy_vmas(dsts: Iterable[torch.Tensor], srcs: Iterable[torch.Tensor]) -> list[frozenset[str] | None]:
+    """Tag each of ``dsts`` as :func:`find_vma` finds its entry of ``srcs`` tagged (left untagged where that is not)
+    and return those tags (None: untagged): detached copies' tags, one call for all."""
+    out: list[frozenset[str] | None] = []
+    push = out.append
+    for dst, src in zip(dsts, srcs, strict=True):
+        v = getattr(src, _ATTR, None)
+        if v is None:
+            v = find_vma(src)  # (a view's base's, or through torch.func wrappers)
+        if v is not None:
+            setattr(dst, _ATTR, v)
+        push(v)
+    return out
+
+
+def set_vmas(ts: Iterable[torch.Tensor], tags: Iterable[frozenset[str] | None]) -> None:
+    """:func:`set_vma` of each of ``ts`` with its entry of ``tags`` (None: invariant, :data:`EMPTY`), one call for
+    all: a function's gradients, each tagged like its input."""
+    for t, v in zip(ts, tags, strict=True):
+        setattr(t, _ATTR, EMPTY if v is None else v)
+
+
+def take_vmas(ts: Iterable[Any]) -> list[frozenset[str] | None]:
+    """:func:`take_vma` of each tensor of ``ts`` (None for anything else), one call for all: a call's outputs."""
+    T, out = torch.Tensor, []
+    push = out.append
+    for t in ts:  # (a loop: no comprehension's frame)
+        push(t.__dict__.pop(_ATTR, None) if isinstance(t, T) else None)
+    return out
 
 
 def take_vma(t: torch.Tensor) -> frozenset[str] | None:
@@ -259,12 +298,37 @@ def known_vma(t: torch.Tensor, tracked: bool) -> frozenset[str] | None:
     results of collectives carry tags, and the audit (sim) knows the rest as :class:`Audited` axes."""
     if tracked:
         return get_vma(t)
-    v = find_vma(t)
+    v = getattr(t, _ATTR, None)  # (find_vma's first read, inline: an argument carries its own tag)
+    if v is None:
+        v = find_vma(t)
     if v is not None and not isinstance(v, Audited):
         return v
-    if auditing():  # every value is tagged: untagged means invariant
+    mode = getattr(_active, "mode", None)
+    if mode is not None and mode.audit:  # (auditing(), inline) every value is tagged: untagged means invariant
         return v if v is not None else Audited()
     return None
+
+
+def known_vmas(ts: Iterable[Any], tracked: bool) -> list[frozenset[str] | None]:
+    """:func:`known_vma` of each tensor of ``ts`` (None for anything else), one call for all: a tree's leaves."""
+    mode = getattr(_active, "mode", None)
+    audit = mode is not None and mode.audit
+    T, out = torch.Tensor, []
+    push = out.append
+    for t in ts:  # (known_vma of each, written out)
+        if not isinstance(t, T):
+            push(None)
+            continue
+        v = getattr(t, _ATTR, None)
+        if v is None:
+            v = find_vma(t)
+        if tracked:
+            push(EMPTY if v is None else v)
+        elif v is not None and not isinstance(v, Audited):
+            push(v)
+        else:
+            push((v if v is not None else Audited()) if audit else None)
+    return out
 
 
 def _grad_flows(t: torch.Tensor) -> bool:
@@ -325,7 +389,24 @@ def bind_result(prim: Any, y: torch.Tensor, have: frozenset[str] | None, axes: t
     if have is None:
         return y
     v = prim.vma(have, frozenset(axes))
-    return set_vma(y, Audited(v) if isinstance(have, Audited) else v)
+    setattr(y, _ATTR, Audited(v) if isinstance(have, Audited) else v)  # (set_vma, inline)
+    return y
+
+
+def bind_results(
+    prim: Any, ys: Iterable[torch.Tensor], have: frozenset[str] | None, axes: tuple[str, ...]
+) -> list[torch.Tensor]:
+    """:func:`bind_result` of each of ``ys``, the results of one ``prim`` over ``axes`` of operands that all vary over
+    ``have``: the tag made once and set on each, one call for all (a bucket's results)."""
+    ys = list(ys)
+    if have is None:
+        return ys
+    v = prim.vma(have, frozenset(axes))
+    if isinstance(have, Audited):
+        v = Audited(v)
+    for y in ys:
+        setattr(y, _ATTR, v)
+    return ys
 
 
 class Op(Prim):

@@ -4,6 +4,7 @@ mode flags (overlap, prefetch, trace scopes) that the backends read."""
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 from collections.abc import Callable
 from contextlib import AbstractContextManager
@@ -21,14 +22,18 @@ __all__ = [
     "current",
     "dynamo_tracing",
     "enter",
+    "env",
     "is_donated",
     "maybe_current",
     "observe_scope",
     "observer",
     "overlap_allowed",
     "overlap_last",
+    "overlapped_node",
     "prefetch_scope",
     "prefetching",
+    "swap_context",
+    "swap_overlap",
     "trace_scope",
     "tracing",
     "transforms_active",
@@ -56,7 +61,13 @@ def is_donated(*ts: Any) -> bool:
         False
     """
     ctx = getattr(_local, "ctx", None)
-    return ctx is not None and bool(ctx.donated) and bool(ts) and all(id(t) in ctx.donated for t in ts)
+    if ctx is None or not ctx.donated or not ts:
+        return False
+    donated = ctx.donated
+    for t in ts:  # (a loop: no generator's frame; asked for every leaf an optimiser updates)
+        if id(t) not in donated:
+            return False
+    return True
 
 
 def maybe_current() -> DeviceContext | None:
@@ -95,6 +106,35 @@ class enter(AbstractContextManager):  # used as a function: ``with enter(ctx):``
 
     def __exit__(self, *exc: object) -> None:
         _local.ctx = self.prev
+
+
+_ENV_DATA = getattr(os.environ, "_data", None)  # os.environ's own mapping (encoded keys and values), where it has one
+_ENV_KEYS: dict[str, Any] = {}  # a variable's name -> its key in that mapping
+
+
+def env(name: str) -> str | None:
+    """``os.environ.get(name)``, read on every call as it would be, in one frame where the variable is unset (the
+    usual case; ``os.environ.get`` costs three: its ``Mapping.get``, ``__getitem__`` and the key's encoding).
+
+    Example:
+        >>> env("FUNCSHARD_SURELY_UNSET") is None
+        True
+    """
+    if _ENV_DATA is None or not hasattr(os.environ, "encodekey"):
+        return os.environ.get(name)
+    key = _ENV_KEYS.get(name)
+    if key is None:
+        key = _ENV_KEYS[name] = os.environ.encodekey(name)  # type: ignore[attr-defined]
+    value = _ENV_DATA.get(key)
+    return None if value is None else os.environ.decodevalue(value)  # type: ignore[attr-defined]
+
+
+def swap_context(ctx: DeviceContext | None) -> DeviceContext | None:
+    """Make ``ctx`` current in this thread (None: none) and return the context it replaces: :class:`enter` as two
+    calls, ``prev = swap_context(ctx)`` then ``swap_context(prev)`` in a ``finally`` (no context object made)."""
+    prev = getattr(_local, "ctx", None)
+    _local.ctx = ctx
+    return prev
 
 
 def axes_of(axis: Any, mesh: Any, fn: str) -> tuple[str, ...]:
@@ -188,6 +228,15 @@ class Overlap(contextlib.AbstractContextManager):
         _scope.on, _scope.last = self.prev
 
 
+def swap_overlap(state: tuple[bool, Any]) -> tuple[bool, Any]:
+    """Set this thread's overlap scope to ``state`` (``(on, last)``, as :class:`Overlap` sets it) and return the one
+    it replaces: :class:`Overlap` as two calls, ``prev = swap_overlap((True, last))`` then ``swap_overlap(prev)``
+    in a ``finally`` (no scope object made)."""
+    prev = (getattr(_scope, "on", False), getattr(_scope, "last", None))
+    _scope.on, _scope.last = state
+    return prev
+
+
 def overlap_allowed() -> bool:
     """Whether this thread is inside :class:`Overlap`."""
     return getattr(_scope, "on", False)
@@ -196,6 +245,16 @@ def overlap_allowed() -> bool:
 def overlap_last() -> Any:
     """The backward node :class:`Overlap` was told runs last (None: not known)."""
     return getattr(_scope, "last", None)
+
+
+def overlapped_node() -> bool:
+    """Whether this thread runs a backward node inside :class:`Overlap` that is not the one it was told runs last:
+    a collective there may be issued and waited for later (:func:`overlap_allowed` and :func:`overlap_last`, asked
+    in one call)."""
+    if not getattr(_scope, "on", False):
+        return False
+    node = torch._C._current_autograd_node()
+    return node is not None and node is not getattr(_scope, "last", None)
 
 
 def prefetch_scope(on: bool = True) -> contextlib.AbstractContextManager[None]:

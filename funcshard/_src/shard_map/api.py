@@ -95,18 +95,21 @@ def shard_map(
     if not isinstance(mesh, Mesh):
         raise ShardingError(f"shard_map: mesh must be an fs.Mesh from fs.make_mesh, found {type(mesh).__name__}.")
 
-    donated = _donate_argnums(donate)
-    cache = InputCache()
-    options = compile_options(compile)
-    compiled = None
+    donated, cache, options = _donate_argnums(donate), InputCache(), compile_options(compile)
     name = f"shard_map({getattr(f, '__name__', 'f')})"
     f = eager_body(f, name, bool(check_vma))
-    if options is not None and mesh.is_multiprocess:  # one device per process: its body compiles
-        compiled = CompiledBody(name, options)
+    # one device per process: its body compiles
+    compiled = CompiledBody(name, options) if options is not None and mesh.is_multiprocess else None
     check = bool(check_vma)
+    local = options is None and not donated and mesh.is_multiprocess  # one device, no compile, no donation
 
     @functools.wraps(f)
     def mapped(*args: Any) -> Any:
+        if local and maybe_current() is None and not transforms_active():  # _call's common step, one frame less
+            sig, leaves = cache.signature(name, mesh, in_specs, args)
+            if not sig.resharded and not audit_env():
+                return _run_local(name, f, mesh, out_specs, check, sig, leaves, cache)
+            return _run(name, f, mesh, out_specs, check, cache.inputs(mesh, sig, leaves), cache, None)
         if options is not None and compiled is None:
             warn_sim(name, id(mapped))
         return _call(f, mesh, in_specs, out_specs, check, args, cache, donated, compiled, name)
@@ -172,10 +175,11 @@ def _call(
         try:
             return _run(name, f, mesh, out_specs, check_vma, inputs, cache, compiled)
         finally:  # consumed, whether or not the call got through (its blocks may be half written)
+            why = f"donated to {name} (donate={donate})"
             for i in donate:
-                for leaf in optree.tree_leaves(args[i], is_leaf=is_array):
+                for leaf in optree.tree_leaves(args[i]):  # (an Array is a leaf: no pytree node of optree's)
                     if isinstance(leaf, Array):
-                        leaf.delete(f"donated to {name} (donate={donate})")
+                        leaf.delete(why)
     return _run(name, f, mesh, out_specs, check_vma, inputs, cache, compiled)
 
 
@@ -210,7 +214,7 @@ def _run_local(
             if not check_vma:  # the outputs called replicated are: once per output signature (see _replicas)
                 maybe_check_replicas(name, mesh, check_vma, plan, out_leaves, executor.device)
             out = assemble_one(name, mesh, plan, check_vma, executor.coords[0], out_leaves)  # (tags cleared)
-            return optree.tree_unflatten(out_def, out)
+            return out_def.unflatten(out)  # (optree.tree_unflatten's own call)
         except BaseException:
             clear_vma(out_leaves)
             raise
@@ -260,4 +264,5 @@ def _run(
         return assemble_outputs(name, mesh, out_plan, check_vma, executor.coords, results, executor.shards)
     finally:  # tags are only meaningful during this call: none may leak into a later one
         clear_vma(body.tagged)
-        clear_vma(leaf for leaves, _ in results for leaf in leaves)
+        for leaves, _ in results:  # (per device: no generator resumed once a leaf)
+            clear_vma(leaves)

@@ -125,11 +125,19 @@ def eager_body(f: Callable[..., Any], name: str, check_vma: bool) -> Callable[..
     return inner
 
 
+#: the frame evaluation hook torch.compile installs while a compiled frame runs (None: none), where torch has it
+_frame_hook: Callable[[], Any] | None = getattr(
+    getattr(getattr(torch._C, "_dynamo", None), "eval_frame", None), "get_eval_frame_callback", None
+)
+
+
 def opaque_to_dynamo(mapped: Callable[..., Any], name: str, tell: bool = False) -> Callable[..., Any]:
     """``mapped`` (a shard_map'd function) run eagerly where ``torch.compile`` meets it: a graph break there
     (``fullgraph=True`` raises, naming ``compile=``) instead of dynamo tracing the devices' threads, pytrees and
-    tags, which it cannot (an internal error). ~0.5 us a call. ``tell``: the first time ``torch.compile`` meets
-    it, warn that its body runs eagerly and that ``compile=True`` compiles it (a dist mesh without ``compile=``).
+    tags, which it cannot (an internal error). Called eagerly with no compiled frame running, ``mapped`` is called
+    directly (``disable``'s wrapper would switch off, and back on, a hook that is not there). ``tell``: the first
+    time ``torch.compile`` meets it, warn that its body runs eagerly and that ``compile=True`` compiles it (a dist
+    mesh without ``compile=``).
 
     Example:
         >>> g = opaque_to_dynamo(lambda x: x, "shard_map(f)")
@@ -162,8 +170,13 @@ def opaque_to_dynamo(mapped: Callable[..., Any], name: str, tell: bool = False) 
 
     @functools.wraps(mapped)
     def call(*args: Any) -> Any:  # (torch.compile(off) itself would unwrap off to mapped and trace it)
-        if not told and dynamo_tracing():
-            say()
+        if dynamo_tracing():  # (dynamo takes this branch as a constant: it never sees the hook's read below)
+            if not told:
+                say()
+            return off(*args)
+        if _frame_hook is not None and _frame_hook() is None:
+            # eager, no torch.compile'd frame around the call: no frame evaluation hook for off to switch off
+            return mapped(*args)
         return off(*args)
 
     call.__wrapped__ = getattr(mapped, "__wrapped__", mapped)  # type: ignore[attr-defined]  # (the user's f)

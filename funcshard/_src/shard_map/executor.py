@@ -27,7 +27,6 @@ import itertools
 import os
 import threading
 from collections.abc import Callable
-from contextlib import nullcontext
 from typing import Any, Protocol
 
 import optree
@@ -36,7 +35,7 @@ import torch
 from ..arrays.array import ClassShards, Coords, local_shards
 from ..arrays.reshard import apply_reshard
 from ..collectives.vma import VmaMode, find_vma, settle, tag_tensors, vary_output
-from ..runtime.context import DeviceContext, enter, observer, transforms_active
+from ..runtime.context import DeviceContext, enter, observer, swap_context, transforms_active
 from ..runtime.mesh import Mesh
 from .io import ARRAY, VALUE, WHOLE, Inputs, OutPlan, device_args, flatten
 from .sim_grad import SimState, run_differentiable
@@ -175,7 +174,7 @@ class DeviceBody:
         else:  # an argument that is one leaf is its block (no tree to rebuild)
             args = [lv[0] if b else optree.tree_unflatten(td, lv) for td, lv, b in zip(inputs.treedefs, leaves, bare)]
         if donated is not None:
-            mine = frozenset(id(t) for arg, ds in zip(leaves, donated) for t, d in zip(arg, ds) if d)
+            mine = frozenset([id(t) for arg, ds in zip(leaves, donated) for t, d in zip(arg, ds) if d])
             ctx = DeviceContext(self.mesh, dev, self.check_vma, mine)
         else:
             ctx = _context_of(self.mesh, dev, self.check_vma)
@@ -184,19 +183,32 @@ class DeviceBody:
     def call(self, dev: Any, ctx: DeviceContext, args: list[Any]) -> Result:
         """Call ``f`` on ``args`` (owned and tagged) under the device's context ``ctx``; its outputs' leaves
         (pending collectives waited for, each made varying over its out_spec's axes) and tree structure."""
-        mode = VmaMode(dev, audit=not self.check_vma) if self.check_vma or self.audit else _NULL
-        with enter(ctx), mode:
-            out = self.f(*args)
-            out_leaves, out_def, _ = flatten(out)  # (an Array is a leaf: no pytree node of optree's)
-            # no pending collective leaves the call
-            out_leaves = [t if type(t) is torch.Tensor else settle(t) for t in out_leaves]
-            if mode is _NULL:  # (no mode on the stack: nothing to disable, ~2k instructions)
+        mode = VmaMode(dev, audit=not self.check_vma) if self.check_vma or self.audit else None
+        prev = swap_context(ctx)  # (as ``with enter(ctx):``, without a context object and its three frames)
+        try:
+            if mode is None:
+                return self._outputs(dev, self.f(*args), False)
+            with mode:
+                return self._outputs(dev, self.f(*args), True)
+        finally:
+            swap_context(prev)
+
+    def _outputs(self, dev: Any, out: Any, moded: bool) -> Result:
+        """The leaves and tree structure of ``f``'s output ``out`` (under the device's context and, where ``moded``,
+        the vma mode): pending collectives waited for, each made varying over its out_spec's axes."""
+        out_leaves, out_def, _ = flatten(out)  # (an Array is a leaf: no pytree node of optree's)
+        T = torch.Tensor
+        for t in out_leaves:  # no pending collective leaves the call (the common output: plain tensors, no copy)
+            if type(t) is not T:
+                out_leaves = [t if type(t) is T else settle(t) for t in out_leaves]
+                break
+        if not moded:  # (no mode on the stack: nothing to disable, ~2k instructions)
+            differentiable = _differentiable(out_leaves)
+        else:
+            with torch._C.DisableTorchFunction():  # a read the vma mode need not see
                 differentiable = _differentiable(out_leaves)
-            else:
-                with torch._C.DisableTorchFunction():  # a read the vma mode need not see
-                    differentiable = _differentiable(out_leaves)
-            if differentiable:
-                out_leaves = self._vary_outputs(dev, out_leaves, out_def)
+        if differentiable:
+            out_leaves = self._vary_outputs(dev, out_leaves, out_def)
         return out_leaves, out_def
 
     def _vary_outputs(self, dev: Any, leaves: list[Any], out_def: Any) -> list[Any]:
@@ -213,9 +225,6 @@ class DeviceBody:
         return out
 
 
-_NULL = nullcontext()  # (stateless: entered by any number of calls)
-
-
 def run_local(body: DeviceBody, executor: DistExecutor, sig: Any, leaves: list[Any], cache: Any) -> Result:
     """:meth:`DistExecutor.run` of a call whose arguments need no resharding and none is donated (the common
     step), straight from the arguments' flat ``leaves`` and their signature ``sig`` (``_shard_map_io._InSig``):
@@ -223,7 +232,8 @@ def run_local(body: DeviceBody, executor: DistExecutor, sig: Any, leaves: list[A
     (:func:`_tag_args`) in one pass, no per-argument lists of blocks in between; ``f`` is then called as
     :meth:`DeviceBody.run` calls it."""
     mesh = body.mesh
-    coords, device = cache.local_device(mesh)
+    local = cache.dist_local  # (cache.local_device's own read)
+    coords, device = local if local is not None else cache.local_device(mesh)
     blocks = []
     for leaf, kind, spec in zip(leaves, sig.kinds, sig.flat_specs, strict=True):
         if kind == ARRAY:
@@ -237,8 +247,10 @@ def run_local(body: DeviceBody, executor: DistExecutor, sig: Any, leaves: list[A
         owned = [_own(t) for t in blocks]
     else:
         with _clone_lock:
-            try:  # (_cow of each, its call written out: one frame less a leaf)
-                owned = [_lazy_clone(t) if isinstance(t, T) else t for t in blocks]
+            owned = []
+            try:  # (_cow of each, its call written out: one frame less a leaf; a loop: no comprehension's frame)
+                for t in blocks:
+                    owned.append(_lazy_clone(t) if isinstance(t, T) else t)
             except RuntimeError:  # a storage torch cannot make copy-on-write: each leaf on its own
                 owned = [_cow(t) if isinstance(t, T) else t for t in blocks]
     tag_tensors(owned, sig.flat_tags, body.tagged)
@@ -250,7 +262,11 @@ def run_local(body: DeviceBody, executor: DistExecutor, sig: Any, leaves: list[A
             n = td.num_leaves
             args.append(owned[k] if bare else optree.tree_unflatten(td, owned[k : k + n]))
             k += n
-    return body.call(executor.device, _context_of(mesh, executor.device, body.check_vma), args)
+    dev = executor.device
+    ctx = cache.context  # (the context of the last call, kept while its device is the executor's)
+    if ctx is None or ctx.device is not dev or ctx.check_vma is not body.check_vma:
+        ctx = cache.context = _context_of(mesh, dev, body.check_vma)
+    return body.call(dev, ctx, args)
 
 
 def _context_of(mesh: Mesh, dev: Any, check_vma: bool) -> DeviceContext:

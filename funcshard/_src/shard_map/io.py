@@ -14,7 +14,7 @@ import torch
 
 from ..arrays.array import Array, Coords, is_array, local_coords, local_shards
 from ..arrays.reshard import Step, comparable, reshard_plan
-from ..collectives.vma import EMPTY, get_vma, take_vma
+from ..collectives.vma import EMPTY, get_vma, take_vmas
 from ..errors import ShardingError
 from ..runtime.mesh import Mesh
 from ..tree import pytree
@@ -239,6 +239,7 @@ class InputCache:
         self.outputs: dict[Any, OutPlan] = {}
         self.dist_local: tuple[Coords, torch.device | None] | None = None  # this process's coords, its device
         self.executor: Any = None  # the mesh's executor (``_executor.executor_for``), kept for the next call
+        self.context: Any = None  # the device context of the last ``run_local`` call (``_executor._context_of``)
 
     def prepare(self, name: str, mesh: Mesh, in_specs: Any, args: tuple[Any, ...]) -> Inputs:
         """Validate ``args`` against ``in_specs`` (cached per call signature) and cut them for the devices.
@@ -364,15 +365,23 @@ def donated_blocks(name: str, args: tuple[Any, ...], donate: tuple[int, ...]) ->
             )
     out = []
     for i, arg in enumerate(args):
+        leaves = optree.tree_leaves(arg)  # (an Array is a leaf: no pytree node of optree's)
+        if i not in donate:
+            out.append([False] * len(leaves))
+            continue
         flags = []
-        for path, leaf in pytree.leaves_with_path(arg, is_leaf=is_array):
-            if i in donate and isinstance(leaf, Array) and leaf.requires_grad:
-                raise ShardingError(
-                    f"{name} at 'args[{i}]/{path}': a donated Array requires grad, so autograd may still need its "
-                    f"buffers; donate only values no gradient flows into (params and optimiser state of a step "
-                    f"that takes its own gradients), or drop {i} from donate."
-                )
-            flags.append(i in donate and isinstance(leaf, Array) and leaf.owned)
+        for k, leaf in enumerate(leaves):
+            if isinstance(leaf, Array):
+                if leaf.requires_grad:
+                    path = pytree.leaves_with_path(arg, is_leaf=is_array)[k][0]  # (for the message only)
+                    raise ShardingError(
+                        f"{name} at 'args[{i}]/{path}': a donated Array requires grad, so autograd may still need "
+                        f"its buffers; donate only values no gradient flows into (params and optimiser state of a "
+                        f"step that takes its own gradients), or drop {i} from donate."
+                    )
+                flags.append(leaf.owned)
+            else:
+                flags.append(False)
         out.append(flags)
     return out
 
@@ -441,7 +450,7 @@ def assemble_outputs(
     executor's ``shards``; None: a plain dict)."""
     out_def = results[0][1]
     if len(results) == 1:
-        leaves = _assemble(name, mesh, plan, check_vma, all_coords[0], results[0][0], False, shards)
+        leaves = assemble_one(name, mesh, plan, check_vma, all_coords[0], results[0][0], False, shards)
         return optree.tree_unflatten(out_def, leaves)
     out = []
     seen: set[int] = set()  # storages of the blocks assembled so far
@@ -498,29 +507,27 @@ def assemble_outputs(
     return optree.tree_unflatten(out_def, out)
 
 
-def assemble_one(name: str, mesh: Mesh, plan: OutPlan, check_vma: bool, coords: Coords, leaves: list[Any]) -> list[Any]:
-    """:func:`assemble_outputs` of one device (``"dist"``), which also clears each block's own vma tag as it reads
-    it (``clear_vma`` of the outputs, in the same pass; where it raises, the caller clears the rest)."""
-    return _assemble(name, mesh, plan, check_vma, coords, leaves, True)
-
-
-def _assemble(
+def assemble_one(
     name: str,
     mesh: Mesh,
     plan: OutPlan,
     check_vma: bool,
     coords: Coords,
     leaves: list[Any],
-    clear: bool,
+    clear: bool = True,
     shards: Any = None,
 ) -> list[Any]:
+    """:func:`assemble_outputs` of one device (``"dist"``, or a mesh of one): nothing to compare between devices;
+    the leaf kinds and shapes are the plan's (its key), so only the vma tags and storages are read. ``clear``: it
+    also clears each block's own vma tag as it reads it (``clear_vma`` of the outputs, in the same pass; where it
+    raises, the caller clears the rest); ``shards`` as in :func:`assemble_outputs`."""
     out: list[Any] = []
     seen: set[int] = set()  # storages of the blocks assembled so far
-    for v, (path, spec, gshape), allowed in zip(leaves, plan, plan.allowed, strict=True):
+    tags = take_vmas(leaves) if clear else [None] * len(leaves)
+    for v, (path, spec, gshape), allowed, tag in zip(leaves, plan, plan.allowed, tags, strict=True):
         if gshape is None:  # a non-tensor leaf (its spec checked P() with the plan): as it is
             out.append(v)
             continue
-        tag = take_vma(v) if clear else None
         if check_vma:
             vma = get_vma(v) if tag is None else tag  # (its own tag, else a view's base's or a wrapper's)
             if not vma <= allowed:

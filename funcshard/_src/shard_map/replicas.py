@@ -81,12 +81,12 @@ def maybe_check_replicas(name: str, mesh: Mesh, check_vma: bool, plan: Any, leav
     """:func:`check_replicas` where it is due: a ``check_vma=False`` call under ``"dist"`` whose output plan
     (one per output signature) was not checked yet, or every call with ``FUNCSHARD_AUDIT=1``; never with
     ``FUNCSHARD_AUDIT=0``. Every process of the mesh makes the same decision (the same calls, the same plans)."""
-    if check_vma or not mesh.is_multiprocess:
+    if check_vma:
         return
-    if _CHECKED.get(id(plan)) is plan:
+    if _CHECKED.get(id(plan)) is plan:  # (checked: a dist mesh's plan; the common call, asked first)
         if not audit_env():
             return
-    elif os.environ.get("FUNCSHARD_AUDIT") == "0":
+    elif not mesh.is_multiprocess or os.environ.get("FUNCSHARD_AUDIT") == "0":
         return
     check_replicas(name, mesh, plan, leaves, dev)
     if len(_CHECKED) > 4096:

@@ -44,7 +44,7 @@ import torch.distributed as dist
 
 from ...errors import ConfigError, MeshError, ShardingError
 from ..comm import P2POp, P2PWork, PeerError, default_timeout
-from ..context import overlap_allowed, overlap_last, prefetching, tracing
+from ..context import env, overlapped_node, prefetching, tracing
 from .base import BackendImpl, DeviceHandle, check_p2p, from_order_key, group_members, order_key
 
 __all__ = [
@@ -68,7 +68,7 @@ def overlap_enabled() -> bool:
     the all-reduce / reduce-scatter that a backward node starts returns at once, as torch's functional
     collectives do, and is waited on where its result is first used, so the rest of the backward computes
     while it travels (DDP's overlap, in DDP's order: last layers first)."""
-    return os.environ.get("FUNCSHARD_OVERLAP", "1") != "0"
+    return env("FUNCSHARD_OVERLAP") != "0"
 
 
 #: called with each pending result the backward issues (a test's window on the overlap; None: nothing)
@@ -81,13 +81,9 @@ def _issued(t: Any) -> Any:
     return t
 
 
-def _in_backward() -> bool:
-    """In a backward that ``fs.value_and_grad`` runs (``Overlap``): its gradients are settled on the way out;
-    not in the node that backward runs last (nothing is left to overlap: synchronous is cheaper)."""
-    if not overlap_allowed():
-        return False
-    node = torch._C._current_autograd_node()
-    return node is not None and node is not overlap_last()
+#: in a backward that ``fs.value_and_grad`` runs (``Overlap``), whose gradients are settled on the way out, and not in
+#: the node that backward runs last (nothing is left to overlap: synchronous is cheaper)
+_in_backward = overlapped_node
 
 
 def _functional(overlap: bool) -> bool:
@@ -334,6 +330,7 @@ def _waiting(what: str, axes: tuple[str, ...], members: list[int]) -> Iterator[N
         raise peer_error(what, axes, members, e) from e
 
 
+_grad_enabled = torch.is_grad_enabled
 _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 _REDUCE_NAMES = {"sum": "psum", "max": "pmax", "min": "pmin"}  # an all-reduce's name in errors
 _ALLREDUCE_OPTIONS: dict[str, Any] = {}
@@ -449,19 +446,21 @@ class DistDevice(DeviceHandle):
     def all_reduce(self, x: torch.Tensor, axes: tuple[str, ...], op: str) -> torch.Tensor:
         if x._is_zerotensor():  # a zero tangent / cotangent (torch's ZeroTensor): no memory to send, zeros are sent
             x = torch.zeros_like(x)  # [*s] -> [*s]
-        g, members, row_of, _ = self._group(axes)
-        what = _REDUCE_NAMES[op]
+        hit = self._order.get(axes)  # (_group's own lookup)
+        g, members, row_of, _ = hit if hit is not None else self._group(axes)
         if op != "sum" and x.is_floating_point():  # max / min of floats: NaN wins, as torch.maximum and sim
             return from_order_key(self.all_reduce(order_key(x.detach(), op), axes, op), x.dtype)
-        if _functional(op == "sum" and _in_backward()):
+        # (_functional(op == "sum" and _in_backward()) written out)
+        if _funcol is not None and (tracing() or (op == "sum" and _in_backward() and overlap_enabled())):
             # a gradient's sum (or any, in a compiled graph): issued now, waited for at its first use
-            with _waiting(what, axes, members):
+            with _waiting(_REDUCE_NAMES[op], axes, members):
                 return _issued(_funcol.all_reduce(x.detach().contiguous(), op, g))  # [*s] -> [*s] (pending)
         n = len(members)
         if 1 < n and 0 < x.nbytes * n <= _ONE_SHOT_BYTES and x.dtype in _ONE_SHOT_DTYPES and x.device.type == "cpu":
-            return _one_shot(x, op, g, what, axes, members, row_of)  # [*s] -> [*s]
-        out = x.detach().clone(memory_format=torch.contiguous_format)
-        _reduce_now(out, op, g, what, axes, members)  # [*s] -> [*s]
+            return _one_shot(x, op, g, _REDUCE_NAMES[op], axes, members, row_of)  # [*s] -> [*s]
+        # (with grad mode off, as in a Function's forward or an undifferentiated backward, the copy records nothing)
+        out = (x if not _grad_enabled() else x.detach()).clone(memory_format=torch.contiguous_format)
+        _reduce_now(out, op, g, _REDUCE_NAMES[op], axes, members)  # [*s] -> [*s]
         return out
 
     def all_reduce_pending(self, x: torch.Tensor, axes: tuple[str, ...]) -> torch.Tensor:
@@ -483,7 +482,7 @@ class DistDevice(DeviceHandle):
             return self.all_reduce(x, axes, "sum")  # [*s] -> [*s]
         g, members, _, _ = self._group(axes)
         buf = x.detach()
-        if _functional(_in_backward()):
+        if _funcol is not None and _in_backward() and overlap_enabled():  # (_functional(_in_backward()): not tracing)
             with _waiting("psum", axes, members):
                 out = torch.ops._c10d_functional.all_reduce_(buf, "sum", g.group_name)  # [*s] -> [*s] in place
                 return _issued(_funcol._maybe_wrap_tensor(out))  # pending
@@ -745,7 +744,8 @@ def _reduce_now(buf: torch.Tensor, op: str, g: Any, what: str, axes: tuple[str, 
         if buf.is_complex():
             dist.all_reduce(buf, op=_REDUCE_OPS[op], group=g)  # [*s] -> [*s]
         else:
-            g.allreduce([buf], _allreduce_options(op)).wait()  # [*s] -> [*s]
+            opts = _ALLREDUCE_OPTIONS.get(op)  # (_allreduce_options's own lookup)
+            g.allreduce([buf], opts if opts is not None else _allreduce_options(op)).wait()  # [*s] -> [*s]
     except RuntimeError as e:
         if not _peer_trouble(e):
             raise
