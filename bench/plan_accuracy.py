@@ -31,12 +31,11 @@ to the next as DDP keeps its buckets), so every measured step is a first step, w
 Prints one row per case: predicted MiB, measured MiB (max over devices), ratio predicted / measured (the
 number: 1.0 is exact), the per-rank ratios of each rank's own prediction (``memory_analysis(device=r)``), ``pool``:
 the MiB of gradient buckets the dist backend's pool keeps after the step (they stay allocated from step to step;
-the abstract run sums its buckets into transient copies instead, so the prediction does not hold them: where the
-peak comes after the buckets are made, as in the pipeline's later microbatches, the measured peak exceeds the
-prediction by up to that much), ``+pool``: (predicted + pool) / measured, the comm rows equal or not, the number of
-collectives, FLOPs predicted and counted; then the worst ratio. ``--trace CASE`` (e.g. ``"dist fsdp=4/none"``) also
-prints, for rank 0 of that case, the aten ops of the real body and of the abstract run with the bytes each
-allocates, where they differ (how a gap is found: a kernel or a buffer taken in one run and not the other).
+the prediction replays that pool on its meta buckets: ``BackendImpl.keeps_buckets``), the comm rows equal or not,
+the number of collectives, FLOPs predicted and counted; then the worst ratio. ``--trace CASE`` (e.g.
+``"dist fsdp=4/none"``) also prints, for rank 0 of that case, the aten ops of the real body and of the abstract
+run with the bytes each allocates, where they differ (how a gap is found: a kernel or a buffer taken in one run
+and not the other).
 
 Usage:
     python bench/plan_accuracy.py                  # every case: 20-80 s on 2 cores (by their load)
@@ -309,7 +308,7 @@ def _print_trace(case: str, real: list, abstract: list) -> None:
 
 def print_table(rows: list[dict[str, Any]]) -> None:
     head = (
-        f"{'case':<26} {'pred MiB':>9} {'meas MiB':>9} {'ratio':>6}  {'per rank':<27} {'pool':>5} {'+pool':>6} "
+        f"{'case':<26} {'pred MiB':>9} {'meas MiB':>9} {'ratio':>6}  {'per rank':<27} {'pool':>5} "
         f"{'comm':<5} {'coll':>5} {'GFLOP pred':>10} {'counted':>8} {'flops':<5}"
     )
     print(head)
@@ -318,7 +317,7 @@ def print_table(rows: list[dict[str, Any]]) -> None:
         per = " ".join(f"{v:.3f}" for v in r["per_rank"].values())
         print(
             f"{r['case']:<26} {r['predicted'] / MIB:>9.2f} {r['measured'] / MIB:>9.2f} {r['ratio']:>6.3f}  {per:<27} "
-            f"{r['pool'] / MIB:>5.2f} {(r['predicted'] + r['pool']) / r['measured']:>6.3f} "
+            f"{r['pool'] / MIB:>5.2f} "
             f"{'equal' if r['comm_equal'] else 'DIFF':<5} {r['n_collectives']:>5} {r['flops_predicted'] / 1e9:>10.3f} "
             f"{r['flops_counted'] / 1e9:>8.3f} {'equal' if r['flops_equal'] else 'DIFF':<5}"
         )

@@ -31,7 +31,7 @@ import torch
 from torch._functorch.autograd_function import custom_function_call as _custom_function_call
 from torch._functorch.utils import unwrap_dead_wrappers as _unwrap_dead
 
-from ..runtime.context import tracing, transforms_active
+from ..runtime.context import observer, tracing, transforms_active
 from ..runtime.stats import record
 
 _is_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
@@ -509,6 +509,9 @@ class PvaryBucket(Prim):
             # write into a kept buffer would become a copy of all of it: the AllReduce Function, which copies)
             flat = torch.cat(flat_gs)  # k x [*s_i] -> [sum |s_i|]
             total = call(AllReduce, flat, ctx.dev, ctx.axes, "sum", "psum")  # [sum |s_i|] -> [sum |s_i|]
+            obs = observer()
+            if obs is not None:  # an ahead-of-time analysis: a backend that keeps its buckets would keep this one
+                obs.note("buckets", total)
         else:  # the bucket is this backward's own: summed in place, as DDP's flat buckets (no second copy)
             n = sum(g.numel() for g in flat_gs)
             rows, dtype, device = ctx.rows, gs[0].dtype, gs[0].device

@@ -58,6 +58,7 @@ class _Meter(TorchDispatchMode):
         self.at_peak: dict[int, int] = {}  # serial -> bytes, of the storages live at the peak
         self._count = 0
         self._read = 0
+        self._undo: tuple[int, int, dict[int, int], int] | None = None  # the last growth of the peak, undone
         self._lock = threading.Lock()
 
     def _freed(self, key: int, n: int, serial: int) -> None:
@@ -83,11 +84,26 @@ class _Meter(TorchDispatchMode):
             self.sizes[key] = n
             self.live += n
             if self.live > self.peak:
+                self._undo = (serial, self.peak, self.at_peak, self._read)  # (for :meth:`already_held`)
                 self.peak = self.live
                 if self.live > self._read * 1.01:
                     self.at_peak = {self.serials[k]: size for k, size in self.sizes.items()}
                     self._read = self.live
         weakref.finalize(storage, self._freed, key, n, serial)
+
+    def already_held(self, t: torch.Tensor) -> None:
+        """``t``'s storage, just made, stands for memory held already (a kept buffer the real backend writes
+        into): its bytes leave the live total, and a peak its making set is taken back."""
+        key = t.untyped_storage()._cdata
+        with self._lock:
+            serial = self.serials.pop(key, None)
+            if serial is None:
+                return
+            self.live -= self.sizes.pop(key)
+            undo = self._undo
+            if undo is not None and undo[0] == serial:  # the peak was this storage's making
+                _, self.peak, self.at_peak, self._read = undo
+                self._undo = None
 
     def mark(self, t: torch.Tensor, kind: str) -> None:
         """``t``'s storage is part ``kind``. An input keeps its role (a weight saved for the backward is still a
@@ -198,14 +214,47 @@ def _rebuild(layout: Any) -> Any:
     return kind([_rebuild(v) for v in items])
 
 
+def _uses(t: torch.Tensor) -> int:
+    """How many holders ``t``'s storage has (tensors and views on it)."""
+    return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
+
+
+#: :func:`_uses` of a tensor that nothing else holds
+_ALONE = _uses(torch.empty(1, device="meta"))
+
+
+class _KeptBuckets:
+    """The gradient-bucket pool of a backend that keeps its buckets from step to step (``keeps_buckets``: the dist
+    backend's ``BucketPool``), replayed on one device's meta tensors: a bucket takes a kept buffer of its size
+    and dtype that nothing holds any more (the real backend writes into it: its bytes are held already), else
+    it is kept (its bytes stay live to the end of the step, as the pool's buffer stays allocated)."""
+
+    def __init__(self, meter: _Meter) -> None:
+        self.meter = meter
+        # (numel, dtype) -> [the kept storage's tensor, the bucket in it now]
+        self.kept: dict[tuple[int, torch.dtype], list[list[torch.Tensor]]] = {}
+
+    def take(self, t: torch.Tensor) -> None:
+        """``t`` is a gradient bucket just made (``PvaryBucket``'s sum)."""
+        slots = self.kept.setdefault((t.numel(), t.dtype), [])
+        for slot in slots:
+            if _uses(slot[1]) == _ALONE:  # (held only here: its gradients are gone)
+                slot[1] = t
+                self.meter.already_held(t)
+                return
+        self.meter.mark(t, "grads")
+        slots.append([t, t])
+
+
 class _Device:
     """What one device (a class's representative) did: FLOPs, communication, memory."""
 
-    def __init__(self, rank: int) -> None:
+    def __init__(self, rank: int, kept: bool) -> None:
         self.rank = rank
         from torch.utils.flop_counter import flop_registry  # (imports triton: only when analysing)
 
         self.meter = _Meter(flop_registry)
+        self.buckets = _KeptBuckets(self.meter) if kept else None
         self.saved = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
@@ -217,14 +266,15 @@ class _Device:
 class _Analysis:
     """The observer of one ``lower`` call (``runtime.context.observe_scope``): one :class:`_Device` per run."""
 
-    def __init__(self, roles: list[str]) -> None:
+    def __init__(self, roles: list[str], kept: bool) -> None:
         self.roles = roles  # per argument: the part its tensors are, unless marked otherwise
+        self.kept = kept  # the backend analysed for keeps its gradient buckets (``BackendImpl.keeps_buckets``)
         self.devices: dict[int, _Device] = {}
         self.active: _Device | None = None
 
     def device(self, dev: Any, args: list[list[Any]]) -> Any:
         """The context of device ``dev``'s run on its (owned) blocks ``args``, per argument."""
-        d = self.devices[dev.rank] = _Device(dev.rank)
+        d = self.devices[dev.rank] = _Device(dev.rank, self.kept)
         for role, leaves in zip(self.roles, args, strict=True):
             for t in leaves:
                 if isinstance(t, torch.Tensor):
@@ -232,12 +282,16 @@ class _Analysis:
         return _DeviceRun(self, d)
 
     def note(self, kind: str, tensors: Any) -> None:
-        """The tensors of ``tensors`` are part ``kind`` (``"params"``, ``"grads"``) on the device running."""
+        """The tensors of ``tensors`` are part ``kind`` (``"params"``, ``"grads"``) on the device running;
+        ``"buckets"``: each is a gradient bucket just made (kept by a backend that keeps them)."""
         if self.active is None:
             return
         for t in optree.tree_leaves(tensors):
             if isinstance(t, torch.Tensor) and t.is_meta:
-                self.active.meter.mark(t, kind)
+                if kind != "buckets":
+                    self.active.meter.mark(t, kind)
+                elif self.active.buckets is not None:
+                    self.active.buckets.take(t)
 
 
 class _DeviceRun:
@@ -351,7 +405,7 @@ def lower(
     """Run ``make(abstract twin of mesh)(*args)`` on meta tensors, observed device by device."""
     twin = mesh if not mesh.backend_impl.holds_data else make_mesh(mesh.shape, backend="abstract")
     fn = make(twin)
-    analysis = _Analysis(roles)
+    analysis = _Analysis(roles, mesh.backend_impl.keeps_buckets)  # (the backend of the run analysed)
     with comm_stats() as stats, observe_scope(analysis):
         out = fn(*abstract_args(args, twin))
     comm = {r: stats.rows(device=r) for r in stats.devices()}

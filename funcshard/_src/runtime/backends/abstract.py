@@ -149,6 +149,7 @@ class AbstractBackend(BackendImpl):
     name = "abstract"
     holds_data = False
     execution = "classes"
+    keeps_buckets = True  # an abstract mesh plans a torch.distributed run (its twin of a sim mesh: lower's flag)
 
     def world(self, mesh: Any) -> AbstractWorld:
         return AbstractWorld(mesh)

@@ -210,6 +210,8 @@ class BackendImpl:
             this process, one thread each, :meth:`world`), ``"process"`` (this process's one device,
             :meth:`device`) or ``"classes"`` (one run per class of devices whose programs cannot differ,
             :meth:`world`).
+        keeps_buckets: a step's gradient buckets stay allocated from one step to the next, in a pool (as DDP
+            keeps its buckets): what an ahead-of-time memory analysis of a run on this backend counts (``lower``).
 
     Example:
         >>> impl = BackendImpl()
@@ -223,6 +225,7 @@ class BackendImpl:
     dtensor: bool = False
     holds_data: bool = True
     execution: str = "threads"
+    keeps_buckets: bool = False
 
     # ------------------------------------------------------------------------------------ choosing, setting up
     def requested(self) -> bool:

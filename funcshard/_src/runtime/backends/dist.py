@@ -885,6 +885,7 @@ class DistBackend(BackendImpl):
     multiprocess = True
     execution = "process"
     dtensor = True
+    keeps_buckets = True  # (collectives.prims.BUCKETS)
 
     def requested(self) -> bool:
         return requested()
