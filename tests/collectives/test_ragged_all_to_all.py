@@ -365,3 +365,48 @@ def test_abstract_mesh_shapes_and_counted_bytes() -> None:
         y = fs.shard_map(known, mesh=mesh, in_specs=(P(("dp", "ep")),), out_specs=P(("dp", "ep")))(x)
     assert tuple(y.shape) == (2 * 4 * 20, 32)
     assert stats.bytes("ragged_all_to_all", "ep") == (10 - 1) * 32 * 2  # device 0 keeps its 1 row
+
+
+def test_result_varies_over_the_axis() -> None:
+    """The vma rule: the result varies over the axis (and over what x varies over), as all_to_all's; returned with
+    a spec that omits the axis it raises, naming it."""
+    mesh = fs.make_mesh({"dp": 2, "ep": 2}, backend="sim")
+    f = fs.shard_map(
+        lambda v: fs.lax.ragged_all_to_all(v, [1, 1], [1, 1], "ep"), mesh=mesh, in_specs=(P(),), out_specs=P()
+    )
+    with pytest.raises(fs.ShardingError, match="ep"):
+        f(torch.ones(2, 3))
+    g = fs.shard_map(
+        lambda v: fs.lax.ragged_all_to_all(v, [1, 1], [1, 1], "ep"), mesh=mesh, in_specs=(P("dp"),), out_specs=P("ep")
+    )
+    with pytest.raises(fs.ShardingError, match="dp"):
+        g(torch.ones(4, 3))
+
+
+@pytest.mark.counters
+@pytest.mark.parametrize("save_collectives", [False, True])
+def test_under_remat(save_collectives: bool) -> None:
+    """fs.remat recomputes through the exchange (again, or from its kept result): the same gradient."""
+    case = "ep4"
+    mesh = fs.make_mesh({"ep": 4}, backend="sim")
+    x = torch.randn(4 * NMAX, F, dtype=torch.float64)
+
+    def loss(v: torch.Tensor, remat: bool) -> torch.Tensor:
+        def f(u: torch.Tensor) -> torch.Tensor:
+            return torch.sin(_local(u, case)) ** 2
+
+        g = fs.remat(f, save_collectives=save_collectives) if remat else f
+        return fs.psum(g(v).sum(), "ep")
+
+    grads, calls = [], []
+    for remat in (False, True):
+        step = fs.shard_map(lambda v, remat=remat: loss(v, remat), mesh=mesh, in_specs=(P("ep"),), out_specs=P())
+        xg = x.clone().requires_grad_(True)
+        with fs.comm_stats() as stats:
+            fs.device_get(step(xg)).sum().backward()
+        grads.append(xg.grad)
+        calls.append(stats.calls("ragged_all_to_all", "ep"))
+    torch.testing.assert_close(grads[1], grads[0], rtol=0, atol=0)
+    assert calls[0] == 2
+    if not save_collectives:  # the recomputation exchanges again
+        assert calls[1] == 3
