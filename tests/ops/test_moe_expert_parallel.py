@@ -225,3 +225,23 @@ def test_errors() -> None:
     f = fs.shard_map(lambda x, p: moe.moe_ffn(x, p, K), mesh=mesh, in_specs=(P("ep"), P()), out_specs=P("ep"))
     with pytest.raises(fs.ShardingError, match=r"E / 4 = 2 experts \(P\('ep'\) on dim 0\)"):
         f(x, p)  # expert weights replicated: every device holds all 8
+
+
+def test_abstract_mesh_shapes_flops_and_bytes() -> None:
+    """On meta tensors (``fs.eval_shape``, an abstract mesh) the counts are unknown: dropless shapes, the experts'
+    FLOPs as ``T * k`` rows through each projection, and routing taken as balanced by the ragged all-to-all."""
+    sd = fs.ShapeDtype
+    p = {"router": sd((E, D), torch.float32), "w1": sd((E, F_, D), torch.float32),
+         "w3": sd((E, F_, D), torch.float32), "w2": sd((E, D, F_), torch.float32)}  # fmt: skip
+    x = sd((B, S, D), torch.float32)
+    y, aux = fs.eval_shape(lambda x, p: moe.moe_ffn(x, p, K, axis=None, return_router=True), x, p)
+    assert y.shape == (B, S, D) and aux.router_logits.shape == (B * S, E) and aux.expert_ids.shape == (B * S, K)
+    mesh = fs.make_mesh({"ep": 4}, backend="abstract")
+    pspec = {"router": P(), "w1": P("ep"), "w3": P("ep"), "w2": P("ep")}
+    f = fs.shard_map(lambda x, p: moe.moe_ffn(x, p, K), mesh=mesh, in_specs=(P("ep"), pspec), out_specs=P("ep"))
+    cost = f.lower(sd((B * S, D), torch.float32), p).cost_analysis()
+    t = B * S // 4  # tokens per device
+    assert cost["flops"] == 2 * t * D * E + 3 * 2 * (t * K) * D * F_  # router + three projections
+    assert cost["comm_calls"]["ep"] == 3  # the counts' all_to_all, the dispatch, the combine
+    counts = 4 * (E // 4) * 8  # the [ep, E_local] int64 counts
+    assert cost["comm_bytes"]["ep"] == counts + 2 * (t * K * 3 // 4) * D * 4  # 3/4 of the rows leave, and return
