@@ -20,5 +20,9 @@ Example:
 """
 
 from ._functionalize import functionalize as functionalize
+from ._parallelize import Parallelized as Parallelized
+from ._parallelize import causal_lm_loss as causal_lm_loss
+from ._parallelize import parallelize as parallelize
+from ._plan import STYLES as STYLES
 
-__all__ = ["functionalize"]
+__all__ = ["STYLES", "Parallelized", "causal_lm_loss", "functionalize", "parallelize"]
