@@ -18,7 +18,12 @@ __all__ = ["Parallelized", "causal_lm_loss", "parallelize"]
 
 
 def causal_lm_loss(
-    logits: torch.Tensor, labels: torch.Tensor, *, vocab_axis: str | None = None, data_axes: tuple[str, ...] = ()
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    vocab_axis: str | None = None,
+    data_axes: tuple[str, ...] = (),
+    shift: bool = True,
 ) -> torch.Tensor:
     """Hugging Face's causal-LM loss (labels shifted left inside, ``-100`` ignored, the mean over the tokens) over
     the whole global batch: this device's summed cross-entropy divided by the global count of labelled tokens,
@@ -29,6 +34,8 @@ def causal_lm_loss(
         labels: ``[b, s]`` the input ids (or -100), as given to a Hugging Face ``...ForCausalLM``.
         vocab_axis: the axis the vocabulary dim of ``logits`` is split over, or None.
         data_axes: the axes the batch is split over.
+        shift: ``labels`` are the inputs (Hugging Face's ``labels=``), shifted left here; False: they are the
+            targets already (``targets[:, t]`` is the token after ``tokens[:, t]``).
 
     Returns:
         A 0-dim float32 tensor, invariant over ``data_axes`` and ``vocab_axis``.
@@ -39,8 +46,10 @@ def causal_lm_loss(
         >>> torch.allclose(causal_lm_loss(logits, labels), ref)
         True
     """
-    pad = labels.new_full((*labels.shape[:-1], 1), -100)
-    targets = torch.cat([labels[..., 1:], pad], dim=-1)  # [b, s]: the next token, -100 after the last
+    targets = labels
+    if shift:
+        pad = labels.new_full((*labels.shape[:-1], 1), -100)
+        targets = torch.cat([labels[..., 1:], pad], dim=-1)  # [b, s]: the next token, -100 after the last
     total = vocab_parallel_cross_entropy(logits, targets, axis=vocab_axis, reduction="sum")  # [b, s, V(/tp)] -> []
     count = (targets != -100).sum().to(torch.float32)  # [] (this shard's labelled tokens)
     if data_axes:
@@ -80,7 +89,7 @@ class Parallelized:
         self._lm = callable(getattr(module, "get_output_embeddings", None))
         self._vocab_axis = lay.tp if loss_parallel else None
         self._groups = self._replica_groups()
-        self._buffers = [n for n in module_state(module) if n not in lay.replicas]
+        self._buffers = {n: t for n, t in module_state(module).items() if n not in lay.replicas}
 
     def _replica_groups(self) -> dict[tuple[str, ...], list[str]]:
         """The parameters made varying at the start of a call, by axes: those not gathered over ``fsdp``."""
@@ -128,8 +137,8 @@ class Parallelized:
         inst = self._instances.get()
         inst.train(self.module.training)
         labels = kwargs.pop("labels", None) if self._lm else None
-        if self._buffers:  # no gradient into a buffer (the unsharded module's buffers have none)
-            params = {**params, **{n: params[n].detach() for n in self._buffers if n in params}}
+        if self._buffers:  # no gradient into a buffer (the module's own where the tree has none)
+            params = {**params, **{n: params[n].detach() if n in params else b for n, b in self._buffers.items()}}
         for axes, names in self._groups.items():  # identity forward; backward: one psum of the group over axes
             varied = lax.pvary({n: params[n] for n in names}, axes)
             params = {**params, **varied}
@@ -158,15 +167,16 @@ def parallelize(
 ) -> tuple[dict[str, torch.Tensor], dict[str, P], Parallelized]:
     """The module sharded over ``mesh``: its parameters, their specs, and the function to run in ``shard_map``.
 
-    ``fn(params, *args, **kwargs)``, called inside ``fs.shard_map(..., in_specs=(specs, ...))`` with the batch of
-    each argument split over the data axes (``fn.batch_spec``), returns what the unsharded module returns for this
-    device's part of the batch, and its gradients are the unsharded module's: over ``tp`` each planned submodule
-    runs its style on local shards (``colwise``: the output features split, ``rowwise``: the input features split,
-    then one ``psum`` over ``tp``; ``vocab``: an embedding's rows; ``*_rep``: a replicated output or input;
-    ``replicated_with_grad_allreduce`` / ``sequence_parallel``: the gradient summed over ``tp``); head counts follow
-    the local shard (Hugging Face's attention reshapes with ``-1`` heads). ``dp`` and ``fsdp`` split the batch;
-    ``fsdp`` also splits dim 0 of every parameter, gathered just before the submodule that owns it runs (the next
-    one's gather issued meanwhile) and reduce-scattered in the backward.
+    ``fn(params, *args, **kwargs)`` (``params`` may leave out the buffers: the module's own are used), called
+    inside ``fs.shard_map(..., in_specs=(specs, ...))`` with the batch of each argument split over the data axes
+    (``fn.batch_spec``), returns what the unsharded module returns for this device's part of the batch, and its
+    gradients are the unsharded module's: over ``tp`` each planned submodule runs its style on local shards
+    (``colwise``: the output features split, ``rowwise``: the input features split, then one ``psum`` over ``tp``;
+    ``vocab``: an embedding's rows; ``*_rep``: a replicated output or input; ``replicated_with_grad_allreduce`` /
+    ``sequence_parallel``: the gradient summed over ``tp``); head counts follow the local shard (Hugging Face's
+    attention reshapes with ``-1`` heads). ``dp`` and ``fsdp`` split the batch; ``fsdp`` also splits dim 0 of every
+    parameter, gathered just before the submodule that owns it runs (the next one's gather issued meanwhile) and
+    reduce-scattered in the backward.
 
     For a Hugging Face causal LM, a ``labels=`` argument gives ``out.loss``: the mean over the whole global batch,
     as the unsharded model's loss, invariant over every axis. With ``loss_parallel=True`` the output head is

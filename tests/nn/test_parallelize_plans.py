@@ -182,3 +182,28 @@ def test_a_head_split_by_tp_is_an_error_naming_the_head_count() -> None:
     )  # fmt: skip
     with pytest.raises(fs.ShardingError, match=r"config\.num_key_value_heads=1 is not divisible by tp=2"):
         fs.nn.parallelize(transformers.LlamaForCausalLM(conf), _tp2())
+
+
+class _Branchy(nn.Module):
+    """Control flow on a local shard's values: the devices of ``tp`` take different branches."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.up = nn.Linear(4, 8)
+        self.down = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.up(x)  # [b, 8/tp]: this device's features
+        if h.sum() > 0:  # data-dependent: differs across the devices of tp
+            return self.down(torch.relu(h))
+        return h[..., :4]
+
+
+def test_data_dependent_control_flow_across_ranks_is_a_collective_deadlock_error() -> None:
+    mesh = fs.make_mesh({"dp": 2, "tp": 2}, backend="sim")
+    params, specs, fn = fs.nn.parallelize(_Branchy(), mesh, {"up": "colwise", "down": "rowwise"})
+    f = fs.shard_map(fn, mesh=mesh, in_specs=(specs, fn.batch_spec), out_specs=fn.batch_spec)
+    x = torch.randn(4, 4, generator=torch.Generator().manual_seed(0))
+    with pytest.raises(fs.ShardingError, match=r"collective deadlock: .* waits in psum"):
+        f(params, x)
