@@ -61,9 +61,9 @@ from ._src.tree.spec import P as P
 
 __version__ = "0.1.0"
 
-# Subpackages imported on first use (``fs.ops``, ``fs.checkpoint``, ``fs.models``): all of funcshard is one
+# Subpackages imported on first use (``fs.ops``, ``fs.checkpoint``, ``fs.models``, ``fs.nn``): all of funcshard is one
 # ``import funcshard as fs`` away, without paying for DCP or the Llama at import time.
-_LAZY = ("checkpoint", "extend", "models", "ops", "process")
+_LAZY = ("checkpoint", "extend", "models", "nn", "ops", "process")
 
 
 def __getattr__(name: str) -> object:
@@ -106,6 +106,7 @@ __all__ = [
     "logical_to_mesh",
     "make_mesh",
     "models",
+    "nn",
     "ops",
     "optim",
     "pipeline",

@@ -28,6 +28,7 @@ import funcshard as fs
 from funcshard.models import llama
 from funcshard.models.llama.hf.config import read_config
 
+from . import bridge
 from .cli import UsageError, train_parser
 from .data import Corpus
 
@@ -139,8 +140,8 @@ def model_config(args: argparse.Namespace, flags: llama.Config) -> llama.Config:
         ...
         funcshard.job.cli.UsageError: --init-from: from_hf: '/no/such/folder' does not exist; ...
     """
-    try:
-        cfg = read_config(args.init_from)
+    try:  # a non-Llama folder goes through fs.nn (funcshard.job.bridge)
+        cfg = bridge.read_config(args.init_from) if bridge.wanted(args) else read_config(args.init_from)
     except fs.FuncshardError as e:
         raise UsageError(f"--init-from: {e}") from None
     defaults = train_parser()

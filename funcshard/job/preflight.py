@@ -30,6 +30,7 @@ import funcshard as fs
 from funcshard.checkpoint import list_steps
 from funcshard.models import llama
 
+from . import bridge
 from .cli import UsageError, finite_positive, parse_mesh
 from .machine import available_memory, device_memory, human_bytes
 from .plan.estimate import PARTS, advice, lowered_step
@@ -169,6 +170,8 @@ def check_step_size(args: argparse.Namespace, cfg: llama.Config) -> None:
         ...
         funcshard.job.cli.UsageError: --batch 1000000 x --seq 128: one training step needs about ... per device ...
     """
+    if bridge.wanted(args):  # a Hugging Face model through fs.nn: no abstract twin to lower (its init is the folder)
+        return
     flags = f"--batch {args.batch} x --seq {args.seq}"
     shape = parse_mesh(args.mesh)
     mesh = fs.make_mesh(shape)  # (the job's own mesh: where its devices' memory is)

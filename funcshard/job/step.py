@@ -23,7 +23,7 @@ import funcshard as fs
 from funcshard import P, optim
 from funcshard.models import llama
 
-from . import init_from
+from . import bridge, init_from
 from .cli import UsageError
 
 __all__ = ["TrainStep", "build_step", "check_args", "model_config", "optimizer"]
@@ -133,6 +133,8 @@ def build_step(args: argparse.Namespace, cfg: llama.Config, mesh: fs.Mesh) -> Tr
         >>> build_step(args, model_config(args), fs.make_mesh({"tp": 2}, backend="abstract")).batch_spec
         P(None, None)
     """
+    if bridge.wanted(args):  # --init-from a Hugging Face folder that is not a Llama: through fs.nn
+        return bridge.build_step(args, cfg, mesh, check_args=check_args, optimizer=optimizer, make=TrainStep)
     specs = llama.param_specs(cfg, mesh)  # ShardingError: an axis the model cannot use
     bs = llama.batch_spec(mesh)
     warmup = check_args(args, mesh, cfg)

@@ -42,7 +42,7 @@ from funcshard import random as fsr
 from funcshard.models import llama
 from funcshard.process import PeerError, any_process, collective_timeout
 
-from . import init_from, preflight
+from . import bridge, init_from, preflight
 from .cli import Interrupted, StopOnCtrlC, UsageError, parse_mesh, run, train_parser
 from .data import eval_batches, load_corpus, train_batch
 from .step import build_step, model_config
@@ -246,6 +246,9 @@ def _setup(args: argparse.Namespace, cfg: llama.Config, mesh_shape: dict[str, in
     init = fs.shard_map(lambda k: llama.init(k, cfg), in_specs=(P(),), out_specs=specs, **kw)
     if getattr(args, "init_from", None) and not args.resume:  # the folder's weights (a resume loads its own)
         init = lambda k: init_from.load_params(args.init_from, mesh, specs)  # noqa: E731
+    eval_step = fs.shard_map(eval_fn, in_specs=(specs, bs, bs), out_specs=P(), **kw)
+    if bridge.wanted(args):  # a Hugging Face model that is not a Llama: its loss and weights through fs.nn
+        eval_step, init = bridge.eval_and_init(args, mesh, specs, bs)  # (a resume loads its own over these)
     return _Run(
         args,
         cfg,
@@ -255,7 +258,7 @@ def _setup(args: argparse.Namespace, cfg: llama.Config, mesh_shape: dict[str, in
         out,
         n_threads=_threads(args, mesh),
         train_step=_accumulating(step.step, accum),
-        eval_step=fs.shard_map(eval_fn, in_specs=(specs, bs, bs), out_specs=P(), **kw),
+        eval_step=eval_step,
         init=init,
         opt_init=step.opt_init,
     )
@@ -337,6 +340,8 @@ def _train(
         t_start = time.perf_counter()
         params, times = _steps(run, (params, state, data_key), range(start, end), rows, stop, progress)
         wall = time.perf_counter() - t_start
+        if bridge.wanted(args):  # the trained weights as a folder that from_pretrained loads
+            _say(f"Hugging Face folder: {bridge.save_hf(params, args, out / 'hf')}")
     finally:
         torch.set_num_threads(threads)
     return _summary(run, params, rows, start, end, times, wall)

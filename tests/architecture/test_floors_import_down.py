@@ -27,6 +27,7 @@ FLOORS = {
     "checkpoint": 5,
     "ops": 6,
     "pipeline": 7,
+    "nn": 7,  # modules as pure functions: on the TP ops and FSDP gathers of ops/, so above them (beside pipeline)
     "models": 8,
     "__init__": 9,  # the public API: re-exports floors 0-7 (and models, ops, checkpoint on first use)
     "job": 10,  # built on the public API only (``import funcshard as fs``), so above the package's root
@@ -222,7 +223,7 @@ def test_one_fast_path_predicate() -> None:
 
 
 #: the packages above the core, which reach it only through ``funcshard.extend`` and the public modules
-ABOVE_CORE = ("ops", "models", "optim", "pipeline", "checkpoint", "job")
+ABOVE_CORE = ("ops", "models", "nn", "optim", "pipeline", "checkpoint", "job")
 
 
 def test_packages_above_the_core_use_the_door() -> None:

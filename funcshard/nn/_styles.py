@@ -1,0 +1,192 @@
+"""The styles' forwards, installed on a device's working copy of the module, and one call's state.
+
+A planned ``torch.nn.Linear`` of the copy gets a forward that computes its style on the local shards its
+parameters hold during the call (``colwise``: the input made varying over ``tp``, once per distinct input, so the
+q / k / v projections of one hidden state, or an MLP's gate and up, share one all-reduce in the backward;
+``rowwise``: the partial products summed over ``tp``, the bias added after the sum); a ``vocab`` embedding looks up
+its rows and sums; ``sequence_parallel`` splits its input's sequence dim over ``tp`` and gathers its output back.
+With an ``fsdp`` axis every submodule holding sharded parameters gets a forward pre-hook that all-gathers them
+just before it runs (FSDP2's per-module unit) and issues the gathers of the submodule that ran after it in the
+previous call (FSDP2's forward prefetch: under ``dist`` they travel while this one computes).
+"""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .. import lax
+from ..extend import ConfigError, P, split_invariant
+from ..ops import row_parallel_linear, vocab_parallel_embedding
+from ..ops.fsdp import fsdp_gather
+
+__all__ = ["CallState", "Gathers", "Holder", "install"]
+
+
+class Gathers:
+    """A copy's FSDP units: per submodule, its sharded parameters as ``(attr, spec, replica axes)``, and the order
+    the units ran in the last call (the prefetch order of the next)."""
+
+    def __init__(self, fsdp: str) -> None:
+        self.fsdp = fsdp
+        self.units: dict[nn.Module, list[tuple[str, P, tuple[str, ...]]]] = {}
+        self.order: list[nn.Module] = []
+        self.position: dict[nn.Module, int] = {}
+
+
+class CallState:
+    """One call of the sharded function on one device: the inputs already made varying over ``tp`` (by identity),
+    and, with ``fsdp``, the gathers issued and the units done."""
+
+    def __init__(self, gathers: Gathers | None) -> None:
+        self.varied: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.gathers = gathers
+        self.pending: dict[nn.Module, Callable[[], dict[str, torch.Tensor]]] = {}
+        self.done: set[nn.Module] = set()
+        self.seen: list[nn.Module] = []
+
+    def vary(self, x: torch.Tensor, axis: str) -> torch.Tensor:
+        """``pvary(x, axis)`` (identity forward, psum backward), the same result for the same ``x`` in this call."""
+        hit = self.varied.get(id(x))
+        if hit is not None and hit[0] is x:
+            return hit[1]
+        y = lax.pvary(x, axis)  # [..., in] -> [..., in]
+        self.varied[id(x)] = (x, y)
+        return y
+
+    def gather(self, mod: nn.Module) -> None:
+        """Put ``mod``'s gathered parameters in place (issued now, or by the prefetch of the unit before it)."""
+        if mod in self.done:
+            return
+        finish = self.pending.pop(mod, None) or self._issue(mod)
+        g = self.gathers
+        self.seen.append(mod)
+        i = g.position.get(mod) if g is not None else None
+        if i is not None and i + 1 < len(g.order):
+            nxt = g.order[i + 1]
+            if nxt not in self.done and nxt not in self.pending:
+                self.pending[nxt] = self._issue(nxt)  # FSDP2's prefetch: in flight while mod computes
+        for attr, full in finish().items():
+            mod._parameters[attr] = full  # the gathered weight, for this call only
+        self.done.add(mod)
+
+    def _issue(self, mod: nn.Module) -> Callable[[], dict[str, torch.Tensor]]:
+        """The all-gathers of ``mod``'s sharded parameters over ``fsdp`` (one bucket per set of replica axes)."""
+        assert self.gathers is not None
+        groups: dict[tuple[str, ...], list[tuple[str, P]]] = {}
+        for attr, spec, reps in self.gathers.units[mod]:
+            groups.setdefault(reps, []).append((attr, spec))
+        finishes = []
+        for reps, items in groups.items():
+            local = {a: mod._parameters[a] for a, _ in items}  # the shards functional_call put there
+            specs = {a: s for a, s in items}
+            # [d0/fsdp, ...] -> [d0, ...] per leaf (tp stays); backward: reduce-scatter (+ psum over reps)
+            finishes.append(
+                fsdp_gather(local, specs, axis=self.gathers.fsdp, replicate_axis=reps or None, prefetch=True)
+            )
+
+        def finish() -> dict[str, torch.Tensor]:
+            out: dict[str, torch.Tensor] = {}
+            for f in finishes:
+                out.update(f())
+            return out
+
+        return finish
+
+    def close(self) -> None:
+        """Wait for gathers issued but not used (a call that ran fewer units), and record this call's order."""
+        for finish in self.pending.values():
+            finish()
+        self.pending.clear()
+        g = self.gathers
+        if g is not None and self.seen and self.seen != g.order:
+            g.order = list(self.seen)
+            g.position = {m: i for i, m in enumerate(g.order)}
+
+
+class Holder:
+    """A copy's current call (``None`` between calls): what its installed forwards and hooks read."""
+
+    def __init__(self, gathers: Gathers | None) -> None:
+        self.state: CallState | None = None
+        self.gathers = gathers
+
+    def now(self) -> CallState:
+        state = self.state
+        if state is None:
+            raise ConfigError("parallelize: the working copy of the module was called outside its function.")
+        return state
+
+
+def _linear_forward(style: str, tp: str, holder: Holder) -> Callable[[nn.Linear, torch.Tensor], torch.Tensor]:
+    if style in ("colwise", "colwise_rep"):
+        rep = style == "colwise_rep"
+
+        def colwise(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+            x = holder.now().vary(x, tp)  # identity forward; backward: psum over tp (one per distinct input)
+            y = F.linear(x, self.weight, self.bias)  # [..., in] @ [in, out/tp] -> [..., out/tp]
+            if rep:
+                y = lax.all_gather_invariant(y, tp, dim=-1, tiled=True)  # [..., out/tp] -> [..., out]
+            return y
+
+        return colwise
+    rep = style == "rowwise_rep"
+
+    def rowwise(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+        if rep:
+            x = split_invariant(x, tp, dim=-1)  # [..., in] -> [..., in/tp] (this device's block)
+        return row_parallel_linear(x, self.weight, self.bias, axis=tp)  # [..., in/tp] @ [in/tp, out], psum
+
+    return rowwise
+
+
+def _vocab_forward(tp: str) -> Callable[[nn.Embedding, torch.Tensor], torch.Tensor]:
+    def vocab(self: nn.Embedding, ids: torch.Tensor) -> torch.Tensor:
+        y = vocab_parallel_embedding(ids, self.weight, axis=tp)  # [...] -> [..., d], summed over tp
+        if self.padding_idx is not None:  # no gradient into the padding row (F.embedding's padding_idx)
+            y = torch.where((ids == self.padding_idx).unsqueeze(-1), y.detach(), y)
+        return y
+
+    return vocab
+
+
+def _sequence_hooks(mod: nn.Module, tp: str) -> None:
+    def split(_: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
+        return (split_invariant(args[0], tp, dim=1), *args[1:])  # [b, s, d] -> [b, s/tp, d]
+
+    def gather(_: nn.Module, args: tuple[Any, ...], out: Any) -> Any:
+        if isinstance(out, torch.Tensor):
+            return lax.all_gather_invariant(out, tp, dim=1, tiled=True)  # [b, s/tp, d] -> [b, s, d]
+        return out
+
+    mod.register_forward_pre_hook(split)
+    mod.register_forward_hook(gather)
+
+
+def install(inst: nn.Module, styles: dict[str, str], tp: str | None, holder: Holder) -> None:
+    """Install the styles' forwards and the FSDP gather hooks on a working copy ``inst``.
+
+    Example:
+        >>> mlp = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 4))
+        >>> install(mlp, {"0": "colwise", "2": "rowwise"}, "tp", Holder(None))
+        >>> mlp[0].forward.__name__, mlp[2].forward.__name__
+        ('colwise', 'rowwise')
+    """
+    for path, style in styles.items():
+        mod = inst.get_submodule(path)
+        if isinstance(mod, nn.Linear) and style in ("colwise", "rowwise", "colwise_rep", "rowwise_rep"):
+            mod.forward = types.MethodType(_linear_forward(style, tp, holder), mod)  # type: ignore[method-assign]
+        elif isinstance(mod, nn.Embedding) and style == "vocab":
+            mod.forward = types.MethodType(_vocab_forward(tp), mod)  # type: ignore[method-assign]
+        elif style == "sequence_parallel":
+            _sequence_hooks(mod, tp)
+    gathers = holder.gathers
+    if gathers is not None:
+        for mod in list(inst.modules()):
+            if mod in gathers.units:
+                mod.register_forward_pre_hook(lambda m, args: holder.now().gather(m))
