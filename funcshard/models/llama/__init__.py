@@ -15,6 +15,7 @@ Example:
 from ..rope_scaling import RopeScaling as RopeScaling
 from .config import PRESETS as PRESETS
 from .config import Config as Config
+from .generate import generate as generate
 from .hf import from_hf as from_hf
 from .hf import to_hf as to_hf
 from .model import forward as forward
@@ -32,6 +33,7 @@ __all__ = [
     "batch_spec",
     "forward",
     "from_hf",
+    "generate",
     "init",
     "layer",
     "loss",
