@@ -370,12 +370,18 @@ def generate_parser() -> ArgumentParser:
         >>> generate_parser().parse_args([]).tokens
         200
     """
-    ap = _parser("funcshard generate", "Sample text from the latest checkpoint of a train run.")
+    ap = _parser(
+        "funcshard generate", "Sample text from the latest checkpoint of a train run, or a Hugging Face Llama folder."
+    )
     ap.add_argument("--ckpt-dir", default="runs/llama/ckpt", help="the --ckpt-dir of a train run")
+    ap.add_argument("--init-from", default=None, help="a Hugging Face Llama folder instead (its tokenizer, if any)")
     ap.add_argument("--prompt", default="def ", help="text to continue")
-    ap.add_argument("--tokens", type=positive_int, default=200, help="bytes to generate")
+    ap.add_argument("--tokens", type=positive_int, default=200, help="tokens to generate")
     ap.add_argument("--temperature", type=float, default=0.8, help="sampling temperature; 0 for greedy")
+    ap.add_argument("--top-k", type=positive_int, default=None, help="sample from the k most likely tokens")
+    ap.add_argument("--top-p", type=float, default=None, help="sample from the most likely tokens of this mass")
     ap.add_argument("--seed", type=nonneg_int, default=0, help="seeds the sampling")
+    ap.add_argument("--mesh", default=None, help="axis=size pairs over dp, fsdp, tp (default: tp over the processes)")
     return ap
 
 

@@ -1,8 +1,11 @@
-"""``python -m funcshard generate``: sample text from the latest checkpoint of a train run.
+"""``python -m funcshard generate``: continue a prompt with the latest checkpoint of a train run, or with a
+Hugging Face Llama folder (``--init-from PATH``).
 
-The checkpoint is loaded as plain full tensors (one simulated device) and the unsharded ``llama.forward`` runs
-one token at a time; the prompt is encoded, and the result decoded, as the run did (bytes, or the tokenizer of
-the Hugging Face folder it started from).
+The model's weights are loaded as full tensors, laid out over the mesh (one simulated device, or ``--mesh`` /
+``tp`` over torchrun's processes) and :func:`funcshard.models.llama.generate` decodes with a KV cache inside
+one ``shard_map`` call; the prompt is encoded, and the result decoded, as the run did (bytes, or the tokenizer
+of the Hugging Face folder it started from; a folder's own ``tokenizer.json`` with ``--init-from``, its
+``eos_token_id`` ending the text).
 
 Example:
     >>> from funcshard.job import generate
@@ -19,16 +22,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 import funcshard as fs
-from funcshard import checkpoint
+from funcshard import P, checkpoint
 from funcshard import random as fsr
 from funcshard.models import llama
 from funcshard.models.llama.sharding import param_shapes
 
 from . import init_from
-from .cli import UsageError, finite_positive, generate_parser, run
+from .cli import UsageError, finite_positive, generate_parser, parse_mesh, run
 
 __all__ = ["generate", "load_model", "main"]
 
@@ -69,54 +71,82 @@ def load_model(ckpt_dir: str | os.PathLike[str]) -> tuple[llama.Config, Any, int
     return cfg, fs.device_get(tree["params"]), steps[-1]
 
 
+def _source(args: argparse.Namespace) -> tuple[llama.Config, Any, init_from.Codec, list[int]]:
+    """``(cfg, params, codec, stop_tokens)`` of ``--init-from``'s folder (its tokenizer and ``eos_token_id`` when
+    it has them) or of the latest checkpoint under ``--ckpt-dir`` (the run's codec; no stop token)."""
+    if args.init_from is None:
+        cfg, params, _ = load_model(args.ckpt_dir)
+        return cfg, params, init_from.checkpoint_codec(args.ckpt_dir), []
+    folder = Path(args.init_from).expanduser()
+    try:
+        cfg, params = llama.from_hf(folder)
+    except fs.FuncshardError as e:
+        raise UsageError(f"--init-from: {e}") from None
+    file = init_from.tokenizer_file(folder)
+    if file is None:
+        return cfg, params, init_from.byte_codec(), []
+    tok = init_from.load_tokenizer(file)
+    try:
+        eos = json.loads((folder / "config.json").read_text()).get("eos_token_id")
+    except (OSError, ValueError, AttributeError):
+        eos = None
+    stops = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+    return cfg, params, ((lambda text: tok.encode(text, add_special_tokens=False).ids), tok.decode), stops
+
+
+def _mesh(args: argparse.Namespace) -> fs.Mesh:
+    """``--mesh``, or ``tp`` over torchrun's processes (one simulated device without torchrun)."""
+    if args.mesh is not None:
+        return fs.make_mesh(parse_mesh(args.mesh), backend="auto")
+    return fs.make_mesh({"tp": int(os.environ.get("WORLD_SIZE", "1"))}, backend="auto")
+
+
 def generate(args: argparse.Namespace) -> str:
-    """Sample ``args.tokens`` bytes after ``args.prompt`` from the latest checkpoint; returns (and prints) the text.
+    """Continue ``args.prompt`` by ``args.tokens`` tokens with :func:`funcshard.models.llama.generate`; returns
+    (and, on the first process, prints) the text.
+
+    The model is the latest checkpoint under ``args.ckpt_dir`` or the Hugging Face folder ``args.init_from``;
+    the prompt is encoded, and the result decoded, with the run's or the folder's tokenizer (bytes without
+    one). Under torchrun the model is laid out over ``--mesh`` (default ``tp`` over the processes).
 
     Args:
-        args: parsed ``funcshard generate`` options: ``ckpt_dir``, ``prompt``, ``tokens``, ``temperature``
-            (0: greedy), ``seed``.
+        args: parsed ``funcshard generate`` options: ``ckpt_dir``, ``init_from``, ``prompt``, ``tokens``,
+            ``temperature`` (0: greedy), ``top_k``, ``top_p``, ``seed``, ``mesh``.
 
     Returns:
-        The prompt followed by the sampled bytes, decoded as UTF-8 (bad bytes replaced).
+        The prompt followed by the generated text (bad bytes replaced).
 
     Raises:
-        UsageError: a negative temperature, or no checkpoint under ``args.ckpt_dir``.
+        UsageError: a negative temperature, no checkpoint under ``args.ckpt_dir``, an unreadable folder.
 
     Example:
         >>> from funcshard.job.cli import generate_parser
         >>> text = generate(generate_parser().parse_args(["--tokens", "20"]))  # doctest: +SKIP
     """
     finite_positive("--temperature", args.temperature, zero=True)
-    cfg, params, _ = load_model(args.ckpt_dir)
-    encode, decode = init_from.checkpoint_codec(args.ckpt_dir)  # bytes, or the run's tokenizer
+    cfg, params, (encode, decode), stops = _source(args)
     ids = encode(args.prompt) or encode("\n")
-    key = fsr.key(args.seed)
+    mesh = _mesh(args)
+    specs = llama.param_specs(cfg, mesh)
+    data = tuple(a for a in mesh.axis_names if a in ("dp", "fsdp")) or None
+    kw = {"temperature": args.temperature, "key": fsr.key(args.seed), "top_k": args.top_k, "top_p": args.top_p}
+    step = fs.shard_map(
+        lambda p: llama.generate(p, [ids], cfg, max_new_tokens=args.tokens, stop_tokens=stops, **kw),
+        mesh=mesh,
+        in_specs=(specs,),
+        out_specs=P(data),
+    )
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # one token at a time: ops too small to split, and spinning threads cost more
     try:
-        ids = _sample(params, cfg, ids, key, args.tokens, args.temperature)
+        out = fs.device_get(step(fs.device_put(params, mesh, specs)))[0].tolist()  # [1, prompt + new] -> row 0
     finally:
         torch.set_num_threads(threads)
-    text = decode(ids)
-    print(text)
+    out = out[: len(ids)] + [t for t in out[len(ids) :] if t not in stops]  # (a stop token, and padding after it)
+    text = decode(out)
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(text)
     return text
-
-
-def _sample(params: Any, cfg: llama.Config, ids: list[int], key: torch.Tensor, n: int, temperature: float) -> list[int]:
-    """``ids`` followed by ``n`` sampled bytes (inverse-CDF draws from ``fs.random``, so the seed fixes them)."""
-    ids = list(ids)
-    with torch.no_grad():
-        for i in range(n):
-            ctx = torch.tensor([ids[-cfg.max_seq_len :]])  # [1, s]
-            logits = llama.forward(params, ctx, cfg)[0, -1].float()  # [1, s, V] -> [V]
-            if temperature == 0:
-                nxt = int(logits.argmax())
-            else:
-                cdf = F.softmax(logits / temperature, dim=-1).cumsum(0)  # [V]
-                u = fsr.uniform(fsr.fold_in(key, i), ()) * cdf[-1]
-                nxt = min(int(torch.searchsorted(cdf, u, right=True)), cfg.vocab_size - 1)
-            ids.append(nxt)
-    return ids
 
 
 def main(argv: list[str] | None = None) -> int:
