@@ -31,6 +31,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 from .. import lax
 from ..extend import (
     ConfigError,
+    P,
     Precision,
     checkpoint_name,
     find_vma,
@@ -191,15 +192,55 @@ def use_params(
     Returns:
         The tree with the ``fsdp`` axis gathered out of every leaf.
 
+    With an ``ep`` axis, the leaves of a dict whose specs name it (the experts' weights) are made varying over
+    :attr:`~funcshard.models.ParallelPlan.expert_replica_axes` only (``ep`` splits them; their gradients are
+    whole on each device), the others over all the replica axes (``ep`` included): two gathers, one per group.
+
     Example:
         >>> p = {"w": torch.randn(4, 3)}
         >>> use_params(p, None, ParallelPlan()) is p
         True
     """
+    if plan.ep is not None and isinstance(specs, dict):
+        experts = [k for k, v in specs.items() if isinstance(v, P) and plan.ep in v.axes()]
+        if experts:
+            return _use_experts_apart(p, specs, plan, precision, experts, prefetch)
     # [.., s/fsdp, ..] -> [.., s, ..]
     return fsdp_gather(
         p, specs, axis=plan.fsdp, replicate_axis=plan.replica_axes, precision=precision, prefetch=prefetch
     )
+
+
+def _use_experts_apart(
+    p: dict[str, Any],
+    specs: dict[str, P],
+    plan: ParallelPlan,
+    precision: Precision | None,
+    experts: list[str],
+    prefetch: bool,
+) -> Any:
+    """:func:`use_params` of a dict holding expert weights (``experts``: their keys): the experts gathered
+    varying over the expert replica axes, the rest over the replica axes; the dict in ``p``'s key order."""
+    rest = [k for k in p if k not in experts]
+    groups = [([k for k in p if k in experts], plan.expert_replica_axes), (rest, plan.replica_axes)]
+    parts = [
+        fsdp_gather(  # [.., s/fsdp, ..] -> [.., s, ..]
+            {k: p[k] for k in keys},
+            {k: specs[k] for k in keys},
+            axis=plan.fsdp,
+            replicate_axis=replicas,
+            precision=precision,
+            prefetch=prefetch,
+        )
+        for keys, replicas in groups
+        if keys
+    ]
+
+    def merged() -> dict[str, Any]:
+        done = {k: v for part in parts for k, v in (part() if prefetch else part).items()}
+        return {k: done[k] for k in p}
+
+    return merged if prefetch else merged()
 
 
 def _vary(x: torch.Tensor, axis: str | None) -> torch.Tensor:

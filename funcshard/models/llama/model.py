@@ -68,13 +68,21 @@ PyTree = Any
 @dataclass(frozen=True)
 class Layout:
     """What the model derives from a plan, once: the plan, the parameters' specs, one layer's specs, and the
-    pipeline schedule (None without a ``pp`` axis)."""
+    pipeline schedule (None without a ``pp`` axis).
+
+    A model built on the Llama's (the Mixtral, :mod:`funcshard.models.mixtral`) gives its own decoder ``layer``
+    (the signature of :func:`layer`) and ``aux_init``: then the layers carry ``(x, aux)`` instead of ``x``, from
+    ``(embedded x, aux_init(x))``, each layer mapping it to the next (the router statistics of a mixture of
+    experts), and :func:`_forward` returns ``(logits, aux)``. ``None``: the Llama's layer, no carry.
+    """
 
     plan: ParallelPlan
     specs: dict[str, Any]
     layer_specs: dict[str, P]
     mesh: Any
     schedule: Schedule | None = None
+    layer: Callable[..., Any] | None = None
+    aux_init: Callable[[torch.Tensor], Any] | None = None
 
 
 @functools.lru_cache(maxsize=64)
@@ -147,15 +155,17 @@ def embed_tokens(table: torch.Tensor, tokens: torch.Tensor, lay: Layout) -> torc
     return vocab_parallel_embedding(tokens, table, axis=plan.tp, scatter_dim=1 if plan.sp else None)
 
 
-def run_layers(x: torch.Tensor, layers: dict[str, torch.Tensor], cfg: Config, lay: Layout) -> torch.Tensor:
-    """The decoder layers stacked on the leading dim of ``layers``' leaves, in order, on ``x [b, s(/tp), d]``."""
+def run_layers(x: Any, layers: dict[str, torch.Tensor], cfg: Config, lay: Layout) -> Any:
+    """The decoder layers stacked on the leading dim of ``layers``' leaves, in order, on ``x [b, s(/tp), d]``
+    (on the carry ``(x, aux)`` with ``lay.aux_init``)."""
     return _run_layers(x, layers, cfg, lay)[0]
 
 
 def _run_layers(
-    x: torch.Tensor, layers: dict[str, torch.Tensor], cfg: Config, lay: Layout
-) -> tuple[torch.Tensor, reshard_after_forward | None]:
+    x: Any, layers: dict[str, torch.Tensor], cfg: Config, lay: Layout
+) -> tuple[Any, reshard_after_forward | None]:
     """:func:`run_layers`, and the last layer's reshard scope (None when the layers keep their weights)."""
+    block = layer if lay.layer is None else lay.layer  # the Llama's decoder layer, or the model's own
     # [n, ...] -> n x [...]; the gradients stacked back into kept buffers (no fresh 52 MB per step at 13.2M
     # params), except in a pipeline stage (its microbatches' gradients are accumulated by the runtime)
     split = unstack if lay.plan.pp is None else torch.unbind
@@ -165,7 +175,7 @@ def _run_layers(
     if reshard and cfg.remat != "none":
         for i in range(n):  # gathered inside the layer's remat region: freed after its forward, gathered again
             p = {k: v[i] for k, v in stacked.items()}
-            x = layer(x, p, cfg, lay.plan, gather=lambda p: use_params(p, lay.layer_specs, lay.plan, cfg.precision))
+            x = block(x, p, cfg, lay.plan, gather=lambda p: use_params(p, lay.layer_specs, lay.plan, cfg.precision))
         return x, None
 
     def fetch(i: int) -> Callable[[], dict[str, torch.Tensor]]:  # layer i's gathers issued now (dist: in flight)
@@ -179,14 +189,14 @@ def _run_layers(
         if i + 1 < n:  # FSDP2's prefetch: the next layer's weights travel while this layer computes
             nxt = fetch(i + 1)
         if not reshard:
-            x = layer(x, p, cfg, lay.plan)
+            x = block(x, p, cfg, lay.plan)
             continue
         # without remat: the saved gathered weights are dropped after the forward and gathered again (the same
         # bucketed gather) for the layer's backward, the previous layer's regather prefetched meanwhile
         # (derive=False: the layer reads its weights through views only, no saved cast or concatenation of them,
         # fp32 and bf16, with or without tp: so no dispatch mode over its ~150 ops, ~40 ms a step at 13.2M params)
         with reshard_after_forward(p, functools.partial(fetch, i), after=scope, derive=False) as scope:
-            x = layer(x, p, cfg, lay.plan)
+            x = block(x, p, cfg, lay.plan)
         p = None  # [.., s, ..] freed here: the next layer's gather is in flight
     return x, scope
 
@@ -232,10 +242,28 @@ def _stages_in_turn(params: PyTree, x: torch.Tensor, cfg: Config, lay: Layout) -
         if r + 1 < p:
             x = lax.ppermute(x, pp, [(r, r + 1)])  # [b, s, d] -> [b, s, d], to the next stage
     # x * 0, not zeros: every stage keeps its chain of ppermutes in the graph, so all make the same backward
-    return lax.psum(x if me == p - 1 else x * 0, pp)  # [b, s, d] -> [b, s, d], from the last stage
+    if me != p - 1:
+        x = x * 0 if isinstance(x, torch.Tensor) else optree.tree_map(lambda t: t * 0, x)  # (a carry: (x, aux))
+    return lax.psum(x, pp)  # [b, s, d] -> [b, s, d], from the last stage
 
 
-def _forward(params: PyTree, tokens: torch.Tensor, cfg: Config, lay: Layout) -> torch.Tensor:
+def _carry(x: torch.Tensor, lay: Layout) -> Any:
+    """What the layers carry from the embedded ``x``: ``x``, or ``(x, aux_init(x))`` with ``lay.aux_init``."""
+    return x if lay.aux_init is None else (x, lay.aux_init(x))
+
+
+def _done(logits: torch.Tensor, carry: Any, lay: Layout) -> Any:
+    """``_forward``'s result: the logits, or ``(logits, aux)`` with ``lay.aux_init``."""
+    return logits if lay.aux_init is None else (logits, carry[1])
+
+
+def _hidden(carry: Any, lay: Layout) -> torch.Tensor:
+    """The hidden states of the layers' carry."""
+    return carry if lay.aux_init is None else carry[0]
+
+
+def _forward(params: PyTree, tokens: torch.Tensor, cfg: Config, lay: Layout) -> Any:
+    """The logits of ``tokens``; ``(logits, aux)`` when the layout's layers carry an ``aux`` (``lay.aux_init``)."""
     plan = lay.plan
     if plan.pp is None and plan.fsdp is None:
         # nothing to gather: embed, norm and head are only made varying over the replica axes, in ONE bucket
@@ -244,15 +272,15 @@ def _forward(params: PyTree, tokens: torch.Tensor, cfg: Config, lay: Layout) -> 
         names = ("embed", "norm") if cfg.tie_embeddings else ("embed", "norm", "head")
         top = use_params({k: params[k] for k in names}, {k: lay.specs[k] for k in names}, plan, cfg.precision)
         x = embed_tokens(top["embed"], tokens, lay)  # [b, s] -> [b, s(/tp), d]
-        x = run_layers(x, params["layers"], cfg, lay)
+        c = run_layers(_carry(x, lay), params["layers"], cfg, lay)
         tied = top["embed"] if cfg.tie_embeddings else None
-        return head_logits(top, x, cfg, lay, tied, ready=True)  # [b, s(/tp), d] -> [b, s, V/tp]
+        return _done(head_logits(top, _hidden(c, lay), cfg, lay, tied, ready=True), c, lay)  # -> [b, s, V/tp]
     table = use_params(params["embed"], lay.specs["embed"], plan, cfg.precision)  # [V/tp, d/fsdp] -> [V/tp, d]
     if plan.pp is not None:
         x = embed_tokens(table, tokens, lay)  # [b, s] -> [b, s(/tp), d]
-        x = _stages_in_turn(params, x, cfg, lay)
+        c = _stages_in_turn(params, _carry(x, lay), cfg, lay)
         tied = table if cfg.tie_embeddings else None
-        return head_logits(params, x, cfg, lay, tied)  # [b, s(/tp), d] -> [b, s, V/tp]
+        return _done(head_logits(params, _hidden(c, lay), cfg, lay, tied), c, lay)  # -> [b, s, V/tp]
     # fsdp: the norm and the head in ONE gather, at the start beside the embedding's (not waited for after the
     # layers): one all-gather and one reduce-scatter for both, the reduce-scatter issued as soon as the head's
     # backward is done (FSDP2's root group would add the embedding, whose gradient is the backward's last: the
@@ -260,11 +288,11 @@ def _forward(params: PyTree, tokens: torch.Tensor, cfg: Config, lay: Layout) -> 
     names = ("norm",) if cfg.tie_embeddings else ("norm", "head")
     top = use_params({k: params[k] for k in names}, {k: lay.specs[k] for k in names}, plan, cfg.precision)
     x = embed_tokens(table, tokens, lay)  # [b, s] -> [b, s(/tp), d]
-    x, last = _run_layers(x, params["layers"], cfg, lay)
+    c, last = _run_layers(_carry(x, lay), params["layers"], cfg, lay)
     tied = table if cfg.tie_embeddings else None
-    logits = head_logits(top, x, cfg, lay, tied, ready=True)  # [b, s(/tp), d] -> [b, s, V/tp]
+    logits = head_logits(top, _hidden(c, lay), cfg, lay, tied, ready=True)  # [b, s(/tp), d] -> [b, s, V/tp]
     # the last layer's regather issued as the backward starts: it travels during the head's backward
-    return logits if last is None else last.regather_at(logits)
+    return _done(logits if last is None else last.regather_at(logits), c, lay)
 
 
 def forward(params: PyTree, tokens: torch.Tensor, cfg: Config, plan: ParallelPlan | None = None) -> torch.Tensor:

@@ -8,11 +8,11 @@ over ``tp`` (row-parallel); ``fsdp`` splits each weight's outer (row) dim, minor
 ``tp x fsdp`` does not divide, e.g. an odd vocabulary, keeps ``fsdp`` on the inner dim instead), and the norms
 over ``fsdp``; the stacked layer dim over ``pp`` (natural layer order, so stage ``r`` holds a contiguous block of
 layers and a checkpoint loads into a mesh with or without ``pp``: checkpoints hold global tensors, whatever the
-layout; embedding, final norm and head are replicated over ``pp``). The batch dim goes over ``dp`` and ``fsdp``,
-the sequence over ``cp``. A :class:`~funcshard.models.ParallelPlan` turns each role
-into the mesh axis that plays it (``logical_to_mesh``), dropping the roles that are off, so one rule set
-serves every mesh, whatever its axes are called. Without a plan, each role is played by the mesh axis of
-its own name (``dp``, ``fsdp``, ``tp``, ``cp``).
+layout; embedding, final norm and head are replicated over ``pp``). The batch dim goes over ``dp`` and ``fsdp``
+(and ``ep``, which the Llama, having no experts, runs as one more data axis), the sequence over ``cp``. A
+:class:`~funcshard.models.ParallelPlan` turns each role into the mesh axis that plays it (``logical_to_mesh``),
+dropping the roles that are off, so one rule set serves every mesh, whatever its axes are called. Without a plan,
+each role is played by the mesh axis of its own name (``dp``, ``fsdp``, ``tp``, ``cp``, ``pp``, ``ep``).
 
 Example:
     >>> import funcshard as fs
@@ -51,8 +51,10 @@ __all__ = [
     "specs_for",
 ]
 
-KNOWN_AXES = ("dp", "fsdp", "tp", "cp", "pp")  # the roles the Llama plays (and, without a plan, the axes' names)
-BATCH = P(("dp", "fsdp"), "cp")  # a [batch, seq] token tensor, in role names
+# the roles the Llama plays (and, without a plan, the axes' names); it has no experts: an ``ep`` axis is one more
+# data axis (the batch split over it, the gradients summed over it), as ``dp``
+KNOWN_AXES = ("dp", "fsdp", "tp", "cp", "pp", "ep")
+BATCH = P(("dp", "fsdp", "ep"), "cp")  # a [batch, seq] token tensor, in role names
 
 RULES = [
     (r"embed", P(("tp", "fsdp"), None)),
