@@ -83,6 +83,7 @@ class Layout:
     schedule: Schedule | None = None
     layer: Callable[..., Any] | None = None
     aux_init: Callable[[torch.Tensor], Any] | None = None
+    experts: frozenset[str] = frozenset()  # the layer leaves of a MoE layer (``use_params(experts=...)``)
 
 
 @functools.lru_cache(maxsize=64)
@@ -175,13 +176,15 @@ def _run_layers(
     if reshard and cfg.remat != "none":
         for i in range(n):  # gathered inside the layer's remat region: freed after its forward, gathered again
             p = {k: v[i] for k, v in stacked.items()}
-            x = block(x, p, cfg, lay.plan, gather=lambda p: use_params(p, lay.layer_specs, lay.plan, cfg.precision))
+            gather = functools.partial(
+                use_params, specs=lay.layer_specs, plan=lay.plan, precision=cfg.precision, experts=lay.experts
+            )
+            x = block(x, p, cfg, lay.plan, gather=gather)
         return x, None
 
     def fetch(i: int) -> Callable[[], dict[str, torch.Tensor]]:  # layer i's gathers issued now (dist: in flight)
-        return use_params(
-            {k: v[i] for k, v in stacked.items()}, lay.layer_specs, lay.plan, cfg.precision, prefetch=True
-        )
+        p = {k: v[i] for k, v in stacked.items()}
+        return use_params(p, lay.layer_specs, lay.plan, cfg.precision, prefetch=True, experts=lay.experts)
 
     nxt, scope = fetch(0), None
     for i in range(n):

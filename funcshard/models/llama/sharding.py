@@ -48,6 +48,7 @@ __all__ = [
     "param_shapes",
     "param_specs",
     "pipeline_schedule",
+    "rule_specs",
     "specs_for",
 ]
 
@@ -261,15 +262,31 @@ def specs_for(cfg: Config, plan: ParallelPlan, mesh: Any = None) -> dict[str, An
         >>> specs_for(cfg, ParallelPlan(fsdp="shard"))["layers"]["wo"]
         P(None, 'shard', None)
     """
+    return rule_specs(param_shapes(cfg), RULES, INNER, plan, mesh)
+
+
+def rule_specs(
+    shapes: dict[str, Any], rules: list[tuple[str, P]], inner: dict[str, P], plan: ParallelPlan, mesh: Any = None
+) -> dict[str, Any]:
+    """The spec tree of the parameter ``shapes`` from ``rules`` written in role names (the first pattern that
+    matches a leaf's path wins), ``inner[pattern]`` in place of a rule where ``tp x fsdp`` does not divide its
+    dim; checked against each shape on ``mesh`` when given. The Llama's specs are ``RULES`` and ``INNER`` on its
+    shapes; a model built on it (the Mixtral) adds its own rules in front.
+
+    Example:
+        >>> from funcshard.models import ParallelPlan
+        >>> rule_specs({"w": torch.Size([4, 8])}, [("w", P("tp", None))], {}, ParallelPlan())
+        {'w': P(None, None)}
+    """
     sizes = dict(plan.mesh_shape)
-    rules = []
-    for pattern, spec in RULES:
+    out = []
+    for pattern, spec in rules:
         spec = plan.to_mesh(spec)  # role names -> this mesh's axes
-        inner = INNER.get(pattern)
-        if inner is not None and plan.to_mesh(inner) != spec:  # fsdp on: the outer dim where the shape allows
-            spec = functools.partial(_outer_or_inner, spec, plan.to_mesh(inner), sizes)
-        rules.append((pattern, spec))
-    return spec_rules(param_shapes(cfg), rules, default=None, mesh=mesh)
+        alt = inner.get(pattern)
+        if alt is not None and plan.to_mesh(alt) != spec:  # fsdp on: the outer dim where the shape allows
+            spec = functools.partial(_outer_or_inner, spec, plan.to_mesh(alt), sizes)
+        out.append((pattern, spec))
+    return spec_rules(shapes, out, default=None, mesh=mesh)
 
 
 def _outer_or_inner(outer: P, inner: P, sizes: dict[str, int], path: str, shape: torch.Size) -> P:
