@@ -42,6 +42,7 @@ from ._src.collectives.lax import ppermute as ppermute
 from ._src.collectives.lax import psum as psum
 from ._src.collectives.lax import psum_scatter as psum_scatter
 from ._src.collectives.lax import pvary as pvary
+from ._src.collectives.lax import ragged_all_to_all as ragged_all_to_all
 from ._src.errors import ConfigError as ConfigError
 from ._src.errors import FuncshardError as FuncshardError
 from ._src.errors import MeshError as MeshError
@@ -116,6 +117,7 @@ __all__ = [
     "psum_scatter",
     "pvary",
     "pytree",
+    "ragged_all_to_all",
     "random",
     "remat",
     "remat_policies",

@@ -9,6 +9,7 @@
 | ``psum_scatter`` | reduce-scatter | all_gather |
 | ``all_to_all`` | all-to-all | all-to-all back |
 | ``ppermute`` | send along ``perm`` | send back along the inverse |
+| ``ragged_all_to_all`` | rows to each peer in counts per peer | the reverse exchange |
 
 ``axis`` is a mesh axis name or a tuple of names (their product, major to minor). Pytrees are accepted.
 

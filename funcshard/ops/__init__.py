@@ -12,6 +12,7 @@ Example:
     True
 """
 
+from . import moe as moe  # funcshard.ops.moe: routing, grouped experts, the MoE layer
 from . import triton as triton  # funcshard.ops.triton.flash_attention; imports no Triton until it runs
 from .attention import attention as attention
 from .attention import ring_attention as ring_attention

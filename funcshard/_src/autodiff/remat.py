@@ -340,7 +340,7 @@ class _Devices:
     (forward) or hands them back without communicating (recomputation). Afterwards (``done``) it is the real
     device: the recomputed graph's backward collectives go through it."""
 
-    _COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "ppermute")
+    _COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "ppermute", "ragged_all_to_all")
 
     def __init__(self, real: Any, log: Any, save: bool, results: list[torch.Tensor] | None = None) -> None:
         self._real, self._log, self._save = real, log, save

@@ -5,6 +5,7 @@ invariant gathers) for the ops above."""
 from __future__ import annotations
 
 import math
+import operator
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -16,6 +17,7 @@ from ..errors import ConfigError, ShardingError
 from ..runtime.context import DeviceContext, axes_of, current, env, tracing, transforms_active
 from . import prims as _prims
 from . import prims_cast as _prims_cast
+from . import prims_ragged as _prims_ragged
 from .vma import EMPTY, Audited, bind_operand, bind_result, bind_results, get_vma, known_vma, known_vmas, set_vma
 
 __all__ = [
@@ -32,6 +34,7 @@ __all__ = [
     "psum",
     "psum_scatter",
     "pvary",
+    "ragged_all_to_all",
 ]
 
 PyTree = Any
@@ -547,6 +550,98 @@ def all_to_all(x: PyTree, axis: _Axis, split_dim: int, concat_dim: int, *, tiled
         return bind_result(_prims.AllToAll, y, have, axes)
 
     return _tmap(one, x, "all_to_all")
+
+
+_Sizes = torch.Tensor | Sequence[int]
+_RAGGED = _prims_ragged.RaggedAllToAll
+
+
+def ragged_all_to_all(x: PyTree, send_sizes: _Sizes, recv_sizes: _Sizes | None, axis: _Axis) -> PyTree:
+    """Send ``send_sizes[j]`` rows of ``x`` to device j of ``axis`` and concatenate the rows that arrive, in
+    source order (forward); the reverse exchange of the cotangent, ``send_sizes`` and ``recv_sizes`` swapped
+    (backward). JAX's ``jax.lax.ragged_all_to_all`` in a simpler form (no offsets, no output buffer).
+
+    - ``x``: ``[N, *s]``, its rows grouped by destination in axis-index order: rows ``0 .. send_sizes[0]`` go to
+      device 0, the next ``send_sizes[1]`` to device 1, ...; rows after ``sum(send_sizes)`` (padding, as JAX's
+      operand may be larger than what it sends) are not sent, and their gradient is zero.
+    - ``send_sizes`` / ``recv_sizes``: ``n`` non-negative integers each (``n`` the size of ``axis``), an integer
+      tensor or a sequence of ints, different on every device; ``recv_sizes[j]`` is the rows this device receives
+      from device j and must equal ``send_sizes[me]`` on device j. ``recv_sizes=None`` exchanges them (one
+      ``all_to_all`` of the ``n`` counts, counted as such).
+    - result: ``[sum(recv_sizes), *s]``, the rows from device 0, then those from device 1, ...; it varies over
+      ``axis`` (and over what ``x`` varies over); an ``x`` invariant over ``axis`` is made varying first
+      (``pvary``: its gradient is summed over ``axis``), as for every collective.
+
+    The counts fix the result's shape, so they are read on the host (``.tolist()``: a device-to-host sync where
+    they live on a GPU). Under ``"sim"`` the counts of the whole group are checked (a disagreement raises
+    ``fs.ShardingError`` naming the devices, the counts and the fix); under ``"dist"`` only with
+    ``FUNCSHARD_AUDIT=1`` (one small all-gather of the counts a call): unchecked, mismatched counts end in the
+    transport's error (gloo aborts the process). On an abstract mesh counts held in meta tensors are unknown:
+    routing is taken as balanced, ``[N, *s] -> [N, *s]``, ``(n-1)/n`` of the rows to other devices.
+    ``fs.comm_stats`` records one call per exchange (the backward's too) and the bytes sent to OTHER devices
+    (the rows kept on this device are not counted), so uniform routing of ``N`` rows counts ``N (n-1)/n`` rows.
+    A pytree ``x`` sends every leaf with the same counts.
+
+    Example:
+        >>> # MoE dispatch over "ep" (tokens sorted by the device of their expert, counts per device):
+        >>> # got = fs.lax.ragged_all_to_all(tokens, send_counts, recv_counts, "ep")  # [N, d] -> [sum(recv), d]
+        >>> # back = fs.lax.ragged_all_to_all(out, recv_counts, send_counts, "ep")  # [sum(recv), d] -> [N, d]
+    """
+    ctx = current("ragged_all_to_all")
+    axes = axes_of(axis, ctx.mesh, "ragged_all_to_all")
+    n = _n(ctx, axes)
+    send = _sizes(send_sizes, n, "send_sizes", axes)
+    if recv_sizes is None:  # exchanged: [n] -> [n], element j from device j (its send_sizes[me])
+        sent = send_sizes if isinstance(send_sizes, torch.Tensor) else torch.tensor(send, dtype=torch.int64)
+        recv_sizes = all_to_all(sent.reshape(n, 1), axes, 0, 0).reshape(n)
+    recv = _sizes(recv_sizes, n, "recv_sizes", axes)
+    if send is None or recv is None:
+        if ctx.device.holds_data:
+            raise ShardingError(
+                f"ragged_all_to_all over {axes}: send_sizes and recv_sizes must hold values (meta tensors are "
+                f"only for an abstract mesh, where they mean balanced routing)."
+            )
+        send = recv = None
+    me = _index(ctx, axes)
+
+    def one(t: torch.Tensor) -> torch.Tensor:
+        if t.dim() == 0 or (send is not None and sum(send) > t.shape[0]):
+            raise ShardingError(
+                f"ragged_all_to_all over {axes}: device {dict(ctx.device.coords)} sends send_sizes={list(send or ())} "
+                f"(sum {sum(send or ())}) rows of a value of shape {tuple(t.shape)}; x needs at least sum(send_sizes) "
+                f"rows in dim 0 (its rows grouped by destination; rows after the sum are not sent)."
+            )
+        with torch._C.DisableTorchFunction():
+            t, have = bind_operand(_RAGGED, t, axes, ctx.device, ctx.check_vma, "ragged_all_to_all")
+            y = _prims.call_on(_RAGGED, t, ctx.device, axes, send, recv, me)  # [N, *s] -> [sum(recv), *s]
+        return bind_result(_RAGGED, y, have, axes)
+
+    return _tmap(one, x, "ragged_all_to_all")
+
+
+def _sizes(v: _Sizes, n: int, what: str, axes: tuple[str, ...]) -> tuple[int, ...] | None:
+    """The ``n`` row counts ``v`` (an integer tensor, read on the host, or a sequence of ints) as Python ints;
+    None for counts in a meta tensor (unknown: an abstract mesh's)."""
+    with torch._C.DisableTorchFunction():
+        if isinstance(v, torch.Tensor):
+            if v.is_meta:
+                return None
+            if v.is_floating_point() or v.is_complex() or v.dtype == torch.bool or v.dim() != 1:
+                got: Any = f"a {v.dtype} tensor of shape {tuple(v.shape)}"
+                vals = None
+            else:
+                vals = got = v.tolist()  # (a device-to-host sync: the counts fix the result's shape)
+        else:
+            try:
+                vals = got = [int(operator.index(c)) for c in v]
+            except TypeError:
+                vals, got = None, v
+    if vals is None or len(vals) != n or any(c < 0 for c in vals):
+        raise ShardingError(
+            f"ragged_all_to_all over {axes}: {what} must be {n} non-negative row counts (one per device of {axes}, "
+            f"size {n}), as a 1-dim integer tensor or a sequence of ints; found {got!r}."
+        )
+    return tuple(vals)
 
 
 def ppermute(x: PyTree, axis: _Axis, perm: Sequence[tuple[int, int]]) -> PyTree:

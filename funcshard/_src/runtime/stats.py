@@ -97,11 +97,11 @@ class CommStats:
         rows = self.rows(device=device)
         if not rows:
             return "no collectives recorded"
-        lines = [f"{'collective':<14} {'axis':<16} {'calls':>7} {'bytes':>14}", "-" * 54]
+        lines = [f"{'collective':<17} {'axis':<16} {'calls':>7} {'bytes':>14}", "-" * 57]
         for (name, axes), (calls, nbytes) in rows.items():
-            lines.append(f"{name:<14} {axes:<16} {calls:>7} {nbytes:>14,}")
-        lines.append("-" * 54)
-        lines.append(f"{'total':<31} {sum(c for c, _ in rows.values()):>7} {sum(b for _, b in rows.values()):>14,}")
+            lines.append(f"{name:<17} {axes:<16} {calls:>7} {nbytes:>14,}")
+        lines.append("-" * 57)
+        lines.append(f"{'total':<34} {sum(c for c, _ in rows.values()):>7} {sum(b for _, b in rows.values()):>14,}")
         return "\n".join(lines)
 
     def __repr__(self) -> str:

@@ -1,7 +1,7 @@
 """Communication backends: ``sim`` (devices simulated in this process), ``dist`` (torch.distributed) and
 ``abstract`` (no data: shapes and communication counts only, for meshes of any size).
 
-Both expose one device handle per device with the same five collectives, each over an ordered tuple of
+Each exposes one device handle per device with the same six collectives, each over an ordered tuple of
 mesh axes (a "group": the devices that share this device's coordinates on every other axis, ordered
 row-major over the named axes). Every primitive works on a leading group dim ``n``:
 
@@ -10,6 +10,8 @@ row-major over the named axes). Every primitive works on a leading group dim ``n
 - ``reduce_scatter(x, axes)``: ``[n, *s] -> [*s]``, the sum over members of their row ``my_index``.
 - ``all_to_all(x, axes)``: ``[n, *s] -> [n, *s]``, row j goes to member j; row i of the result came from i.
 - ``ppermute(x, axes, perm)``: ``[*s] -> [*s]``, from ``src`` to ``dst`` for each pair; zeros elsewhere.
+- ``ragged_all_to_all(x, axes, send, recv)``: ``[N, *s] -> [sum(recv), *s]``, ``send[j]`` rows to member j,
+  ``recv[i]`` rows from member i, in source order (the leading group dim is ragged: row counts per member).
 
 and one asynchronous point-to-point call, not differentiable (for runtimes that do their own backward, as
 ``pipeline.run``): ``p2p(ops, axes)`` posts a batch of sends and receives and returns one work per op, each

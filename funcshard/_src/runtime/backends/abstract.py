@@ -97,6 +97,14 @@ class AbstractDevice(DeviceHandle):
     def ppermute(self, x: torch.Tensor, axes: tuple[str, ...], perm: tuple[tuple[int, int], ...]) -> torch.Tensor:
         return _meta(x.shape, x.dtype)  # [*s] -> [*s]
 
+    def ragged_all_to_all(
+        self, x: torch.Tensor, axes: tuple[str, ...], send: tuple[int, ...] | None, recv: tuple[int, ...] | None
+    ) -> torch.Tensor:
+        """The received rows' shape: ``sum(recv)`` rows where the counts are known, else as many as were sent
+        (balanced routing: every member sends and receives the same number of rows)."""
+        rows = x.shape[0] if recv is None else sum(recv)
+        return _meta((rows, *x.shape[1:]), x.dtype)  # [N, *s] -> [sum(recv), *s] (or [N, *s])
+
     def p2p(self, ops: Sequence[P2POp], axes: tuple[str, ...]) -> list[P2PWork]:
         check_p2p(self.mesh, self.coords, axes, ops)
         return [_Done(op) for op in ops]

@@ -13,7 +13,15 @@ import torch
 from ...errors import ShardingError
 from ..comm import P2POp, P2PWork
 
-__all__ = ["BackendImpl", "DeviceHandle", "check_p2p", "from_order_key", "group_members", "order_key"]
+__all__ = [
+    "BackendImpl",
+    "DeviceHandle",
+    "check_p2p",
+    "from_order_key",
+    "group_members",
+    "order_key",
+    "ragged_mismatch",
+]
 
 _KEY_DTYPES = {
     torch.float64: torch.int64,
@@ -106,6 +114,36 @@ def check_p2p(mesh: Any, coords: Mapping[str, int], axes: tuple[str, ...], ops: 
     return members
 
 
+def ragged_mismatch(
+    mesh: Any, axes: tuple[str, ...], members: Sequence[int], sizes: Sequence[tuple[Sequence[int], Sequence[int]]]
+) -> ShardingError | None:
+    """The error for a ragged all-to-all over ``axes`` whose row counts disagree, or None: ``sizes[i]`` is member
+    i's ``(send_sizes, recv_sizes)`` (logical order, ``members`` their ranks), and ``recv_sizes[j]`` of member i
+    must equal ``send_sizes[i]`` of member j. The first disagreement in (receiver, sender) order is named, so
+    every member that checks the same counts raises the same error.
+
+    Example:
+        >>> from funcshard import make_mesh
+        >>> ragged_mismatch(make_mesh({"ep": 2}, backend="sim"), ("ep",), [0, 1], [((1, 2), (1, 0)), ((0, 3), (2, 3))])
+    """
+    for i, (_, recv) in enumerate(sizes):
+        for j, (send, _) in enumerate(sizes):
+            if int(recv[j]) != int(send[i]):
+
+                def name(k: int) -> str:
+                    return "(" + ", ".join(f"{a}={c}" for a, c in mesh.coords_of(members[k]).items()) + ")"
+
+                return ShardingError(
+                    f"ragged_all_to_all over {axes}: device {name(i)} (index {i}) expects recv_sizes[{j}] = "
+                    f"{int(recv[j])} rows from device {name(j)} (index {j}), which sends it send_sizes[{i}] = "
+                    f"{int(send[i])}; device {name(i)} has send_sizes={list(map(int, sizes[i][0]))}, "
+                    f"recv_sizes={list(map(int, recv))}. recv_sizes[j] on device i must equal send_sizes[i] on "
+                    f"device j: exchange the counts first (recv_sizes = fs.all_to_all(send_sizes, axis, 0, 0)), or "
+                    f"pass recv_sizes=None to have them exchanged."
+                )
+    return None
+
+
 class DeviceHandle:
     """One device of a mesh, as the collectives see it. Subclassed by each backend, which declares what it can
     do beyond the five collectives by overriding the capabilities below (class attributes: a check is one read).
@@ -156,6 +194,14 @@ class DeviceHandle:
         raise NotImplementedError
 
     def ppermute(self, x: torch.Tensor, axes: tuple[str, ...], perm: tuple[tuple[int, int], ...]) -> torch.Tensor:
+        raise NotImplementedError
+
+    def ragged_all_to_all(
+        self, x: torch.Tensor, axes: tuple[str, ...], send: tuple[int, ...] | None, recv: tuple[int, ...] | None
+    ) -> torch.Tensor:
+        """``[N, *s] -> [sum(recv), *s]``: the first ``send[j]`` rows after member j-1's go to member j, the rows
+        from member i arrive in source order (``recv[i]`` of them); rows after ``sum(send)`` are not sent. ``send``
+        and ``recv`` both None (only where not :attr:`holds_data`): balanced routing, ``[N, *s] -> [N, *s]``."""
         raise NotImplementedError
 
     def p2p(self, ops: Sequence[P2POp], axes: tuple[str, ...]) -> list[P2PWork]:

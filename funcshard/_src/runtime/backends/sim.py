@@ -36,7 +36,7 @@ import torch.autograd.forward_ad as fwAD
 
 from ...errors import ShardingError
 from ..comm import P2POp, P2PWork, default_timeout
-from .base import BackendImpl, DeviceHandle, check_p2p, from_order_key, group_members, order_key
+from .base import BackendImpl, DeviceHandle, check_p2p, from_order_key, group_members, order_key, ragged_mismatch
 
 __all__ = ["SimBackend", "SimDevice", "SimWorld", "abandoned_threads"]
 
@@ -540,6 +540,23 @@ class SimDevice(DeviceHandle):
             if dst == i:
                 return vals[src].clone()
         return torch.zeros_like(x)
+
+    def ragged_all_to_all(
+        self, x: torch.Tensor, axes: tuple[str, ...], send: tuple[int, ...] | None, recv: tuple[int, ...] | None
+    ) -> torch.Tensor:
+        """Every member deposits its sent rows and its counts; each checks the counts of the whole group (every
+        member raises the same error where ``recv`` disagrees with a peer's ``send``) and takes its rows."""
+        assert send is not None and recv is not None, "a sim device holds data: the row counts are known"
+        if x._is_zerotensor():  # a zero tangent / cotangent (torch's ZeroTensor): immutable, sliced as zeros
+            x = torch.zeros_like(x)  # [N, *s] -> [N, *s]
+        rows = x.detach()[: sum(send)].clone()  # [N, *s] -> [sum(send), *s]: what leaves this device
+        vals = self.world.exchange(self, "ragged_all_to_all", axes, (rows, send, recv), (tuple(x.shape[1:]), x.dtype))
+        members, i = self.group(axes)
+        err = ragged_mismatch(self.mesh, axes, members, [(s, r) for _, s, r in vals])
+        if err is not None:
+            raise err
+        parts = [v[sum(s[:i]) : sum(s[: i + 1])] for v, s, _ in vals]  # member j's rows for me: [s_j[i], *s]
+        return torch.cat(parts)  # -> [sum(recv), *s], in source order
 
     def p2p(self, ops: Sequence[P2POp], axes: tuple[str, ...]) -> list[P2PWork]:
         """Post point-to-point sends and receives over ``axes`` (see :meth:`SimWorld.p2p`); one work per op."""

@@ -1,0 +1,293 @@
+"""Grouped matmul of expert segments: ``y[rows of e] = x[rows of e] @ w[e]^T``, the experts' matmuls in one call.
+
+:func:`grouped_mm` takes rows already sorted by expert (``counts[e]`` rows for expert ``e``, in expert order) and
+the experts' weights stacked in ``F.linear`` layout ``[E, out, in]``. Implementations (``impl=``):
+
+- ``"torch"``: ``torch._grouped_mm`` (one call per projection; CPU float32 / bfloat16 / float16, and CUDA where
+  torch has it), where torch has it and the row strides are multiples of 16 bytes (``in`` and ``out`` times the
+  element size); its backward is two more grouped matmuls (``dx = dy @ w[e]``, ``dw[e] = dy_e^T x_e``).
+- ``"triton"``: the Triton grouped GEMM (:mod:`funcshard.ops.moe._triton_kernels`), forward and backward; on CUDA,
+  or on CPU under ``TRITON_INTERPRET=1`` (the interpreter: slow, for tests).
+- ``"segments"``: one ``torch.mm`` per expert on the rows of ``x.split(counts)`` (split's backward is one
+  concatenation, where slicing would make one zero ``[T, in]`` gradient per expert); needs ``counts`` on the host.
+- ``"auto"`` (default): on CUDA Triton where installed, else ``torch`` where it takes the inputs, else
+  ``segments``; on CPU ``torch`` where it takes them, else ``segments`` (never the interpreter).
+
+Example:
+    >>> import torch
+    >>> x, w = torch.randn(5, 16), torch.randn(3, 8, 16)  # 5 rows, 3 experts [out=8, in=16]
+    >>> counts = torch.tensor([2, 0, 3])  # expert 0 takes rows 0-1, expert 1 none, expert 2 rows 2-4
+    >>> y = grouped_mm(x, w, counts)
+    >>> torch.allclose(y, torch.cat([x[:2] @ w[0].T, x[2:] @ w[2].T]), atol=1e-5)
+    True
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import threading
+from typing import Any
+
+import torch
+
+from ...extend import ConfigError, ShardingError
+from . import _triton_kernels as _kernels
+
+__all__ = ["IMPLS", "grouped_mm", "pick_impl"]
+
+IMPLS = ("auto", "torch", "triton", "segments")
+"""The values of ``grouped_mm(..., impl=)``."""
+
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def grouped_mm(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, *, impl: str = "auto") -> torch.Tensor:
+    """Per-expert ``F.linear`` of rows sorted by expert: ``y[rows of e] = x[rows of e] @ w[e]^T``.
+
+    Differentiable in ``x`` and ``w`` (the backward is itself grouped: ``dx = dy @ w[e]`` per segment and
+    ``dw[e] = dy_e^T @ x_e``; an expert with no rows gets a zero gradient). Rows past ``counts.sum()`` (none in
+    :func:`funcshard.ops.moe.moe_ffn`) give zeros.
+
+    Args:
+        x: ``[T, in]`` rows, sorted by expert.
+        w: ``[E, out, in]`` the experts' weights (``F.linear`` layout), ``x``'s dtype and device.
+        counts: ``[E]`` integer rows per expert, in expert order; ``counts.sum() <= T``.
+        impl: ``"auto"``, ``"torch"``, ``"triton"`` or ``"segments"`` (see the module).
+
+    Returns:
+        ``[T, out]`` in ``x``'s dtype.
+
+    Raises:
+        ShardingError: shapes, dtypes or devices that do not fit.
+        ConfigError: an unknown ``impl``, or one that cannot run here (``"triton"`` without Triton, or on CPU
+            without ``TRITON_INTERPRET=1``; ``"torch"`` where ``torch._grouped_mm`` does not take the inputs).
+
+    Example:
+        >>> import torch
+        >>> x, w, counts = torch.randn(4, 16), torch.randn(2, 8, 16), torch.tensor([1, 3])
+        >>> ys = [grouped_mm(x, w, counts, impl=i) for i in ("torch", "segments")]
+        >>> torch.allclose(ys[0], ys[1], atol=1e-5), ys[0].shape
+        (True, torch.Size([4, 8]))
+    """
+    _check(x, w, counts)
+    impl = pick_impl(x, w, impl)
+    if impl == "segments":
+        return _segments(x, w, counts)
+    offs = torch.zeros(w.shape[0] + 1, dtype=torch.int32, device=x.device)
+    offs[1:] = counts.cumsum(0)  # [E + 1]: group e owns rows [offs[e], offs[e + 1])
+    return _GroupedMM.apply(x, w, offs, impl)
+
+
+def pick_impl(x: torch.Tensor, w: torch.Tensor, impl: str = "auto") -> str:
+    """The implementation :func:`grouped_mm` runs for these inputs: ``impl`` itself where it can run, the choice of
+    ``"auto"`` (see the module), or a ConfigError saying why it cannot.
+
+    Example:
+        >>> import torch
+        >>> pick_impl(torch.zeros(4, 16), torch.zeros(2, 8, 16))  # CPU float32, 16-byte aligned rows
+        'torch'
+        >>> pick_impl(torch.zeros(4, 6), torch.zeros(2, 8, 6))  # 24-byte rows: not for torch._grouped_mm
+        'segments'
+    """
+    if impl not in IMPLS:
+        raise ConfigError(f"grouped_mm: impl must be one of {IMPLS}, not {impl!r}.")
+    torch_ok = _torch_takes(x, w)
+    if impl == "auto":
+        if x.device.type == "cuda" and _has_triton() and x.dtype in _DTYPES:
+            return "triton"
+        return "torch" if torch_ok else "segments"
+    if impl == "torch" and not torch_ok:
+        raise ConfigError(
+            f"grouped_mm(impl='torch'): torch._grouped_mm does not take x {tuple(x.shape)} {x.dtype} on "
+            f"{x.device.type} with w {tuple(w.shape)}: it needs torch >= 2.8, float32 / bfloat16 / float16 and rows "
+            f"of a multiple of 16 bytes (in and out times {x.element_size()} bytes; on CUDA bfloat16 on sm90+). "
+            f"Use impl='auto' or 'segments'."
+        )
+    if impl == "triton" and not _triton_runs(x):
+        raise ConfigError(
+            f"grouped_mm(impl='triton'): the Triton kernels run on CUDA, or on CPU with TRITON_INTERPRET=1, with "
+            f"triton installed (pip install 'funcshard[triton]'); here x is on {x.device.type}"
+            + ("" if _has_triton() else " and triton is not installed")
+            + ". Use impl='auto'."
+        )
+    return impl
+
+
+def _check(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> None:
+    ok = x.dim() == 2 and w.dim() == 3 and w.shape[2] == x.shape[1] and tuple(counts.shape) == (w.shape[0],)
+    if not ok or counts.is_floating_point() or counts.is_complex():
+        raise ShardingError(
+            f"grouped_mm: x {tuple(x.shape)}, w {tuple(w.shape)}, counts {tuple(counts.shape)} {counts.dtype} do not "
+            f"fit: need x [T, in], w [E, out, in] (F.linear layout per expert) and integer counts [E]."
+        )
+    if w.dtype != x.dtype or w.device != x.device or counts.device != x.device:
+        raise ShardingError(
+            f"grouped_mm: x is {x.dtype} on {x.device}, w {w.dtype} on {w.device}, counts on {counts.device}: give "
+            f"w x's dtype and device, and counts x's device."
+        )
+
+
+def _torch_takes(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether ``torch._grouped_mm`` takes these operands (and their gradients): rows of 16-byte multiples."""
+    if not hasattr(torch, "_grouped_mm") or x.dtype not in _DTYPES or x.device.type not in ("cpu", "cuda"):
+        return False
+    if (x.shape[1] * x.element_size()) % 16 or (w.shape[1] * x.element_size()) % 16:
+        return False
+    if x.device.type == "cuda":
+        return x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device) >= (9, 0)
+    return True
+
+
+def _has_triton() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def _triton_runs(x: torch.Tensor) -> bool:
+    on_device = x.device.type == "cuda" or (x.device.type == "cpu" and _kernels.interpreting())
+    return on_device and _has_triton() and x.dtype in _DTYPES
+
+
+def _segments(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """One ``torch.mm`` per expert over ``x.split(counts)``; rows past the counts' sum give zeros."""
+    sizes = [int(c) for c in counts.tolist()]
+    rest = x.shape[0] - sum(sizes)
+    if rest < 0:
+        raise ShardingError(f"grouped_mm: counts sum to {sum(sizes)} rows, more than x's {x.shape[0]}.")
+    parts = x.split([*sizes, rest])  # (E + 1) x [c_e, in]
+    ys = [p @ we.T for p, we in zip(parts, w.unbind(0))]  # [c_e, in] @ [in, out] -> [c_e, out]
+    if rest:
+        ys.append(x.new_zeros(rest, w.shape[1]))
+    return torch.cat(ys) if ys else x.new_zeros(0, w.shape[1])  # [T, out]
+
+
+# --- the torch._grouped_mm and Triton implementations, one autograd Function -----------------------------------
+
+
+def _forward(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, impl: str) -> torch.Tensor:
+    """``[T, out]``: rows of group ``e`` times ``w[e]^T`` (``w`` any ``[E, out, in]`` strides)."""
+    if impl == "torch":
+        y = torch._grouped_mm(x.contiguous(), w.transpose(1, 2), offs=offs[1:])  # [T, in] @ [E, in, out] -> [T, out]
+        return _zero_tail(y, offs)
+    return _triton_gmm(x, w, offs)
+
+
+def _wgrad(x: torch.Tensor, dy: torch.Tensor, offs: torch.Tensor, impl: str) -> torch.Tensor:
+    """``[E, out, in]``: per group, ``dy_e^T @ x_e``."""
+    if impl == "torch":
+        return torch._grouped_mm(dy.t(), x.contiguous(), offs=offs[1:])  # [out, T] @ [T, in] -> [E, out, in]
+    return _triton_wgrad(x, dy, offs)
+
+
+def _zero_tail(y: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """``y`` with zeros in the rows past the last group (``torch._grouped_mm`` leaves them unwritten)."""
+    end = int(offs[-1]) if y.shape[0] and y.device.type == "cpu" else None
+    if end is None:  # (CUDA: no host sync; a mask)
+        keep = torch.arange(y.shape[0], device=y.device) < offs[-1]
+        return torch.where(keep.unsqueeze(1), y, y.new_zeros(()))
+    if end < y.shape[0]:
+        y[end:] = 0
+    return y
+
+
+class _GroupedMM(torch.autograd.Function):
+    """``grouped_mm`` by ``torch._grouped_mm`` or the Triton kernels; the backward by the same implementation."""
+
+    @staticmethod
+    def forward(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, impl: str) -> torch.Tensor:  # type: ignore[override]
+        with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
+            return _forward(x, w, offs, impl)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
+        x, w, offs, impl = inputs
+        ctx.impl = impl
+        ctx.save_for_backward(x, w, offs)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx: Any, dy: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+        # under torch.func the saved tensors and the cotangent are functorch wrappers: the kernels take the plain
+        # tensors beneath, with functorch off (once differentiable: no graph is lost)
+        x, w, offs = (_plain(t) for t in ctx.saved_tensors)
+        dy = _plain(dy).contiguous()  # (a sum's cotangent is an expanded view; torch._grouped_mm needs strides)
+        dx = dw = None
+        with torch._C._DisableFuncTorch(), torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
+            if ctx.needs_input_grad[0]:
+                dx = _forward(dy, w.transpose(1, 2), offs, ctx.impl)  # [T, out] @ w[e] [out, in] -> [T, in]
+            if ctx.needs_input_grad[1]:
+                dw = _wgrad(x, dy, offs, ctx.impl).to(w.dtype)  # [E, out, in]
+        return dx, dw, None, None
+
+
+def _plain(t: torch.Tensor) -> torch.Tensor:
+    """``t`` without its functorch wrappers (``torch.func`` levels), the tensor whose storage a kernel reads."""
+    from torch._C._functorch import get_unwrapped, is_functorch_wrapped_tensor
+
+    while is_functorch_wrapped_tensor(t):
+        t = get_unwrapped(t)
+    return t
+
+
+# --- launching the Triton kernels ------------------------------------------------------------------------------
+
+# Triton's interpreter patches triton.language while a kernel runs: one interpreted kernel at a time (the "sim"
+# backend runs each simulated device in a thread)
+_INTERPRETER_LOCK = threading.Lock()
+
+
+def _blocks(dtype: torch.dtype) -> tuple[int, int, int, int]:
+    """``(BLOCK_M, BLOCK_N, BLOCK_K, num_warps)``: small unequal blocks under the interpreter (few programs, the
+    masks of partial blocks tested), the usual GEMM tiles on GPU (halved along k for float32)."""
+    if _kernels.interpreting():
+        return 16, 32, 16, 4
+    return (64, 128, 32 if dtype == torch.float32 else 64, 4)
+
+
+def _precision(dtype: torch.dtype) -> str:
+    return "ieee" if dtype == torch.float32 else "tf32"  # float32 inputs: full-precision dots (no tf32)
+
+
+def _interpretable(t: torch.Tensor) -> torch.Tensor:
+    """``t``, or in float32 where it is bfloat16 on CPU: Triton's interpreter (3.9) multiplies bfloat16 blocks as
+    their raw 16-bit integers in ``tl.dot``."""
+    return t.float() if t.dtype == torch.bfloat16 and t.device.type == "cpu" else t
+
+
+def _triton_gmm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """``[T, out]`` by the ``gmm`` kernel."""
+    dtype = x.dtype
+    x, w = _interpretable(x), _interpretable(w)
+    t, (e, n, k) = x.shape[0], w.shape
+    y = torch.empty(t, n, dtype=x.dtype, device=x.device)
+    if t == 0 or n == 0:
+        return y.to(dtype)
+    if k == 0 or e == 0:
+        return y.zero_().to(dtype)
+    kernels = _kernels.build()
+    bm, bn, bk, warps = _blocks(x.dtype)
+    grid = (kernels.triton.cdiv(t, bm), kernels.triton.cdiv(n, bn))
+    with _INTERPRETER_LOCK if _kernels.interpreting() else contextlib.nullcontext():
+        kernels.gmm[grid](
+            x, w, y, offs, t, n, k, e, *x.stride(), *w.stride(), *y.stride(),
+            BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, PRECISION=_precision(x.dtype), num_warps=warps,
+        )  # fmt: skip
+    return y.to(dtype)
+
+
+def _triton_wgrad(x: torch.Tensor, dy: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """``[E, out, in]`` by the ``gmm_wgrad`` kernel (float32 accumulators, stored in float32)."""
+    x, dy = _interpretable(x), _interpretable(dy)
+    e, n, k = offs.shape[0] - 1, dy.shape[1], x.shape[1]
+    dw = torch.empty(e, n, k, dtype=torch.float32, device=x.device)
+    if dw.numel() == 0:
+        return dw
+    kernels = _kernels.build()
+    bm, bn, bk, warps = _blocks(x.dtype)
+    grid = (kernels.triton.cdiv(n, bn), kernels.triton.cdiv(k, bk), e)
+    with _INTERPRETER_LOCK if _kernels.interpreting() else contextlib.nullcontext():
+        kernels.gmm_wgrad[grid](
+            x, dy, dw, offs, n, k, *x.stride(), *dy.stride(), *dw.stride(),
+            BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, PRECISION=_precision(x.dtype), num_warps=warps,
+        )  # fmt: skip
+    return dw
