@@ -52,12 +52,15 @@ from .sharding import model_plan, param_shapes, pipeline_schedule, specs_for
 
 __all__ = [
     "Layout",
+    "build_layout",
+    "draw_params",
     "embed_tokens",
     "forward",
     "head_logits",
     "init",
     "layer",
     "layout",
+    "lm_loss",
     "loss",
     "run_layers",
 ]
@@ -88,19 +91,33 @@ class Layout:
 
 @functools.lru_cache(maxsize=64)
 def _layout_on(cfg: Config, plan: ParallelPlan | None, mesh: Any) -> Layout:
+    return build_layout(cfg, plan, mesh, model_plan, specs_for)
+
+
+def build_layout(
+    cfg: Config,
+    plan: ParallelPlan | None,
+    mesh: Any,
+    plan_fn: Callable[[Config, Any, ParallelPlan | None], ParallelPlan],
+    specs_fn: Callable[[Config, ParallelPlan, Any], dict[str, Any]],
+    **model: Any,
+) -> Layout:
+    """The layout of a model on ``mesh`` (None: outside ``shard_map``, the unsharded model), its plan checked by
+    ``plan_fn`` (``model_plan``) and its specs from ``specs_fn`` (``specs_for``); ``model``: the :class:`Layout`
+    fields of a model built on the Llama's (``layer``, ``aux_init``, ``experts``)."""
     if mesh is None:  # outside shard_map: the unsharded model
         if plan is not None and plan.roles:
             raise ConfigError(
-                f"llama: the plan {plan.roles} names mesh axes, but the model is called outside shard_map; call "
+                f"{cfg.MODEL}: the plan {plan.roles} names mesh axes, but the model is called outside shard_map; call "
                 f"it inside fs.shard_map over that mesh, or pass plan=None for the unsharded model."
             )
         plan = ParallelPlan()
     else:
-        plan = model_plan(cfg, mesh, plan)
-    specs = specs_for(cfg, plan, mesh)
+        plan = plan_fn(cfg, mesh, plan)
+    specs = specs_fn(cfg, plan, mesh)
     layer_specs = {k: P(*v.entries[1:]) for k, v in specs["layers"].items()}  # without the stacked layer dim
     schedule = pipeline_schedule(cfg, plan) if plan.pp is not None else None
-    return Layout(plan, specs, layer_specs, mesh, schedule)
+    return Layout(plan, specs, layer_specs, mesh, schedule, **model)
 
 
 def layout(cfg: Config, plan: ParallelPlan | None) -> Layout:
@@ -358,19 +375,25 @@ def loss(
         >>> abs(value - 5.545) < 0.2  # about ln(256) = 5.545 at init
         True
     """
-    lay = layout(cfg, plan)
+    return lm_loss(params, tokens, targets, cfg, layout(cfg, plan))[0]
+
+
+def lm_loss(params: PyTree, tokens: torch.Tensor, targets: torch.Tensor, cfg: Config, lay: Layout) -> tuple[Any, Any]:
+    """:func:`loss` on a layout: ``(mean cross-entropy, aux)``, ``aux`` what the layers carry besides the hidden
+    states (``lay.aux_init``; None for the Llama)."""
     data = lay.plan.data_axes
     count = (targets != -100).sum().to(torch.float32)  # [] (local tokens; the cross-entropy is float32)
     if data:  # the global count depends on the targets only: summed while the forward computes (dist)
         count = psum_pending(count, data)  # [] -> [], over the data-parallel shards
-    logits = _forward(params, tokens, cfg, lay)  # [b, s(/cp), V/tp]
+    out = _forward(params, tokens, cfg, lay)  # [b, s(/cp), V/tp] (and the layers' aux)
+    logits, aux = (out, None) if lay.aux_init is None else out
     total = vocab_parallel_cross_entropy(logits, targets, axis=lay.plan.tp, reduction="sum")  # [] (local tokens)
     if data:  # the pending count waited for here, with no dispatch through it
         count = settle(count)
     mean = total / count.clamp(min=1)  # [] (this shard's part of the global mean)
     if data:  # read only after the backward (fs.value_and_grad): no wait for the other shards in the forward
         mean = psum_pending(mean, data)  # [] -> [], over the data-parallel shards
-    return mean
+    return mean, aux
 
 
 def init(key: torch.Tensor, cfg: Config, plan: ParallelPlan | None = None) -> PyTree:
@@ -400,8 +423,13 @@ def init(key: torch.Tensor, cfg: Config, plan: ParallelPlan | None = None) -> Py
         >>> torch.equal(fs.device_get(sharded)["layers"]["wq"], params["layers"]["wq"])
         True
     """
-    lay = layout(cfg, plan)
-    shapes = param_shapes(cfg)
+    return draw_params(key, cfg, param_shapes(cfg), layout(cfg, plan))
+
+
+def draw_params(key: torch.Tensor, cfg: Config, shapes: PyTree, lay: Layout) -> PyTree:
+    """:func:`init`'s draw of a parameter tree of ``shapes`` (``torch.Size`` leaves) laid out by ``lay``: norms
+    (leaves named ``*norm``) ones, the rest normal(0, ``init_std``), ``wo`` and ``w2`` scaled by
+    ``1/sqrt(2 n_layers)``, leaf ``i`` from ``fold_in(key, i)``; this device's blocks inside ``shard_map``."""
     paths, leaves, treedef = optree.tree_flatten_with_path(shapes, is_leaf=lambda x: isinstance(x, torch.Size))
     sharded = lay.mesh is not None
     dtype = torch.float32 if cfg.precision is None else cfg.precision.param_dtype
