@@ -24,8 +24,7 @@ import torch.nn.functional as F
 import funcshard as fs
 from funcshard import checkpoint
 from funcshard import random as fsr
-from funcshard.models import llama
-from funcshard.models.llama.sharding import param_shapes
+from funcshard.models import llama, mixtral
 
 from . import init_from
 from .cli import UsageError, finite_positive, generate_parser, run
@@ -58,13 +57,12 @@ def load_model(ckpt_dir: str | os.PathLike[str]) -> tuple[llama.Config, Any, int
         model = json.loads((ckpt_dir / "config.json").read_text())["model"]
     except (OSError, ValueError, KeyError):
         raise UsageError(f"--ckpt-dir '{ckpt_dir}' has no readable config.json; it was not written by train.") from None
-    cfg = llama.Config(**{**model, "sequence_parallel": False})
+    family = mixtral if "n_experts" in model else llama  # (a Mixtral's config has the experts' fields)
+    cfg = family.Config(**{**model, "sequence_parallel": False})
     mesh = fs.make_mesh({"dp": 1}, backend="sim")
-    zeros = {
-        k: ({a: torch.zeros(s) for a, s in v.items()} if isinstance(v, dict) else torch.zeros(v))
-        for k, v in param_shapes(cfg).items()
-    }
-    like = fs.device_put(zeros, mesh, llama.param_specs(cfg, mesh))
+    shapes = fs.eval_shape(family.init, fsr.key(0), cfg)
+    zeros = fs.pytree.tree_map(lambda s: torch.zeros(s.shape), shapes, is_leaf=lambda x: isinstance(x, fs.ShapeDtype))
+    like = fs.device_put(zeros, mesh, family.param_specs(cfg, mesh))
     tree = checkpoint.load(checkpoint.step_path(ckpt_dir, steps[-1]), {"params": like}, strict=False)
     return cfg, fs.device_get(tree["params"]), steps[-1]
 
@@ -108,7 +106,7 @@ def _sample(params: Any, cfg: llama.Config, ids: list[int], key: torch.Tensor, n
     with torch.no_grad():
         for i in range(n):
             ctx = torch.tensor([ids[-cfg.max_seq_len :]])  # [1, s]
-            logits = llama.forward(params, ctx, cfg)[0, -1].float()  # [1, s, V] -> [V]
+            logits = _forward(params, ctx, cfg)[0, -1].float()  # [1, s, V] -> [V]
             if temperature == 0:
                 nxt = int(logits.argmax())
             else:
@@ -117,6 +115,12 @@ def _sample(params: Any, cfg: llama.Config, ids: list[int], key: torch.Tensor, n
                 nxt = min(int(torch.searchsorted(cdf, u, right=True)), cfg.vocab_size - 1)
             ids.append(nxt)
     return ids
+
+
+def _forward(params: Any, tokens: torch.Tensor, cfg: llama.Config) -> torch.Tensor:
+    """The unsharded logits of the checkpoint's model (a Llama or a Mixtral)."""
+    family = mixtral if isinstance(cfg, mixtral.Config) else llama
+    return family.forward(params, tokens, cfg)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -93,9 +93,9 @@ def _compare(loss, grads, ref_loss, ref_grads, what: str) -> None:
 
 
 def _sharded_body(mesh: fs.Mesh, tmp: str, check_vma: bool, skew: float = 0.0) -> str:
-    """From an HF folder, value_and_grad on ``mesh`` against HF's loss and gradients; forward against its logits."""
+    """From the HF folder ``tmp`` (of ``_hf_model(skew)``, saved by the caller), value_and_grad on ``mesh`` against
+    HF's loss and gradients; forward against its logits."""
     model = _hf_model(skew)
-    model.save_pretrained(tmp)
     cfg, params = mixtral.from_hf(tmp)
     cfg = dataclasses.replace(cfg, pp_microbatches=1)  # with pp: one microbatch, HF's pooling of the whole batch
     tokens, labels, targets = _data()
@@ -144,6 +144,7 @@ MESHES = {
 def test_sharded_equals_transformers_sim(tmp_path, name: str, check_vma: bool) -> None:
     from _dist_pool import run_body
 
+    _hf_model().save_pretrained(tmp_path)
     assert run_body("sim", _sharded_body, MESHES[name], str(tmp_path), check_vma) == ["ok"]
 
 
@@ -161,6 +162,7 @@ def test_skewed_router_is_dropless(tmp_path) -> None:
     for z in logits:
         share = (z.topk(2).indices == 0).any(-1).float().mean()
         assert share > 0.9  # expert 0 takes nearly every token (its device gets far more rows than the other)
+    model.save_pretrained(tmp_path)
     assert run_body("sim", _sharded_body, {"ep": 2}, str(tmp_path), True, SKEW) == ["ok"]
 
 
@@ -169,5 +171,6 @@ def test_skewed_router_is_dropless(tmp_path) -> None:
 def test_sharded_equals_transformers_dist(tmp_path) -> None:
     from _dist_pool import run_body
 
+    _hf_model().save_pretrained(tmp_path)
     for shape in ({"ep": 2, "dp": 2}, {"ep": 2, "tp": 2}):
-        assert run_body("dist", _sharded_body, shape, str(tmp_path / "_".join(shape)), True) == ["ok"] * 4
+        assert run_body("dist", _sharded_body, shape, str(tmp_path), True) == ["ok"] * 4
