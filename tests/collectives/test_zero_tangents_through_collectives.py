@@ -109,6 +109,18 @@ def _blocks(x: torch.Tensor) -> list[torch.Tensor]:
     return list(x.chunk(N))
 
 
+# ragged_all_to_all's counts: RAGGED[i][j] rows from device i to device j (4 rows each way on every device, so the
+# blocks keep their shape), some of them none
+RAGGED = [[2, 0, 1, 1], [0, 2, 1, 1], [1, 1, 0, 2], [1, 1, 2, 0]]
+# the rows of the full input that land, in order, in the full output
+_RAGGED_ROWS = [4 * j + sum(RAGGED[j][:i]) + k for i in range(N) for j in range(N) for k in range(RAGGED[j][i])]
+
+
+def _ragged(x: torch.Tensor) -> torch.Tensor:
+    i = int(fs.axis_index("a"))
+    return fs.lax.ragged_all_to_all(x, RAGGED[i], [RAGGED[j][i] for j in range(N)], "a")  # [4, 3] -> [4, 3]
+
+
 # The reductions and pvary take an invariant operand (P()): check_vma makes it varying with a pvary first, whose
 # transpose (a psum) is what the ZeroTensor cotangents reach. The others take a block of 'a' (their transposes
 # are collectives themselves). No spec names 'b': every value is replicated over it.
@@ -143,6 +155,7 @@ CASES: dict[str, Case] = {
         lambda x: x.reshape(N, N, 3).transpose(0, 1).reshape(16, 3),
     ),
     "ppermute": Case((8, 3), P("a"), P("a"), lambda x: fs.ppermute(x, "a", RING), lambda x: x.roll(2, 0)),
+    "ragged_all_to_all": Case((16, 3), P("a"), P("a"), lambda x: _ragged(x), lambda x: x[_RAGGED_ROWS]),
 }
 
 MODES = ["jvp_grad", "jvp_zero", "vjp_zero", "zero_operand"]

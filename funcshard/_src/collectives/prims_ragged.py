@@ -12,6 +12,7 @@ then taken as balanced (``N`` rows out, ``N`` rows back, ``(n-1)/n`` of them to 
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -36,7 +37,7 @@ def sent_bytes(x: torch.Tensor, n: int, send: Sizes, me: int) -> int:
         >>> sent_bytes(torch.zeros(6, 4), 2, (2, 4), 0), sent_bytes(torch.zeros(6, 4), 2, None, 0)
         (64, 48)
     """
-    row = x[0].numel() * x.element_size() if x.dim() else x.element_size()
+    row = math.prod(x.shape[1:]) * x.element_size()
     if send is None:
         return x.shape[0] * row * (n - 1) // n
     return (sum(send) - send[me]) * row

@@ -216,7 +216,8 @@ def collective_time(
             ``"all_to_all"``, ``"ppermute"``, ``"send"``) or NCCL's (``"all_reduce"``, ``"reduce_scatter"``,
             ``"p2p"``); see ``COLLECTIVES``.
         nbytes: the payload as ``fs.comm_stats`` counts it: the input on one device (for ``all_gather`` the
-            local shard, ``n`` times smaller than the result; for ``psum_scatter`` the full input).
+            local shard, ``n`` times smaller than the result; for ``psum_scatter`` the full input; for
+            ``ragged_all_to_all`` the rows sent to other devices, timed as an all-to-all of ``n/(n-1)`` times them).
         group: the group's ``Placement``, or its size for a group inside one node.
         hw: a ``Hardware`` or its name.
         algorithm: ``"ring"`` or ``"tree"`` (all-reduce only) to force one; by default an all-reduce takes the
@@ -250,6 +251,8 @@ def collective_time(
     if n <= 1 or nbytes == 0:
         return 0.0
     bw, alpha, nic = _link(hw, group)
+    if collective == "ragged_all_to_all":  # counted as the bytes sent to other devices: (n-1)/n of the input
+        nbytes = nbytes * n / (n - 1)
     if kind == "all_reduce":
         ring = 2 * (n - 1) * alpha + 2 * (n - 1) / n * nbytes / bw
         tree = 2 * math.ceil(math.log2(n)) * alpha + 2 * nbytes / bw

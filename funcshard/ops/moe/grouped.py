@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from ...extend import ConfigError, ShardingError
+from ...extend import ConfigError, ShardingError, one_op
 from . import _triton_kernels as _kernels
 
 __all__ = ["IMPLS", "grouped_mm", "pick_impl"]
@@ -76,7 +76,7 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, *, impl: 
         return _segments(x, w, counts)
     offs = torch.zeros(w.shape[0] + 1, dtype=torch.int32, device=x.device)
     offs[1:] = counts.cumsum(0)  # [E + 1]: group e owns rows [offs[e], offs[e + 1])
-    return _GroupedMM.apply(x, w, offs, impl)
+    return _grouped(x, w, offs, impl)
 
 
 def pick_impl(x: torch.Tensor, w: torch.Tensor, impl: str = "auto") -> str:
@@ -162,6 +162,12 @@ def _segments(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.T
 
 
 # --- the torch._grouped_mm and Triton implementations, one autograd Function -----------------------------------
+
+
+@one_op  # inside shard_map(check_vma=True): an operand that lacks some of the others' axes (a weight replicated
+# over a data axis) is made varying first (its gradient summed over them), which funcshard's own Functions skip
+def _grouped(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, impl: str) -> torch.Tensor:
+    return _GroupedMM.apply(x, w, offs, impl)  # [T, in] @ [E, in, out] -> [T, out]
 
 
 def _forward(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, impl: str) -> torch.Tensor:

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import atexit
 import datetime
+import math
 import os
 import re
 import threading
@@ -45,7 +46,7 @@ import torch.distributed as dist
 from ...errors import ConfigError, MeshError, ShardingError
 from ..comm import P2POp, P2PWork, PeerError, default_timeout
 from ..context import env, overlapped_node, prefetching, tracing
-from .base import BackendImpl, DeviceHandle, check_p2p, from_order_key, group_members, order_key
+from .base import BackendImpl, DeviceHandle, check_p2p, from_order_key, group_members, order_key, ragged_mismatch
 
 __all__ = [
     "DistBackend",
@@ -573,6 +574,48 @@ class DistDevice(DeviceHandle):
             dist.all_to_all_single(out, flat, group=g)  # [n * |s|] -> [n * |s|] (group-rank order)
         out = out.view(x.shape)
         return out[gr] if reorder else out
+
+    def ragged_all_to_all(
+        self, x: torch.Tensor, axes: tuple[str, ...], send: tuple[int, ...] | None, recv: tuple[int, ...] | None
+    ) -> torch.Tensor:
+        """One ``all_to_all_single`` with row splits (gloo's alltoallv) on the group's process group. With
+        ``FUNCSHARD_AUDIT=1`` the group's counts are all-gathered and checked first (every member raises the same
+        error); unchecked, counts that disagree end in the transport's error (gloo aborts the process)."""
+        assert send is not None and recv is not None, "a dist device holds data: the row counts are known"
+        if x._is_zerotensor():  # a zero tangent / cotangent (torch's ZeroTensor): no memory to send, zeros are sent
+            x = torch.zeros_like(x)  # [N, *s] -> [N, *s]
+        rows = x.detach()[: sum(send)].reshape(sum(send), math.prod(x.shape[1:]))  # [N, *s] -> [S, |s|]
+        if x.dtype in _BYTES_ONLY:  # a dtype gloo does not move: its bytes are moved
+            got = self.ragged_all_to_all(rows.contiguous().view(torch.uint8), axes, send, recv)  # [S, |s| * size]
+            return got.view(x.dtype).view(sum(recv), *x.shape[1:])
+        g, members, gr, _ = self._group(axes)
+        if env("FUNCSHARD_AUDIT") == "1":
+            self._check_ragged(axes, members, send, recv)
+        by_rank = _inverse(gr)  # the logical index of each group rank
+        if gr != sorted(gr):  # logical order -> group-rank order
+            rows = torch.cat([rows[sum(send[:j]) : sum(send[: j + 1])] for j in by_rank])
+        in_splits, out_splits = [send[j] for j in by_rank], [recv[j] for j in by_rank]
+        flat = rows.contiguous()
+        if tracing():
+            out = _funcol.all_to_all_single(flat, out_splits, in_splits, g)  # [S, |s|] -> [sum(recv), |s|]
+        else:
+            out = flat.new_empty(sum(recv), flat.shape[1])
+            with _waiting("ragged_all_to_all", axes, members):
+                dist.all_to_all_single(out, flat, out_splits, in_splits, group=g)  # [S, |s|] -> [sum(recv), |s|]
+        if gr != sorted(gr):  # group-rank order -> logical order
+            offs = [sum(out_splits[:k]) for k in range(len(gr))]
+            out = torch.cat([out[offs[gr[j]] : offs[gr[j]] + recv[j]] for j in range(len(gr))])
+        return out.view(sum(recv), *x.shape[1:])
+
+    def _check_ragged(
+        self, axes: tuple[str, ...], members: list[int], send: tuple[int, ...], recv: tuple[int, ...]
+    ) -> None:
+        """``FUNCSHARD_AUDIT=1``: the counts of every member (one all-gather of ``2n`` ints), checked alike on each."""
+        n = len(send)
+        got = self.all_gather(torch.tensor([*send, *recv], dtype=torch.int64), axes).tolist()  # [2n] -> [n, 2n]
+        err = ragged_mismatch(self.mesh, axes, members, [(c[:n], c[n:]) for c in got])
+        if err is not None:
+            raise err
 
     def ppermute(self, x: torch.Tensor, axes: tuple[str, ...], perm: tuple[tuple[int, int], ...]) -> torch.Tensor:
         if x._is_zerotensor():  # a zero tangent / cotangent (torch's ZeroTensor): no memory to send, zeros are sent
