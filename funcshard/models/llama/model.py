@@ -62,6 +62,7 @@ __all__ = [
     "layout",
     "lm_loss",
     "loss",
+    "loss_on",
     "run_layers",
 ]
 
@@ -74,9 +75,10 @@ class Layout:
     pipeline schedule (None without a ``pp`` axis).
 
     A model built on the Llama's (the Mixtral, :mod:`funcshard.models.mixtral`) gives its own decoder ``layer``
-    (the signature of :func:`layer`) and ``aux_init``: then the layers carry ``(x, aux)`` instead of ``x``, from
-    ``(embedded x, aux_init(x))``, each layer mapping it to the next (the router statistics of a mixture of
-    experts), and :func:`_forward` returns ``(logits, aux)``. ``None``: the Llama's layer, no carry.
+    (the signature of :func:`layer`), ``aux_init`` and ``aux_loss``: then the layers carry ``(x, aux)`` instead of
+    ``x``, from ``(embedded x, aux_init(x))`` (a 1-dim float tensor: the router statistics of a mixture of
+    experts), each layer mapping it to the next; :func:`_forward` returns ``(logits, aux)`` and :func:`loss_on`
+    adds ``aux_loss(aux, plan)`` to the cross-entropy. ``None``: the Llama's layer, no carry.
     """
 
     plan: ParallelPlan
@@ -85,7 +87,8 @@ class Layout:
     mesh: Any
     schedule: Schedule | None = None
     layer: Callable[..., Any] | None = None
-    aux_init: Callable[[torch.Tensor], Any] | None = None
+    aux_init: Callable[[torch.Tensor], torch.Tensor] | None = None
+    aux_loss: Callable[[torch.Tensor, ParallelPlan], torch.Tensor] | None = None  # the loss's term of the aux
     experts: frozenset[str] = frozenset()  # the layer leaves of a MoE layer (``use_params(experts=...)``)
 
 
@@ -375,7 +378,14 @@ def loss(
         >>> abs(value - 5.545) < 0.2  # about ln(256) = 5.545 at init
         True
     """
-    return lm_loss(params, tokens, targets, cfg, layout(cfg, plan))[0]
+    return loss_on(params, tokens, targets, cfg, layout(cfg, plan))
+
+
+def loss_on(params: PyTree, tokens: torch.Tensor, targets: torch.Tensor, cfg: Config, lay: Layout) -> torch.Tensor:
+    """:func:`loss` on a layout: the mean cross-entropy, plus ``lay.aux_loss`` of the layers' aux when the layout
+    has one (the Mixtral's load-balancing loss)."""
+    mean, aux = lm_loss(params, tokens, targets, cfg, lay)
+    return mean if lay.aux_loss is None else mean + lay.aux_loss(aux, lay.plan)
 
 
 def lm_loss(params: PyTree, tokens: torch.Tensor, targets: torch.Tensor, cfg: Config, lay: Layout) -> tuple[Any, Any]:

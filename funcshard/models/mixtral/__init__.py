@@ -22,7 +22,7 @@ from .model import forward as forward
 from .model import init as init
 from .model import layer as layer
 from .model import loss as loss
-from .pipelined import value_and_grad as value_and_grad
+from .model import value_and_grad as value_and_grad
 from .sharding import batch_spec as batch_spec
 from .sharding import param_specs as param_specs
 

@@ -34,14 +34,27 @@ import torch
 
 from ... import lax
 from ...extend import maybe_current
+from ...extend import value_and_grad as fs_value_and_grad
 from ...ops.moe import balancing_loss_from_stats, moe_ffn, router_stats
 from ..llama import model as llama_model
+from ..llama.pipelined import pipelined
 from ..plan import ParallelPlan
 from ..transformer import transformer_block
 from .config import Config
 from .sharding import EXPERTS, model_plan, param_shapes, specs_for
 
-__all__ = ["balance_loss", "forward", "init", "layer", "layout", "loss", "moe", "no_stats", "unpack_stats"]
+__all__ = [
+    "balance_loss",
+    "forward",
+    "init",
+    "layer",
+    "layout",
+    "loss",
+    "moe",
+    "no_stats",
+    "unpack_stats",
+    "value_and_grad",
+]
 
 PyTree = Any
 
@@ -137,9 +150,14 @@ def layer(
 @functools.lru_cache(maxsize=64)
 def _layout_on(cfg: Config, plan: ParallelPlan | None, mesh: Any) -> llama_model.Layout:
     aux_init = functools.partial(no_stats, n_experts=cfg.n_experts)
-    return llama_model.build_layout(
-        cfg, plan, mesh, model_plan, specs_for, layer=layer, aux_init=aux_init, experts=EXPERTS
-    )
+    aux_loss = functools.partial(_aux_term, cfg=cfg)
+    model = {"layer": layer, "aux_init": aux_init, "aux_loss": aux_loss, "experts": EXPERTS}
+    return llama_model.build_layout(cfg, plan, mesh, model_plan, specs_for, **model)
+
+
+def _aux_term(stats: torch.Tensor, plan: ParallelPlan, *, cfg: Config) -> torch.Tensor:
+    """The loss's load-balancing term: ``router_aux_loss_coef`` x :func:`balance_loss`."""
+    return cfg.router_aux_loss_coef * balance_loss(stats, cfg, plan)
 
 
 def layout(cfg: Config, plan: ParallelPlan | None) -> llama_model.Layout:
@@ -222,9 +240,51 @@ def loss(
         >>> abs(value - 5.545 - 0.02 * 2) < 0.2  # about ln(256) + coef x k at init
         True
     """
+    return llama_model.loss_on(params, tokens, targets, cfg, layout(cfg, plan))  # [] + coef x the stats' loss
+
+
+def value_and_grad(
+    params: PyTree, tokens: torch.Tensor, targets: torch.Tensor, cfg: Config, plan: ParallelPlan | None = None
+) -> tuple[torch.Tensor, PyTree]:
+    """``(loss, grads)`` of :func:`loss`; with a ``pp`` axis, by the pipeline schedule ``cfg.pp_schedule`` over
+    ``cfg.pp_microbatches`` microbatches (:func:`funcshard.models.llama.pipelined.pipelined`): the router
+    statistics of a microbatch travel with its activation from stage to stage (in the activation's dtype: under
+    bf16 compute the counts are rounded to bf16), so the load-balancing loss is pooled over all layers per
+    microbatch and averaged over the microbatches, as torchtitan and Megatron do, which is Hugging Face's value
+    when ``pp_microbatches=1``.
+
+    Args:
+        params: the parameter tree (this device's blocks of ``param_specs(cfg, mesh, plan)``).
+        tokens: ``[b, s]`` token ids (this device's block of ``batch_spec(mesh, plan)``).
+        targets: ``[b, s]`` target ids, -100 where no loss is wanted.
+        cfg: the model config.
+        plan: the parallel plan, as for :func:`forward`.
+
+    Returns:
+        The loss (invariant over every mesh axis) and the gradients, laid out as ``params``.
+
+    Raises:
+        ConfigError: the local batch is not divisible by the number of microbatches, or a schedule the model cannot
+            run.
+
+    Example:
+        >>> import funcshard as fs
+        >>> from funcshard import P
+        >>> from funcshard.models.mixtral import batch_spec, param_specs
+        >>> cfg = Config.preset("debug", pp_microbatches=1)
+        >>> params, tokens = init(fs.random.key(0), cfg), torch.randint(0, 256, (2, 8))
+        >>> mesh = fs.make_mesh({"pp": 2, "ep": 2}, backend="sim")
+        >>> specs, bs = param_specs(cfg, mesh), batch_spec(mesh)
+        >>> f = fs.shard_map(lambda p, t, y: value_and_grad(p, t, y, cfg), mesh=mesh,
+        ...                  in_specs=(specs, bs, bs), out_specs=(P(), specs))
+        >>> value, grads = f(params, tokens, tokens)
+        >>> torch.allclose(fs.device_get(value), loss(params, tokens, tokens, cfg), atol=1e-5)
+        True
+    """
     lay = layout(cfg, plan)
-    lm, stats = llama_model.lm_loss(params, tokens, targets, cfg, lay)  # [], [2E+1]
-    return lm + cfg.router_aux_loss_coef * balance_loss(stats, cfg, lay.plan)
+    if lay.plan.pp is None or lay.schedule is None:
+        return fs_value_and_grad(loss)(params, tokens, targets, cfg, plan)
+    return pipelined(params, tokens, targets, cfg, lay)
 
 
 def init(key: torch.Tensor, cfg: Config, plan: ParallelPlan | None = None) -> PyTree:
