@@ -131,3 +131,22 @@ def test_grouped_mm_errors() -> None:
         moe.grouped_mm(x, w, torch.tensor([3, 3]), impl="segments")
     with pytest.raises(fs.ConfigError, match="impl must be one of"):
         moe.grouped_mm(x, w, counts, impl="cutlass")
+
+
+@needs_triton
+def test_moe_ffn_through_the_triton_kernels() -> None:
+    """The layer with ``impl="triton"`` (the interpreter) equals ``impl="segments"``, output and gradients."""
+    e, d, f = 4, 16, 32
+    p = {"router": _rand(e, d, seed=10), "w1": _rand(e, f, d, seed=11) * 0.3, "w3": _rand(e, f, d, seed=12) * 0.3,
+         "w2": _rand(e, d, f, seed=13) * 0.3}  # fmt: skip
+    x = _rand(3, 7, d, seed=14)
+
+    def run(impl):
+        xx, pp = x.clone().requires_grad_(), {n: t.clone().requires_grad_() for n, t in p.items()}
+        y = moe.moe_ffn(xx, pp, 2, axis=None, impl=impl)
+        return y, torch.autograd.grad(y.square().sum(), [xx, *pp.values()])
+
+    (y, gs), (ry, rgs) = run("triton"), run("segments")
+    torch.testing.assert_close(y, ry, rtol=1e-5, atol=1e-5)
+    for g, rg in zip(gs, rgs):
+        torch.testing.assert_close(g, rg, rtol=1e-4, atol=1e-5)

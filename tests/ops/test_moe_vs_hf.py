@@ -184,3 +184,14 @@ def test_moe_ffn_router_outputs_feed_the_loss() -> None:
     assert torch.equal(aux.expert_ids, ids_hf) and int(aux.dropped) == 0
     ref = modeling_mixtral.load_balancing_loss_func((logits_hf,), E, K)
     torch.testing.assert_close(moe.load_balancing_loss(aux.router_logits, aux.expert_ids, E), ref)
+
+
+def test_moe_ffn_bf16_close_to_mixtral_block() -> None:
+    """bfloat16 tokens and weights: within bfloat16's rounding of the HF block (which sums the k outputs in
+    bfloat16, where moe_ffn sums them in float32)."""
+    p, x = _params(seed=80), _tokens(seed=81)
+    pb = {n: t.bfloat16() for n, t in p.items()}
+    y = moe.moe_ffn(x.bfloat16(), pb, K, axis=None)
+    ref = _hf_block("mixtral", p).bfloat16()(x.bfloat16())
+    assert y.dtype == torch.bfloat16
+    torch.testing.assert_close(y.float(), ref.float(), rtol=2e-2, atol=2e-2)

@@ -149,7 +149,7 @@ def _dispatch_experts_combine(
     recv_counts = lax.all_to_all(send_counts, axis, 0, 0)  # [ep, E_local] -> [ep, E_local]: row i from device i
     send_sizes, recv_sizes = send_counts.sum(1), recv_counts.sum(1)  # [ep], [ep]
     got = lax.ragged_all_to_all(rows, send_sizes, recv_sizes, axis)  # [A, d] -> [R, d], by source, then expert
-    perm, local_counts = _regroup(recv_counts)  # [R], [E_local]
+    perm, local_counts = _regroup(recv_counts, got.shape[0])  # [R], [E_local]
     out = _experts(got.index_select(0, perm), *ws, local_counts, impl)  # [R, d] -> [R, d], by local expert
     out = out.new_zeros(out.shape).index_copy(0, perm, out)  # [R, d]: back in arrival order
     return lax.ragged_all_to_all(out, recv_sizes, send_sizes, axis)  # [R, d] -> [A, d]
@@ -163,8 +163,8 @@ def _sort_assignments(
     those over ``capacity`` per expert left out; the rows per expert ``[E]``; the number left out ``[]``."""
     flat = ids.reshape(-1)  # [T, k] -> [T*k]
     sorted_ids, order = torch.sort(flat, stable=True)  # [T*k]
-    counts = torch.bincount(flat, minlength=n_experts)  # [E]
-    if capacity is None:
+    counts = flat.new_zeros(n_experts).index_add(0, flat, torch.ones_like(flat))  # [T*k] -> [E] (meta too)
+    if capacity is None or ids.is_meta:  # (meta: eval_shape, an abstract mesh: dropless shapes, the upper bound)
         return order, counts, torch.zeros((), dtype=torch.int64, device=ids.device)
     starts = counts.cumsum(0) - counts  # [E]: each expert's first sorted position
     keep = torch.arange(flat.shape[0], device=ids.device) - starts[sorted_ids] < capacity  # [T*k]
@@ -172,11 +172,13 @@ def _sort_assignments(
 
 
 @one_op  # (integer bookkeeping)
-def _regroup(recv_counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(perm, counts)``: the order that groups rows received by source device, then local expert
+def _regroup(recv_counts: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(perm, counts)``: the order that groups the ``rows`` received by source device, then local expert
     (``recv_counts [ep, E_local]`` of them), by local expert (stable: by source within one), and its ``[E_local]``
     counts."""
     n, e_local = recv_counts.shape
+    if recv_counts.is_meta:  # unknown counts (an abstract mesh): the shapes alone
+        return torch.arange(rows, device=recv_counts.device), recv_counts.sum(0)
     local_ids = torch.arange(e_local, device=recv_counts.device).repeat(n)  # [ep * E_local]
     row_ids = torch.repeat_interleave(local_ids, recv_counts.reshape(-1))  # [R]: each row's local expert
     return torch.argsort(row_ids, stable=True), recv_counts.sum(0)
