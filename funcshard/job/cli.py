@@ -371,7 +371,9 @@ def plan_parser() -> ArgumentParser:
         "--dtype bf16 (fp32 master weights and moments) and --remat selective, as torchtitan trains.",
     )
     g = ap.add_argument_group("plan")
-    g.add_argument("--preset", default=None, help="a published model shape (llama3-8b, llama3-70b, ...)")
+    g.add_argument(
+        "--preset", default=None, help="a published model shape (llama3-8b, llama3-70b, ..., mixtral-8x7b, ...)"
+    )
     g.add_argument("--hardware", default="h100", help="h100, h200, a100 or cpu (docs/guides/planning.md)")
     g.add_argument("--search", action="store_true", help="rank the layouts of --gpus devices that fit")
     g.add_argument("--gpus", type=positive_int, default=None, help="devices to search layouts for (with --search)")
@@ -379,6 +381,7 @@ def plan_parser() -> ArgumentParser:
     g.add_argument("--json", action="store_true", help="print the estimate (or the ranking) as JSON")
     _add_mesh_options(ap)
     _add_model_options(ap)
+    _add_moe_options(ap)
     _add_training_options(ap)
     ap.set_defaults(remat=None, dtype=None, mesh="fsdp=8", seq=8192, batch=None)
     return ap

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import funcshard as fs
 from funcshard.checkpoint import list_steps
-from funcshard.models import llama, mixtral
+from funcshard.models import llama
 
 from .cli import UsageError, finite_positive, parse_mesh
 from .machine import available_memory, device_memory, human_bytes
@@ -173,8 +173,7 @@ def check_step_size(args: argparse.Namespace, cfg: llama.Config) -> None:
     shape = parse_mesh(args.mesh)
     mesh = fs.make_mesh(shape)  # (the job's own mesh: where its devices' memory is)
     have, sharing, what = device_memory(mesh)
-    # (the Mixtral's step is not lowered on an abstract mesh yet: its routing has data-dependent shapes)
-    if have is not None and not isinstance(cfg, mixtral.Config):
+    if have is not None:
         memory = lowered_step(args, cfg, shape).memory_analysis()
         need = memory["peak"]
         if need * sharing > have:

@@ -41,6 +41,16 @@ def test_mixtral_on_ep_dp_learns_and_generates(tmp_path: Path, capsys: pytest.Ca
     assert capsys.readouterr().out.startswith("def ")
 
 
+def test_plan_a_mixtral(capsys: pytest.CaptureFixture[str]) -> None:
+    """``plan --preset mixtral-8x7b``: the step lowered on an abstract 64-device ep x fsdp mesh; MFU of the active
+    parameters (2 of 8 experts a token)."""
+    argv = ["plan", "--preset", "mixtral-8x7b", "--mesh", "ep=8,fsdp=8", "--seq", "4096", "--batch", "64"]
+    assert cli_main(argv) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("plan: mixtral-8x7b (46.70B params) on {'ep': 8, 'fsdp': 8} (64 devices)")
+    assert "ragged_all_to_all ep" in out and "MFU" in out
+
+
 @pytest.mark.parametrize(
     ("extra", "needle"),
     [

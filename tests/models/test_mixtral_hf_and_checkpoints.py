@@ -144,6 +144,36 @@ def _llama_ep_body(mesh: fs.Mesh) -> str:
     return "ok"
 
 
+def _remat_body(mesh: fs.Mesh, remat: str, precision: str | None) -> float:
+    """value_and_grad on ``mesh`` under ``remat`` / ``precision``: the largest gradient difference to one device."""
+    cfg = mixtral.Config.preset("debug", remat=remat, precision=precision)
+    params = mixtral.init(fs.random.key(0), cfg)
+    tok = torch.randint(0, 256, (4, 16), generator=torch.Generator().manual_seed(0))
+    ref_loss, ref_grads = fs.value_and_grad(mixtral.loss)(params, tok, tok.roll(-1, 1), cfg)
+    specs, bs = mixtral.param_specs(cfg, mesh), mixtral.batch_spec(mesh)
+    step = lambda p, t, y: mixtral.value_and_grad(p, t, y, cfg)  # noqa: E731
+    f = fs.shard_map(step, mesh=mesh, in_specs=(specs, bs, bs), out_specs=(P(), specs))
+    loss, grads = fs.device_get(f(params, tok, tok.roll(-1, 1)))
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-5)
+    got, want = fs.pytree.leaves_with_path(grads), fs.pytree.leaves_with_path(ref_grads)
+    return max((g - r).abs().max().item() for (_, g), (_, r) in zip(got, want, strict=True))
+
+
+@pytest.mark.parametrize(
+    ("shape", "remat", "precision", "tol"),
+    [
+        ({"fsdp": 2, "ep": 2}, "full", None, 1e-6),  # FSDP's gathers replayed inside the remat region
+        ({"ep": 2, "tp": 2}, "selective", None, 1e-6),
+        ({"dp": 2, "ep": 2}, "none", "bf16", 2e-3),
+    ],
+    ids=["fsdp2_ep2-full", "ep2_tp2-selective", "dp2_ep2-bf16"],
+)
+def test_remat_and_precision_equal_one_device(shape, remat: str, precision: str | None, tol: float) -> None:
+    from _dist_pool import run_body
+
+    assert run_body("sim", _remat_body, shape, remat, precision)[0] < tol
+
+
 def test_llama_on_an_ep_axis_is_data_parallel() -> None:
     from _dist_pool import run_body
 

@@ -1,6 +1,6 @@
 """The Mixtral against transformers' ``MixtralForCausalLM``: logits, the loss with ``output_router_logits=True``
 (its load-balancing term included) and every gradient (fp32, rtol 1e-4) on one device and on simulated meshes with
-``ep`` alone and beside ``tp``, ``fsdp``, ``dp`` and ``pp``, with ``check_vma`` on and off; under dist (gloo, 4
+``ep`` alone and beside ``tp``, ``fsdp``, ``dp``, ``pp`` and ``cp``, with ``check_vma`` on and off; under dist (gloo, 4
 processes) ``ep=2 x dp=2`` and ``ep=2 x tp=2``; a skewed router (most tokens to one expert, dropless) too."""
 
 from __future__ import annotations
@@ -136,6 +136,7 @@ MESHES = {
     "fsdp2_ep2": {"fsdp": 2, "ep": 2},
     "dp2_ep2": {"dp": 2, "ep": 2},
     "pp2_ep2": {"pp": 2, "ep": 2},
+    "cp2_ep2": {"cp": 2, "ep": 2},
 }
 
 
