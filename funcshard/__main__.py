@@ -7,7 +7,8 @@ import sys
 USAGE = """usage: python -m funcshard <command> [options]
 
 commands:
-  train     train a byte-level Llama on real text over a dp / fsdp / tp / cp mesh (simulated, or under torchrun)
+  train     train a byte-level Llama (or --model mixtral) on real text over a dp / fsdp / tp / cp / pp / ep mesh
+            (simulated, or under torchrun)
   generate  sample text from the latest checkpoint of a train run
   demo      train a DP x TP MLP with a functional step on a simulated mesh (or under torchrun)
   plan      does the train step fit, what does it send, how fast: on an abstract mesh of any size, no hardware

@@ -208,16 +208,37 @@ def train_parser() -> ArgumentParser:
     )
     _add_mesh_options(ap)
     _add_model_options(ap)
+    _add_moe_options(ap)
     _add_training_options(ap)
     _add_data_options(ap)
     _add_output_options(ap)
     return ap
 
 
+def _add_moe_options(ap: ArgumentParser) -> None:
+    """The model family and its mixture of experts: ``--model``, ``--experts``, ``--top-k``."""
+    g = ap.add_argument_group("mixture of experts")
+    g.add_argument(
+        "--model",
+        choices=("llama", "mixtral"),
+        default="llama",
+        help="llama (dense) or mixtral (each layer's MLP a sparse mixture of --experts SwiGLU experts of hidden size "
+        "--ffn, --top-k of them per token; an ep mesh axis splits the experts, and the batch as a data axis)",
+    )
+    g.add_argument("--experts", type=positive_int, default=8, help="experts per layer (--model mixtral)")
+    g.add_argument("--top-k", type=positive_int, default=2, help="experts each token is routed to (--model mixtral)")
+    g.add_argument(
+        "--aux-loss-coef",
+        type=float,
+        default=0.02,
+        help="weight of the load-balancing loss added to the loss (--model mixtral)",
+    )
+
+
 def _add_mesh_options(ap: ArgumentParser) -> None:
     """The mesh options: its axes, sequence parallelism, the pipeline schedule, vma tracking, threads."""
     g = ap.add_argument_group("mesh")
-    g.add_argument("--mesh", default="dp=2,tp=2", help="axis=size pairs over dp, fsdp, tp, cp, pp")
+    g.add_argument("--mesh", default="dp=2,tp=2", help="axis=size pairs over dp, fsdp, tp, cp, pp (and ep)")
     g.add_argument("--sp", action="store_true", help="sequence parallelism over tp (activations split by sequence)")
     g.add_argument(
         "--schedule",
@@ -350,7 +371,9 @@ def plan_parser() -> ArgumentParser:
         "--dtype bf16 (fp32 master weights and moments) and --remat selective, as torchtitan trains.",
     )
     g = ap.add_argument_group("plan")
-    g.add_argument("--preset", default=None, help="a published model shape (llama3-8b, llama3-70b, ...)")
+    g.add_argument(
+        "--preset", default=None, help="a published model shape (llama3-8b, llama3-70b, ..., mixtral-8x7b, ...)"
+    )
     g.add_argument("--hardware", default="h100", help="h100, h200, a100 or cpu (docs/guides/planning.md)")
     g.add_argument("--search", action="store_true", help="rank the layouts of --gpus devices that fit")
     g.add_argument("--gpus", type=positive_int, default=None, help="devices to search layouts for (with --search)")
@@ -358,6 +381,7 @@ def plan_parser() -> ArgumentParser:
     g.add_argument("--json", action="store_true", help="print the estimate (or the ranking) as JSON")
     _add_mesh_options(ap)
     _add_model_options(ap)
+    _add_moe_options(ap)
     _add_training_options(ap)
     ap.set_defaults(remat=None, dtype=None, mesh="fsdp=8", seq=8192, batch=None)
     return ap

@@ -26,8 +26,7 @@ import torch
 import funcshard as fs
 from funcshard import P, checkpoint
 from funcshard import random as fsr
-from funcshard.models import llama
-from funcshard.models.llama.sharding import param_shapes
+from funcshard.models import llama, mixtral
 
 from . import init_from
 from .cli import UsageError, finite_positive, generate_parser, parse_mesh, run
@@ -60,13 +59,12 @@ def load_model(ckpt_dir: str | os.PathLike[str]) -> tuple[llama.Config, Any, int
         model = json.loads((ckpt_dir / "config.json").read_text())["model"]
     except (OSError, ValueError, KeyError):
         raise UsageError(f"--ckpt-dir '{ckpt_dir}' has no readable config.json; it was not written by train.") from None
-    cfg = llama.Config(**{**model, "sequence_parallel": False})
+    family = mixtral if "n_experts" in model else llama  # (a Mixtral's config has the experts' fields)
+    cfg = family.Config(**{**model, "sequence_parallel": False})
     mesh = fs.make_mesh({"dp": 1}, backend="sim")
-    zeros = {
-        k: ({a: torch.zeros(s) for a, s in v.items()} if isinstance(v, dict) else torch.zeros(v))
-        for k, v in param_shapes(cfg).items()
-    }
-    like = fs.device_put(zeros, mesh, llama.param_specs(cfg, mesh))
+    shapes = fs.eval_shape(family.init, fsr.key(0), cfg)
+    zeros = fs.pytree.tree_map(lambda s: torch.zeros(s.shape), shapes, is_leaf=lambda x: isinstance(x, fs.ShapeDtype))
+    like = fs.device_put(zeros, mesh, family.param_specs(cfg, mesh))
     tree = checkpoint.load(checkpoint.step_path(ckpt_dir, steps[-1]), {"params": like}, strict=False)
     return cfg, fs.device_get(tree["params"]), steps[-1]
 
@@ -127,11 +125,12 @@ def generate(args: argparse.Namespace) -> str:
     cfg, params, (encode, decode), stops = _source(args)
     ids = encode(args.prompt) or encode("\n")
     mesh = _mesh(args)
-    specs = llama.param_specs(cfg, mesh)
+    family = mixtral if isinstance(cfg, mixtral.Config) else llama
+    specs = family.param_specs(cfg, mesh)
     data = tuple(a for a in mesh.axis_names if a in ("dp", "fsdp")) or None
     kw = {"temperature": args.temperature, "key": fsr.key(args.seed), "top_k": args.top_k, "top_p": args.top_p}
     step = fs.shard_map(
-        lambda p: llama.generate(p, [ids], cfg, max_new_tokens=args.tokens, stop_tokens=stops, **kw),
+        lambda p: family.generate(p, [ids], cfg, max_new_tokens=args.tokens, stop_tokens=stops, **kw),
         mesh=mesh,
         in_specs=(specs,),
         out_specs=P(data),

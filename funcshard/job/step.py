@@ -21,23 +21,25 @@ import torch
 
 import funcshard as fs
 from funcshard import P, optim
-from funcshard.models import llama
+from funcshard.models import llama, mixtral
 
 from . import bridge, init_from
 from .cli import UsageError
 
-__all__ = ["TrainStep", "build_step", "check_args", "model_config", "optimizer"]
+__all__ = ["TrainStep", "build_step", "check_args", "model_config", "model_module", "optimizer"]
+
+DATA_AXES = ("dp", "fsdp", "ep")  # the mesh axes the batch is split over
 
 
 def model_config(args: argparse.Namespace) -> llama.Config:
-    """The Llama of the command line (byte-level: vocabulary 256).
+    """The model of the command line (byte-level: vocabulary 256): a Llama, or with ``--model mixtral`` a Mixtral.
 
     Args:
         args: parsed ``funcshard train`` options (``--dim``, ``--layers``, ``--heads``, ``--kv-heads``, ``--ffn``,
-            ``--seq``, ``--sp``).
+            ``--seq``, ``--sp``; ``--model``, ``--experts``, ``--top-k``, ``--aux-loss-coef``).
 
     Returns:
-        The ``llama.Config``, with ``sequence_parallel`` set by ``--sp``.
+        The ``llama.Config`` (or ``mixtral.Config``), with ``sequence_parallel`` set by ``--sp``.
 
     Example:
         >>> from funcshard.job.cli import train_parser
@@ -47,7 +49,16 @@ def model_config(args: argparse.Namespace) -> llama.Config:
         >>> cfg.vocab_size, cfg.dim, cfg.n_layers, cfg.max_seq_len, cfg.sequence_parallel
         (256, 64, 2, 32, True)
     """
-    cfg = llama.Config(
+    moe = getattr(args, "model", "llama") == "mixtral"
+    if moe and getattr(args, "init_from", None):
+        raise UsageError("--init-from reads Llama folders; it does not go with --model mixtral yet.")
+    family = mixtral.Config if moe else llama.Config
+    extra = (
+        {"n_experts": args.experts, "experts_per_token": args.top_k, "router_aux_loss_coef": args.aux_loss_coef}
+        if moe
+        else {}
+    )
+    cfg = family(
         vocab_size=256,
         dim=args.dim,
         n_layers=args.layers,
@@ -59,9 +70,22 @@ def model_config(args: argparse.Namespace) -> llama.Config:
         pp_microbatches=getattr(args, "microbatches", None),
         remat=getattr(args, "remat", "none"),
         precision=_precision(args),
+        **extra,
     )
     cfg = dataclasses.replace(cfg, sequence_parallel=True) if args.sp else cfg
     return init_from.model_config(args, cfg) if getattr(args, "init_from", None) else cfg  # a Hugging Face folder's
+
+
+def model_module(cfg: llama.Config) -> Any:
+    """The model package of ``cfg``: :mod:`funcshard.models.mixtral` for a ``mixtral.Config``, else
+    :mod:`funcshard.models.llama` (both have ``init``, ``param_specs``, ``batch_spec``, ``loss``,
+    ``value_and_grad``, ``forward``).
+
+    Example:
+        >>> model_module(mixtral.Config.preset("debug")).__name__
+        'funcshard.models.mixtral'
+    """
+    return mixtral if isinstance(cfg, mixtral.Config) else llama
 
 
 def _precision(args: argparse.Namespace) -> fs.Precision | None:
@@ -75,9 +99,10 @@ def _precision(args: argparse.Namespace) -> fs.Precision | None:
 
 def check_args(args: argparse.Namespace, mesh: fs.Mesh, cfg: llama.Config) -> int:
     """Sizes the mesh cannot use -> UsageError; returns the warmup steps."""
-    data = math.prod(mesh.shape.get(a, 1) for a in ("dp", "fsdp"))
+    data = math.prod(mesh.shape.get(a, 1) for a in DATA_AXES)
+    names = " x ".join(a for a in DATA_AXES if a in mesh.shape) or "dp x fsdp"
     if args.batch % data:
-        raise UsageError(f"--batch {args.batch} is not divisible by the data-parallel size (dp x fsdp = {data}).")
+        raise UsageError(f"--batch {args.batch} is not divisible by the data-parallel size ({names} = {data}).")
     accum = getattr(args, "grad_accum", 1)
     if args.batch % (data * accum):
         raise UsageError(
@@ -87,7 +112,7 @@ def check_args(args: argparse.Namespace, mesh: fs.Mesh, cfg: llama.Config) -> in
     pp = mesh.shape.get("pp", 1)
     if pp > 1 and (args.batch // data) % cfg.microbatches(pp):
         raise UsageError(
-            f"--batch {args.batch} gives {args.batch // data} sequences per pipeline (dp x fsdp = {data}), not "
+            f"--batch {args.batch} gives {args.batch // data} sequences per pipeline ({names} = {data}), not "
             f"divisible by --microbatches {cfg.microbatches(pp)}; use a --batch that is a multiple of "
             f"{data * cfg.microbatches(pp)}."
         )
@@ -135,8 +160,9 @@ def build_step(args: argparse.Namespace, cfg: llama.Config, mesh: fs.Mesh) -> Tr
     """
     if bridge.wanted(args):  # --init-from a Hugging Face folder that is not a Llama: through fs.nn
         return bridge.build_step(args, cfg, mesh, check_args=check_args, optimizer=optimizer, make=TrainStep)
-    specs = llama.param_specs(cfg, mesh)  # ShardingError: an axis the model cannot use
-    bs = llama.batch_spec(mesh)
+    model = model_module(cfg)
+    specs = model.param_specs(cfg, mesh)  # ShardingError: an axis the model cannot use
+    bs = model.batch_spec(mesh)
     warmup = check_args(args, mesh, cfg)
     opt = optimizer(args, warmup)
     accum = getattr(args, "grad_accum", 1)
@@ -145,7 +171,7 @@ def build_step(args: argparse.Namespace, cfg: llama.Config, mesh: fs.Mesh) -> Tr
     sspecs = opt.state_specs(specs)
 
     def step_fn(p: Any, s: Any, tokens: torch.Tensor, targets: torch.Tensor) -> tuple[Any, Any, Any]:
-        loss, grads = llama.value_and_grad(p, tokens, targets, cfg)  # [], grads like p; pipelined on a pp axis
+        loss, grads = model.value_and_grad(p, tokens, targets, cfg)  # [], grads like p; pipelined on a pp axis
         p, s = opt.update(grads, s, p)
         return loss, p, s
 

@@ -45,7 +45,7 @@ from funcshard.process import PeerError, any_process, collective_timeout
 from . import bridge, init_from, preflight
 from .cli import Interrupted, StopOnCtrlC, UsageError, parse_mesh, run, train_parser
 from .data import eval_batches, load_corpus, train_batch
-from .step import build_step, model_config
+from .step import build_step, model_config, model_module
 
 __all__ = ["main", "train"]
 
@@ -238,12 +238,14 @@ def _setup(args: argparse.Namespace, cfg: llama.Config, mesh_shape: dict[str, in
     if args.resume:
         _check_same_model(ckpt_dir, cfg)
 
+    model = model_module(cfg)
+
     def eval_fn(p: Any, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         with torch.no_grad():
-            return llama.loss(p, tokens, targets, cfg)
+            return model.loss(p, tokens, targets, cfg)
 
     kw = {"mesh": mesh, "check_vma": args.check_vma}
-    init = fs.shard_map(lambda k: llama.init(k, cfg), in_specs=(P(),), out_specs=specs, **kw)
+    init = fs.shard_map(lambda k: model.init(k, cfg), in_specs=(P(),), out_specs=specs, **kw)
     if getattr(args, "init_from", None) and not args.resume:  # the folder's weights (a resume loads its own)
         init = lambda k: init_from.load_params(args.init_from, mesh, specs)  # noqa: E731
     eval_step = fs.shard_map(eval_fn, in_specs=(specs, bs, bs), out_specs=P(), **kw)
@@ -325,7 +327,7 @@ def _train(
             (ckpt_dir / "config.json").write_text(json.dumps({**meta, "corpus": run.corpus.describe()}, indent=1))
         run.vals = eval_batches(run.corpus.val, n=args.eval_batches, batch=args.batch, seq=args.seq)
         _say(f"mesh {mesh.shape} ({mesh.backend}, {mesh.size} devices){'  sequence parallel' if args.sp else ''}")
-        _say(f"model: Llama, {cfg.num_params() / 1e6:.2f}M params, {cfg}")
+        _say(f"model: {_name(cfg)}, {cfg.num_params() / 1e6:.2f}M params, {cfg}")
         _say(f"data: {run.corpus.describe()}")
         _say(f"batch {args.batch} x {args.seq} = {args.batch * args.seq} tokens/step; steps {start} -> {args.steps}")
         note = slow_matmul_note(getattr(args, "dtype", "fp32"))
@@ -419,8 +421,16 @@ def _summary(
         "params": params,
     }
     if _lead():
-        _report(args, summary, rows, f"Llama {cfg.num_params() / 1e6:.1f}M on {run.mesh.shape}, byte-level", flops)
+        title = f"{_name(cfg)} {cfg.num_params() / 1e6:.1f}M on {run.mesh.shape}, byte-level"
+        _report(args, summary, rows, title, flops)
     return summary
+
+
+def _name(cfg: llama.Config) -> str:
+    """How the reports name the model: ``Llama``, or ``Mixtral (8 experts, top-2)``."""
+    if model_module(cfg).__name__.endswith("mixtral"):
+        return f"Mixtral ({cfg.n_experts} experts, top-{cfg.experts_per_token})"
+    return "Llama"
 
 
 def _agree(flag: bool, mesh: fs.Mesh) -> bool:

@@ -1,7 +1,7 @@
 """Models written as pure functions over parameter pytrees, and the parallel plans that lay them out.
 
 A :class:`ParallelPlan` says which mesh axis plays each parallel role (``dp``, ``fsdp``, ``tp``, ``cp``,
-``pp``); :func:`plan_from_mesh` builds and checks it once. Models take it explicitly (``plan=None``: each
+``pp``, ``ep``); :func:`plan_from_mesh` builds and checks it once. Models take it explicitly (``plan=None``: each
 role played by the mesh axis of its own name), so the mesh's axes may have any names.
 
 Example:

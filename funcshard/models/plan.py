@@ -15,6 +15,9 @@ Roles:
   ``sp`` (a flag, not an axis) adds sequence parallelism over the same axis.
 - ``cp``: context parallelism, the sequence split over the axis (ring attention).
 - ``pp``: pipeline parallelism, the layers split in stages over the axis (for models that run a pipeline).
+- ``ep``: expert parallelism (mixture-of-experts models): the experts are split over the axis, and, as in
+  torchtitan, the batch is split over it too, so for every parameter that is not an expert it is one more data
+  axis (the batch split, the gradients summed). A model without experts (the Llama) runs it as a data axis.
 
 Example:
     >>> import funcshard as fs
@@ -36,7 +39,7 @@ from ..extend import ConfigError, logical_to_mesh
 
 __all__ = ["ROLES", "ParallelPlan", "plan_from_mesh"]
 
-ROLES = ("dp", "fsdp", "tp", "cp", "pp")
+ROLES = ("dp", "fsdp", "tp", "cp", "pp", "ep")
 
 PyTree = Any
 
@@ -63,6 +66,7 @@ class ParallelPlan:
         tp: the tensor-parallel axis.
         cp: the context-parallel (sequence) axis.
         pp: the pipeline axis.
+        ep: the expert-parallel axis (experts split over it; a data axis for everything else).
         sp: sequence parallelism over the ``tp`` axis between blocks.
         mesh_shape: ``((axis, size), ...)`` of the mesh the plan was built for.
 
@@ -79,6 +83,7 @@ class ParallelPlan:
     tp: str | None = None
     cp: str | None = None
     pp: str | None = None
+    ep: str | None = None
     sp: bool = False
     mesh_shape: tuple[tuple[str, int], ...] = ()
 
@@ -123,19 +128,37 @@ class ParallelPlan:
 
     @property
     def batch_axes(self) -> tuple[str, ...]:
-        """The axes the batch dim is split over (``dp`` then ``fsdp``), major to minor."""
-        return tuple(a for a in (self.dp, self.fsdp) if a is not None)
+        """The axes the batch dim is split over (``dp``, ``fsdp``, then ``ep``), major to minor."""
+        return tuple(a for a in (self.dp, self.fsdp, self.ep) if a is not None)
 
     @property
     def data_axes(self) -> tuple[str, ...]:
-        """The axes the tokens are split over (batch or sequence: ``dp``, ``fsdp``, ``cp``): a loss is summed
-        over them."""
-        return tuple(a for a in (self.dp, self.fsdp, self.cp) if a is not None)
+        """The axes the tokens are split over (batch or sequence: ``dp``, ``fsdp``, ``ep``, ``cp``): a loss is
+        summed over them."""
+        return tuple(a for a in (self.dp, self.fsdp, self.ep, self.cp) if a is not None)
 
     @property
     def replica_axes(self) -> tuple[str, ...] | None:
-        """The axes the parameters are replicated over while the data varies (``dp``, ``cp``): their gradients
-        are summed over them. ``None`` when there are none."""
+        """The axes the (non-expert) parameters are replicated over while the data varies (``dp``, ``ep``,
+        ``cp``): their gradients are summed over them. ``None`` when there are none.
+
+        Example:
+            >>> ParallelPlan(dp="dp", ep="ep", mesh_shape=(("dp", 2), ("ep", 2))).replica_axes
+            ('dp', 'ep')
+        """
+        axes = tuple(a for a in (self.dp, self.ep, self.cp) if a is not None)
+        return axes or None
+
+    @property
+    def expert_replica_axes(self) -> tuple[str, ...] | None:
+        """The axes the experts' weights are replicated over while the data varies: :attr:`replica_axes` less
+        ``ep``, which splits the experts (each device's experts see the tokens of every ``ep`` device, brought
+        by the all-to-all, so their gradients are whole there). ``None`` when there are none.
+
+        Example:
+            >>> ParallelPlan(dp="dp", ep="ep", mesh_shape=(("dp", 2), ("ep", 2))).expert_replica_axes
+            ('dp',)
+        """
         axes = tuple(a for a in (self.dp, self.cp) if a is not None)
         return axes or None
 
@@ -145,7 +168,7 @@ class ParallelPlan:
 
         Example:
             >>> ParallelPlan(tp="model", mesh_shape=(("model", 2),)).logical_rules()
-            [('dp', None), ('fsdp', None), ('tp', 'model'), ('cp', None), ('pp', None)]
+            [('dp', None), ('fsdp', None), ('tp', 'model'), ('cp', None), ('pp', None), ('ep', None)]
         """
         return [(r, getattr(self, r)) for r in ROLES]
 
@@ -220,7 +243,7 @@ def plan_from_mesh(
     Args:
         mesh: an ``fs.Mesh`` (or a ``{axis: size}`` mapping).
         roles: ``{role: axis name}`` for the roles of :data:`ROLES` (``dp``, ``fsdp``, ``tp``, ``cp``,
-            ``pp``); roles left out, or mapped to ``None``, are off. Default: the default names, each role
+            ``pp``, ``ep``); roles left out, or mapped to ``None``, are off. Default: the default names, each role
             played by the mesh axis of the same name, if the mesh has one.
         sequence_parallel: split the sequence over the ``tp`` axis between blocks (Megatron's SP).
 
@@ -235,7 +258,7 @@ def plan_from_mesh(
     Example:
         >>> import funcshard as fs
         >>> plan_from_mesh(fs.make_mesh({"dp": 2, "tp": 2}, backend="sim"), sequence_parallel=True)
-        ParallelPlan(dp='dp', fsdp=None, tp='tp', cp=None, pp=None, sp=True, mesh_shape=(('dp', 2), ('tp', 2)))
+        ParallelPlan(dp='dp', fsdp=None, tp='tp', cp=None, pp=None, ep=None, sp=True, mesh_shape=(('dp', 2), ('tp', 2)))
         >>> plan_from_mesh(fs.make_mesh({"data": 2, "model": 2}, backend="sim"), {"dp": "data"})
         Traceback (most recent call last):
         ...

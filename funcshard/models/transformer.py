@@ -21,7 +21,7 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
 import torch
@@ -49,7 +49,7 @@ from ..ops import column_parallel_linear, fsdp_gather, ring_attention, row_paral
 from .plan import ParallelPlan
 from .rope_scaling import RopeScaling
 
-__all__ = ["MLPS", "REMAT", "causal_attention", "rms_norm", "rope", "transformer_block", "use_params"]
+__all__ = ["MLPS", "REMAT", "FeedForward", "causal_attention", "rms_norm", "rope", "transformer_block", "use_params"]
 
 PyTree = Any
 
@@ -58,6 +58,9 @@ PyTree = Any
 def _swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
+
+#: a feed-forward in place of the block's MLP: ``ffn(h, p, plan) -> (y, aux)`` (``transformer_block(ffn=...)``)
+FeedForward = Callable[[torch.Tensor, dict[str, torch.Tensor], ParallelPlan], tuple[torch.Tensor, Any]]
 
 # MLP kind -> (the column-parallel weights, the activation applied to their outputs); "w2" is the row-parallel one
 MLPS: dict[str, tuple[tuple[str, ...], Callable[..., torch.Tensor]]] = {
@@ -174,11 +177,17 @@ def rope(
 
 
 def use_params(
-    p: PyTree, specs: PyTree, plan: ParallelPlan, precision: Precision | None = None, *, prefetch: bool = False
+    p: PyTree,
+    specs: PyTree,
+    plan: ParallelPlan,
+    precision: Precision | None = None,
+    *,
+    prefetch: bool = False,
+    experts: Collection[str] = (),
 ) -> PyTree:
     """Parameters as the computation needs them: gathered over ``plan.fsdp`` (ZeRO-3), and varying over the
-    replica axes (``dp``, ``cp``), so their gradients are summed there (one bucketed all-reduce); under mixed
-    precision in its compute dtype (gathered in it, gradients reduced in its reduce dtype). With neither
+    replica axes (``dp``, ``ep``, ``cp``), so their gradients are summed there (one bucketed all-reduce); under
+    mixed precision in its compute dtype (gathered in it, gradients reduced in its reduce dtype). With neither
     role on and no precision, ``p`` itself.
 
     Args:
@@ -187,6 +196,10 @@ def use_params(
         plan: the parallel plan.
         precision: the mixed-precision policy (``fs.Precision``), or None.
         prefetch: issue the gathers now and return a function giving the tree (``fsdp_gather(prefetch=True)``).
+        experts: keys of the dict ``p`` that belong to a mixture-of-experts layer (its experts' weights and its
+            router), made varying over :attr:`~funcshard.models.ParallelPlan.expert_replica_axes` only: ``ep``
+            splits the experts (their gradients are whole on each device) and the MoE layer makes its router
+            varying over ``ep`` itself (:func:`funcshard.ops.moe.moe_ffn`). Gathered apart from the others.
 
     Returns:
         The tree with the ``fsdp`` axis gathered out of every leaf.
@@ -196,10 +209,44 @@ def use_params(
         >>> use_params(p, None, ParallelPlan()) is p
         True
     """
+    if experts and plan.expert_replica_axes != plan.replica_axes:
+        return _use_experts_apart(p, specs, plan, precision, experts, prefetch)
     # [.., s/fsdp, ..] -> [.., s, ..]
     return fsdp_gather(
         p, specs, axis=plan.fsdp, replicate_axis=plan.replica_axes, precision=precision, prefetch=prefetch
     )
+
+
+def _use_experts_apart(
+    p: dict[str, Any],
+    specs: dict[str, Any],
+    plan: ParallelPlan,
+    precision: Precision | None,
+    experts: Collection[str],
+    prefetch: bool,
+) -> Any:
+    """:func:`use_params` of a dict holding a MoE layer's weights (``experts``: their keys): those gathered varying
+    over the expert replica axes, the rest over the replica axes; the dict in ``p``'s key order."""
+    rest = [k for k in p if k not in experts]
+    groups = [([k for k in p if k in experts], plan.expert_replica_axes), (rest, plan.replica_axes)]
+    parts = [
+        fsdp_gather(  # [.., s/fsdp, ..] -> [.., s, ..]
+            {k: p[k] for k in keys},
+            {k: specs[k] for k in keys} if isinstance(specs, dict) else specs,
+            axis=plan.fsdp,
+            replicate_axis=replicas,
+            precision=precision,
+            prefetch=prefetch,
+        )
+        for keys, replicas in groups
+        if keys
+    ]
+
+    def merged() -> dict[str, Any]:
+        done = {k: v for part in parts for k, v in (part() if prefetch else part).items()}
+        return {k: done[k] for k in p}
+
+    return merged if prefetch else merged()
 
 
 def _vary(x: torch.Tensor, axis: str | None) -> torch.Tensor:
@@ -231,7 +278,8 @@ def transformer_block(
     mlp: str = "swiglu",
     remat: str = "none",
     gather: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None = None,
-) -> torch.Tensor:
+    ffn: FeedForward | None = None,
+) -> Any:
     """A pre-norm transformer block on its (gathered) parameters, for any plan.
 
     Args:
@@ -252,9 +300,12 @@ def transformer_block(
             blocks and ``gather`` (e.g. ``use_params``) gathers them inside the block's rematerialised region, so
             the gathered weights are freed once the block's forward is done and gathered again when the block is
             recomputed for its backward (the weights are never saved: they are no matmul output).
+        ffn: another feed-forward in place of the MLP (a mixture of experts): ``ffn(h, p, plan) -> (y, aux)`` on
+            the normed hidden states ``h`` (``[b, s(/tp), d]``, as ``x``), ``y`` added to the residual; the
+            block then returns ``(output, aux)``. ``p`` holds its weights beside the attention's.
 
     Returns:
-        The block's output, the shape of ``x``.
+        The block's output, the shape of ``x``; ``(output, aux)`` with ``ffn``.
 
     Raises:
         ConfigError: an unknown ``mlp`` or ``remat``.
@@ -271,7 +322,7 @@ def transformer_block(
         if gather is not None:
             p = gather(p)  # [.., s/fsdp, ..] -> [.., s, ..], again in the backward's recomputation
         rope_kw = {"rope_theta": rope_theta, "rope_scaling": rope_scaling}
-        return _block(x, p, plan, head_dim=head_dim, norm_eps=norm_eps, mlp=mlp, **rope_kw)
+        return _block(x, p, plan, head_dim=head_dim, norm_eps=norm_eps, mlp=mlp, ffn=ffn, **rope_kw)
 
     policy = REMAT[remat]
     if gather is not None and policy is None:
@@ -292,7 +343,8 @@ def _block(
     rope_theta: float | None,
     rope_scaling: RopeScaling | None,
     mlp: str,
-) -> torch.Tensor:
+    ffn: FeedForward | None = None,
+) -> Any:
     up_names, act = MLPS[mlp]
     sp = 1 if plan.sp else None  # the sequence dim of x under sequence parallelism
     # replicated norm weights meet sequence shards under SP: their gradients are summed over tp
@@ -309,5 +361,8 @@ def _block(
     o = checkpoint_name(o.transpose(1, 2).reshape(b, s, -1), "attn_out")  # -> [b, s, heads(/tp)*hd]
     x = x + row_parallel_linear(o, p["wo"], axis=plan.tp, scatter_dim=sp)  # [b, s, h*hd(/tp)] -> [b, s(/tp), d]
     h = rms_norm(x, mlp_norm, norm_eps)  # [b, s(/tp), d]
+    if ffn is not None:  # the model's own feed-forward (a mixture of experts) and what it reports
+        y, aux = ffn(h, p, plan)  # [b, s(/tp), d] -> [b, s(/tp), d]
+        return x + y, aux
     up = column_parallel_linear(h, [p[n] for n in up_names], axis=plan.tp, gather_dim=sp)  # -> [b, s, f(/tp)] each
     return x + row_parallel_linear(act(*up), p["w2"], axis=plan.tp, scatter_dim=sp)  # [b, s, f(/tp)] -> [b, s(/tp), d]

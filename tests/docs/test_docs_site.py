@@ -57,6 +57,7 @@ def test_pages_have_code() -> None:
 # how the pages import funcshard: "fs.psum", "funcshard.ops", and "ops.x" after "from funcshard import ops"
 ROOTS = {"fs": "funcshard", "funcshard": "funcshard", "ops": "funcshard.ops", "pipeline": "funcshard.pipeline"}
 ROOTS |= {"checkpoint": "funcshard.checkpoint", "llama": "funcshard.models.llama"}
+ROOTS |= {"mixtral": "funcshard.models.mixtral"}
 NAME = re.compile(r"(?<![\w/.-])(?:" + "|".join(ROOTS) + r")(?:\.[A-Za-z_]\w*)+")
 
 

@@ -83,7 +83,7 @@ def _bad(tmp: Path, data: Path, empty: Path) -> list[tuple[list[str], str]]:
     base = ["train", *_args(tmp, data, "--steps", "2")]
     return [
         ([*base, "--mesh", "dp2"], "--mesh"),
-        ([*base, "--mesh", "dp=2,ep=2"], "'ep'"),
+        ([*base, "--mesh", "dp=2,mp=2"], "'mp'"),  # (an ep axis is a data axis for the Llama)
         ([*base, "--mesh", "tp=3"], "n_heads"),
         ([*base, "--dim", "24", "--heads", "3", "--kv-heads", "3", "--mesh", "tp=3"], "vocab_size"),
         ([*base, "--mesh", "dp=3"], "--batch"),

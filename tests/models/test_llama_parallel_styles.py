@@ -101,7 +101,7 @@ def test_layers_are_stacked() -> None:
         ({"tp": 3}, "n_heads=8 is not divisible by tp=3"),
         ({"tp": 8}, "n_kv_heads=4 is not divisible by tp=8"),
         ({"fsdp": 3}, "dim=32 is not divisible by fsdp=3"),
-        ({"ep": 2}, "axis 'ep' of size 2, which the Llama does not use"),
+        ({"mp": 2}, "axis 'mp' of size 2, which the Llama does not use"),  # (an ep axis is a data axis)
     ],
 )
 def test_meshes_the_model_cannot_use(shape: dict[str, int], match: str) -> None:

@@ -39,7 +39,7 @@ def plan(args: argparse.Namespace) -> int:
 
 def report(e: Estimate, args: argparse.Namespace) -> str:
     """The estimate as text: the layout, memory by part against the device, communication by axis, the time."""
-    name = args.preset or "llama"
+    name = args.preset or getattr(args, "model", "llama")
     pipe = f", {e.cfg.pp_schedule} x {e.cfg.microbatches(e.mesh['pp'])} microbatches" if e.mesh.get("pp", 1) > 1 else ""
     lines = [
         f"plan: {name} ({n_params(e.cfg) / 1e9:.2f}B params) on {e.mesh} ({e.devices} devices), {e.hardware.name}, "

@@ -29,11 +29,11 @@ import optree
 import torch
 
 import funcshard as fs
-from funcshard.models import llama
+from funcshard.models import llama, mixtral
 
 from ..cli import UsageError, parse_mesh
 from ..machine import available_memory, human_bytes
-from ..step import build_step, model_config
+from ..step import build_step, model_config, model_module
 from .hardware import Hardware, hardware
 from .timing import StepTime, bubble_fraction, model_flops, step_time
 
@@ -107,9 +107,11 @@ class Estimate:
 
     @property
     def model_flops(self) -> float:
-        """The step's model FLOPs over the whole mesh (``6 N T + 12 L d s T``)."""
+        """The step's model FLOPs over the whole mesh (``6 N T + 12 L d s T``; a mixture of experts' ``N``: the
+        parameters a token uses, ``experts_per_token`` experts a layer)."""
         cfg = self.cfg
-        n = n_params(cfg) - cfg.vocab_size * cfg.dim  # the embedding table is not a matmul
+        used = cfg.active_params() if isinstance(cfg, mixtral.Config) else n_params(cfg)
+        n = used - cfg.vocab_size * cfg.dim  # the embedding table is not a matmul
         return model_flops(n, cfg.n_layers, cfg.dim, self.seq, self.batch * self.seq)
 
     def as_dict(self) -> dict[str, Any]:
@@ -149,7 +151,7 @@ class Estimate:
 def n_params(cfg: llama.Config) -> int:
     """The model's parameter count (from ``fs.eval_shape`` of its init: nothing allocated; once per config, as
     a report and a search ask it for every row)."""
-    shapes = fs.eval_shape(llama.init, fs.random.key(0), cfg)
+    shapes = fs.eval_shape(model_module(cfg).init, fs.random.key(0), cfg)
     return sum(math.prod(s.shape) for s in optree.tree_leaves(shapes))
 
 
@@ -184,8 +186,10 @@ def plan_config(args: argparse.Namespace) -> llama.Config:
     layers = getattr(args, "layers_override", None)  # (the search's smaller copies of the model)
     if args.preset is None:
         return base if layers is None else dataclasses.replace(base, n_layers=layers)
+    asked = getattr(args, "model", "llama") == "mixtral"
+    moe = args.preset in mixtral.PRESETS and (args.preset not in llama.PRESETS or asked)  # ("debug": --model's)
     try:
-        cfg = llama.Config.preset(args.preset)
+        cfg = (mixtral if moe else model_module(base)).Config.preset(args.preset)
     except fs.ConfigError as e:
         raise UsageError(f"--preset: {e}") from None
     return dataclasses.replace(
@@ -244,7 +248,7 @@ def lowered_step(args: argparse.Namespace, cfg: llama.Config, shape: dict[str, i
     """
     mesh = fs.make_mesh(shape, backend="abstract")
     step = build_step(args, cfg, mesh)
-    params = fs.device_put(fs.eval_shape(llama.init, fs.random.key(0), cfg), mesh, step.specs)
+    params = fs.device_put(fs.eval_shape(model_module(cfg).init, fs.random.key(0), cfg), mesh, step.specs)
     state = step.opt_init(params)
     accum = getattr(args, "grad_accum", 1)
     tokens = fs.device_put(fs.ShapeDtype((args.batch // accum, args.seq), torch.int64), mesh, step.batch_spec)

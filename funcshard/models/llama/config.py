@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import KW_ONLY, dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 from ...extend import ConfigError, Precision, ShardingError
 from ...pipeline.schedules import SCHEDULE_NAMES
@@ -62,6 +62,10 @@ class Config:
         16
     """
 
+    MODEL: ClassVar[str] = "llama"  # how messages name the model
+    PRESETS: ClassVar[tuple[str, ...]] = ()  # the names preset() knows (set below the table)
+    PRESET_FIELDS: ClassVar[dict[str, dict[str, Any]]] = {}  # name -> the fields of the preset
+
     vocab_size: int = 256
     dim: int = 256
     n_layers: int = 4
@@ -87,7 +91,7 @@ class Config:
             object.__setattr__(self, "rope_scaling", RopeScaling.from_dict(self.rope_scaling))
         elif self.rope_scaling is not None and not isinstance(self.rope_scaling, RopeScaling):
             raise ConfigError(
-                f"llama.Config: rope_scaling must be a RopeScaling, a dict of its fields or None, found "
+                f"{self.MODEL}.Config: rope_scaling must be a RopeScaling, a dict of its fields or None, found "
                 f"{self.rope_scaling!r}."
             )
         if isinstance(self.precision, str):
@@ -96,38 +100,39 @@ class Config:
             object.__setattr__(self, "precision", Precision(**self.precision))
         elif self.precision is not None and not isinstance(self.precision, Precision):
             raise ConfigError(
-                f"llama.Config: precision must be an fs.Precision, its string form or None, found {self.precision!r}."
+                f"{self.MODEL}.Config: precision must be an fs.Precision, its string form or None, found "
+                f"{self.precision!r}."
             )
         for name in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "max_seq_len"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
-                raise ShardingError(f"llama.Config: {name} must be a positive int, found {v!r}.")
+                raise ShardingError(f"{self.MODEL}.Config: {name} must be a positive int, found {v!r}.")
         if self.dim % self.n_heads:
-            raise ShardingError(f"llama.Config: dim {self.dim} is not divisible by n_heads {self.n_heads}.")
+            raise ShardingError(f"{self.MODEL}.Config: dim {self.dim} is not divisible by n_heads {self.n_heads}.")
         if self.n_heads % self.n_kv_heads:
             raise ShardingError(
-                f"llama.Config: n_heads {self.n_heads} is not divisible by n_kv_heads {self.n_kv_heads}."
+                f"{self.MODEL}.Config: n_heads {self.n_heads} is not divisible by n_kv_heads {self.n_kv_heads}."
             )
         if self.pp_schedule not in SCHEDULE_NAMES:
             raise ConfigError(
-                f"llama.Config: pp_schedule={self.pp_schedule!r} is not a schedule; use one of {SCHEDULE_NAMES}."
+                f"{self.MODEL}.Config: pp_schedule={self.pp_schedule!r} is not a schedule; use one of {SCHEDULE_NAMES}."
             )
         if self.remat not in ("none", "full", "selective"):
-            raise ConfigError(f"llama.Config: remat={self.remat!r}; use 'none', 'full' or 'selective'.")
+            raise ConfigError(f"{self.MODEL}.Config: remat={self.remat!r}; use 'none', 'full' or 'selective'.")
         m = self.pp_microbatches
         if m is not None and (not isinstance(m, int) or isinstance(m, bool) or m < 1):
-            raise ConfigError(f"llama.Config: pp_microbatches must be a positive int or None, found {m!r}.")
+            raise ConfigError(f"{self.MODEL}.Config: pp_microbatches must be a positive int or None, found {m!r}.")
         if (self.dim // self.n_heads) % 2:
-            raise ShardingError(f"llama.Config: the head dim {self.dim // self.n_heads} must be even for RoPE.")
+            raise ShardingError(f"{self.MODEL}.Config: the head dim {self.dim // self.n_heads} must be even for RoPE.")
         for name, low in (("rope_theta", 0.0), ("norm_eps", None), ("init_std", None)):  # > 0, or >= 0 (None)
             v = getattr(self, name)
             real = isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
             if not real or (v <= low if low is not None else v < 0):
                 want = "a finite number > 0" if low is not None else "a finite number >= 0"
-                raise ConfigError(f"llama.Config: {name} must be {want}, found {v!r}.")
+                raise ConfigError(f"{self.MODEL}.Config: {name} must be {want}, found {v!r}.")
         for name in ("tie_embeddings", "sequence_parallel", "reshard_after_forward"):
             if not isinstance(getattr(self, name), bool):
-                raise ConfigError(f"llama.Config: {name} must be True or False, found {getattr(self, name)!r}.")
+                raise ConfigError(f"{self.MODEL}.Config: {name} must be True or False, found {getattr(self, name)!r}.")
 
     @classmethod
     def preset(cls, name: str, **overrides: Any) -> Config:
@@ -156,12 +161,14 @@ class Config:
             >>> Config.preset("llama3-8b", remat="full").remat
             'full'
         """
-        fields = _PRESETS.get(name) if isinstance(name, str) else None
+        fields = cls.PRESET_FIELDS.get(name) if isinstance(name, str) else None
         if fields is None:
-            raise ConfigError(f"llama.Config.preset: no preset named {name!r}; the presets are {', '.join(PRESETS)}.")
+            raise ConfigError(
+                f"{cls.MODEL}.Config.preset: no preset named {name!r}; the presets are {', '.join(cls.PRESETS)}."
+            )
         unknown = sorted(set(overrides) - {f.name for f in dataclasses.fields(cls)})
         if unknown:
-            raise ConfigError(f"llama.Config.preset: {unknown} are not fields of llama.Config.")
+            raise ConfigError(f"{cls.MODEL}.Config.preset: {unknown} are not fields of {cls.MODEL}.Config.")
         return cls(**{**fields, **overrides})
 
     def microbatches(self, pp: int) -> int:
@@ -219,3 +226,4 @@ _PRESETS: dict[str, dict[str, Any]] = {
 #: the names :meth:`Config.preset` knows: ``"debug"`` (a tiny model for tests), ``"llama3.2-1b"``,
 #: ``"llama3-8b"``, ``"llama3-70b"``, ``"llama3-405b"``
 PRESETS: tuple[str, ...] = tuple(_PRESETS)
+Config.PRESETS, Config.PRESET_FIELDS = PRESETS, _PRESETS

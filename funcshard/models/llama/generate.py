@@ -18,7 +18,7 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -32,33 +32,39 @@ from ..transformer import MLPS, rms_norm, use_params
 from .config import Config
 from .model import layout
 
-__all__ = ["decoder", "generate"]
+__all__ = ["decode_batch", "decoder", "generate", "swiglu_ffn"]
 
 PyTree = Any
 
 
-def decoder(params: PyTree, cfg: Config, plan: ParallelPlan) -> Decoder:
-    """The Llama's embedding, layer steps and head on ``params`` as ``use_params`` gives them (gathered).
+FFN = Callable[[dict[str, torch.Tensor], ParallelPlan], Callable[[torch.Tensor], torch.Tensor]]
+
+
+def swiglu_ffn(p: dict[str, torch.Tensor], plan: ParallelPlan) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The Llama's feed-forward on one layer's parameters ``p``: SwiGLU over column/row-parallel linears."""
+    tp, swiglu = plan.tp, MLPS["swiglu"][1]
+
+    def mlp(h: torch.Tensor) -> torch.Tensor:
+        up = column_parallel_linear(h, [p["w1"], p["w3"]], axis=tp)  # [b, s, d] -> 2 x [b, s, f(/tp)]
+        return row_parallel_linear(swiglu(*up), p["w2"], axis=tp)  # [b, s, f/tp] @ [f/tp, d] -> [b, s, d]
+
+    return mlp
+
+
+def decoder(params: PyTree, cfg: Config, plan: ParallelPlan, ffn: FFN = swiglu_ffn) -> Decoder:
+    """The Llama's embedding, layer steps and head on ``params`` as ``use_params`` gives them (gathered);
+    ``ffn(layer_params, plan)`` gives a layer's feed-forward (a model built on the Llama brings its own).
 
     Example:
         >>> # model = decoder(use_params(params, specs, plan, cfg.precision), cfg, plan)
     """
     tp = plan.tp
-    swiglu = MLPS["swiglu"][1]
-
-    def ffn(p: dict[str, torch.Tensor]) -> Any:
-        def mlp(h: torch.Tensor) -> torch.Tensor:
-            up = column_parallel_linear(h, [p["w1"], p["w3"]], axis=tp)  # [b, s, d] -> 2 x [b, s, f(/tp)]
-            return row_parallel_linear(swiglu(*up), p["w2"], axis=tp)  # [b, s, f/tp] @ [f/tp, d] -> [b, s, d]
-
-        return mlp
-
     layers = params["layers"]
     n = next(iter(layers.values())).shape[0]
     steps = []
     for i in range(n):  # each layer's weights indexed once, not per token
         p = {k: v[i] for k, v in layers.items()}
-        steps.append(block_step(p, plan, ffn(p), head_dim=cfg.head_dim, norm_eps=cfg.norm_eps))
+        steps.append(block_step(p, plan, ffn(p, plan), head_dim=cfg.head_dim, norm_eps=cfg.norm_eps))
     table = params["embed"]  # [V/tp, d]
     head = table if cfg.tie_embeddings else params["head"]  # [V/tp, d]
 
@@ -80,17 +86,18 @@ def decoder(params: PyTree, cfg: Config, plan: ParallelPlan) -> Decoder:
     )
 
 
-def local_rows(n: int, plan: ParallelPlan) -> tuple[range, int]:
+def local_rows(n: int, plan: ParallelPlan, axes: tuple[str, ...] | None = None) -> tuple[range, int]:
     """``(rows, block)``: the rows of a global batch of ``n`` this device decodes and the rows it returns. The
-    batch is cut over the data axes (``dp``, ``fsdp``, row-major) in blocks of ``block = ceil(n / size)``
-    rows, the last ones short (or empty): each device returns ``block`` rows, its own then rows of padding,
-    so the global result holds the ``n`` rows in order, then the padding. Outside ``shard_map``: all rows.
+    batch is cut over the data axes (``axes``; None: the plan's, ``dp``, ``fsdp``, row-major) in blocks of
+    ``block = ceil(n / size)`` rows, the last ones short (or empty): each device returns ``block`` rows, its own
+    then rows of padding, so the global result holds the ``n`` rows in order, then the padding. Outside
+    ``shard_map``: all rows.
 
     Example:
         >>> local_rows(3, ParallelPlan())
         (range(0, 3), 3)
     """
-    axes = plan.data_axes
+    axes = plan.data_axes if axes is None else axes
     if not axes:
         return range(n), n
     sizes = dict(plan.mesh_shape)
@@ -102,14 +109,13 @@ def local_rows(n: int, plan: ParallelPlan) -> tuple[range, int]:
     return range(min(r * block, n), min((r + 1) * block, n)), block
 
 
-def _checked_layout(cfg: Config, plan: ParallelPlan | None, max_new_tokens: int) -> Any:
-    """The model's layout for this mesh; ConfigError for a bad ``max_new_tokens`` or a ``pp`` / ``cp`` axis."""
+def checked_layout(lay: Any, max_new_tokens: int, fn: str) -> Any:
+    """The model's layout ``lay``, checked: ConfigError for a bad ``max_new_tokens`` or a ``pp`` / ``cp`` axis."""
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-        raise ConfigError(f"llama.generate: max_new_tokens must be a positive int, found {max_new_tokens!r}.")
-    lay = layout(cfg, plan)
+        raise ConfigError(f"{fn}: max_new_tokens must be a positive int, found {max_new_tokens!r}.")
     if lay.plan.pp is not None or lay.plan.cp is not None:
         raise ConfigError(
-            f"llama.generate: a mesh with a pp or cp axis ({lay.plan.roles}); decode on a mesh of dp / fsdp / tp axes."
+            f"{fn}: a mesh with a pp or cp axis ({lay.plan.roles}); decode on a mesh of dp / fsdp / ep / tp axes."
         )
     return lay
 
@@ -174,19 +180,38 @@ def generate(
         >>> torch.equal(ids[:3], llama.generate(params, prompts, cfg, max_new_tokens=4))
         True
     """
-    every = check_prompts(prompts, cfg.vocab_size, "llama.generate")
+    lay = checked_layout(layout(cfg, plan), max_new_tokens, "llama.generate")
+    opts = {"temperature": temperature, "key": key, "top_k": top_k, "top_p": top_p}
+    return decode_batch(params, prompts, cfg, lay, decoder, max_new_tokens, opts, stop_tokens, pad_id, "llama")
+
+
+def decode_batch(
+    params: PyTree,
+    prompts: Sequence[Sequence[int]] | torch.Tensor,
+    cfg: Config,
+    lay: Any,
+    make: Callable[[PyTree, Any, ParallelPlan], Decoder],
+    max_new_tokens: int,
+    sampling: dict[str, Any],
+    stop_tokens: Sequence[int] | None,
+    pad_id: int,
+    name: str,
+    data_axes: tuple[str, ...] | None = None,
+) -> torch.Tensor:
+    """:func:`generate`'s body for a model built on the Llama: its layout ``lay`` and its decoder ``make(gathered
+    params, cfg, plan)``; the prompts split over ``data_axes`` (None: the plan's data axes)."""
+    every = check_prompts(prompts, cfg.vocab_size, f"{name}.generate")
     stops = [] if stop_tokens is None else [int(t) for t in stop_tokens]
-    opts = SamplingOptions(temperature, key, top_k, top_p, batch=len(every))
-    lay = _checked_layout(cfg, plan, max_new_tokens)
+    opts = SamplingOptions(**sampling, batch=len(every))
     plan = lay.plan
-    rows, block = local_rows(len(every), plan)
+    rows, block = local_rows(len(every), plan, data_axes)
     width = max(len(p) for p in every)  # the global longest prompt: every device returns the same width
     tokens, mask = left_pad([every[r] for r in rows], pad_id, width)  # [b, S]
     with torch.no_grad():
         gathered = use_params(params, lay.specs, plan, cfg.precision)  # [.., s/fsdp, ..] -> [.., s, ..], once
         ids = torch.empty(0, width + max_new_tokens, dtype=torch.long)
         if len(rows):  # (a device past the end of a short batch decodes nothing)
-            model = decoder(gathered, cfg, plan)
+            model = make(gathered, cfg, plan)
             kw = {"opts": opts, "stop_tokens": stops, "pad_id": pad_id, "rows": rows}
             ids, _ = decode(model, tokens, mask, max_new_tokens=max_new_tokens, **kw)  # [b, S + new]
     if len(rows) < block:  # the padding rows of the last blocks

@@ -52,13 +52,17 @@ from .sharding import model_plan, param_shapes, pipeline_schedule, specs_for
 
 __all__ = [
     "Layout",
+    "build_layout",
+    "draw_params",
     "embed_tokens",
     "forward",
     "head_logits",
     "init",
     "layer",
     "layout",
+    "lm_loss",
     "loss",
+    "loss_on",
     "run_layers",
 ]
 
@@ -68,30 +72,55 @@ PyTree = Any
 @dataclass(frozen=True)
 class Layout:
     """What the model derives from a plan, once: the plan, the parameters' specs, one layer's specs, and the
-    pipeline schedule (None without a ``pp`` axis)."""
+    pipeline schedule (None without a ``pp`` axis).
+
+    A model built on the Llama's (the Mixtral, :mod:`funcshard.models.mixtral`) gives its own decoder ``layer``
+    (the signature of :func:`layer`), ``aux_init`` and ``aux_loss``: then the layers carry ``(x, aux)`` instead of
+    ``x``, from ``(embedded x, aux_init(x))`` (a 1-dim float tensor: the router statistics of a mixture of
+    experts), each layer mapping it to the next; :func:`_forward` returns ``(logits, aux)`` and :func:`loss_on`
+    adds ``aux_loss(aux, plan)`` to the cross-entropy. ``None``: the Llama's layer, no carry.
+    """
 
     plan: ParallelPlan
     specs: dict[str, Any]
     layer_specs: dict[str, P]
     mesh: Any
     schedule: Schedule | None = None
+    layer: Callable[..., Any] | None = None
+    aux_init: Callable[[torch.Tensor], torch.Tensor] | None = None
+    aux_loss: Callable[[torch.Tensor, ParallelPlan], torch.Tensor] | None = None  # the loss's term of the aux
+    experts: frozenset[str] = frozenset()  # the layer leaves of a MoE layer (``use_params(experts=...)``)
 
 
 @functools.lru_cache(maxsize=64)
 def _layout_on(cfg: Config, plan: ParallelPlan | None, mesh: Any) -> Layout:
+    return build_layout(cfg, plan, mesh, model_plan, specs_for)
+
+
+def build_layout(
+    cfg: Config,
+    plan: ParallelPlan | None,
+    mesh: Any,
+    plan_fn: Callable[[Config, Any, ParallelPlan | None], ParallelPlan],
+    specs_fn: Callable[[Config, ParallelPlan, Any], dict[str, Any]],
+    **model: Any,
+) -> Layout:
+    """The layout of a model on ``mesh`` (None: outside ``shard_map``, the unsharded model), its plan checked by
+    ``plan_fn`` (``model_plan``) and its specs from ``specs_fn`` (``specs_for``); ``model``: the :class:`Layout`
+    fields of a model built on the Llama's (``layer``, ``aux_init``, ``experts``)."""
     if mesh is None:  # outside shard_map: the unsharded model
         if plan is not None and plan.roles:
             raise ConfigError(
-                f"llama: the plan {plan.roles} names mesh axes, but the model is called outside shard_map; call "
+                f"{cfg.MODEL}: the plan {plan.roles} names mesh axes, but the model is called outside shard_map; call "
                 f"it inside fs.shard_map over that mesh, or pass plan=None for the unsharded model."
             )
         plan = ParallelPlan()
     else:
-        plan = model_plan(cfg, mesh, plan)
-    specs = specs_for(cfg, plan, mesh)
+        plan = plan_fn(cfg, mesh, plan)
+    specs = specs_fn(cfg, plan, mesh)
     layer_specs = {k: P(*v.entries[1:]) for k, v in specs["layers"].items()}  # without the stacked layer dim
     schedule = pipeline_schedule(cfg, plan) if plan.pp is not None else None
-    return Layout(plan, specs, layer_specs, mesh, schedule)
+    return Layout(plan, specs, layer_specs, mesh, schedule, **model)
 
 
 def layout(cfg: Config, plan: ParallelPlan | None) -> Layout:
@@ -147,15 +176,17 @@ def embed_tokens(table: torch.Tensor, tokens: torch.Tensor, lay: Layout) -> torc
     return vocab_parallel_embedding(tokens, table, axis=plan.tp, scatter_dim=1 if plan.sp else None)
 
 
-def run_layers(x: torch.Tensor, layers: dict[str, torch.Tensor], cfg: Config, lay: Layout) -> torch.Tensor:
-    """The decoder layers stacked on the leading dim of ``layers``' leaves, in order, on ``x [b, s(/tp), d]``."""
+def run_layers(x: Any, layers: dict[str, torch.Tensor], cfg: Config, lay: Layout) -> Any:
+    """The decoder layers stacked on the leading dim of ``layers``' leaves, in order, on ``x [b, s(/tp), d]``
+    (on the carry ``(x, aux)`` with ``lay.aux_init``)."""
     return _run_layers(x, layers, cfg, lay)[0]
 
 
 def _run_layers(
-    x: torch.Tensor, layers: dict[str, torch.Tensor], cfg: Config, lay: Layout
-) -> tuple[torch.Tensor, reshard_after_forward | None]:
+    x: Any, layers: dict[str, torch.Tensor], cfg: Config, lay: Layout
+) -> tuple[Any, reshard_after_forward | None]:
     """:func:`run_layers`, and the last layer's reshard scope (None when the layers keep their weights)."""
+    block = layer if lay.layer is None else lay.layer  # the Llama's decoder layer, or the model's own
     # [n, ...] -> n x [...]; the gradients stacked back into kept buffers (no fresh 52 MB per step at 13.2M
     # params), except in a pipeline stage (its microbatches' gradients are accumulated by the runtime)
     split = unstack if lay.plan.pp is None else torch.unbind
@@ -165,13 +196,15 @@ def _run_layers(
     if reshard and cfg.remat != "none":
         for i in range(n):  # gathered inside the layer's remat region: freed after its forward, gathered again
             p = {k: v[i] for k, v in stacked.items()}
-            x = layer(x, p, cfg, lay.plan, gather=lambda p: use_params(p, lay.layer_specs, lay.plan, cfg.precision))
+            gather = functools.partial(
+                use_params, specs=lay.layer_specs, plan=lay.plan, precision=cfg.precision, experts=lay.experts
+            )
+            x = block(x, p, cfg, lay.plan, gather=gather)
         return x, None
 
     def fetch(i: int) -> Callable[[], dict[str, torch.Tensor]]:  # layer i's gathers issued now (dist: in flight)
-        return use_params(
-            {k: v[i] for k, v in stacked.items()}, lay.layer_specs, lay.plan, cfg.precision, prefetch=True
-        )
+        p = {k: v[i] for k, v in stacked.items()}
+        return use_params(p, lay.layer_specs, lay.plan, cfg.precision, prefetch=True, experts=lay.experts)
 
     nxt, scope = fetch(0), None
     for i in range(n):
@@ -179,14 +212,14 @@ def _run_layers(
         if i + 1 < n:  # FSDP2's prefetch: the next layer's weights travel while this layer computes
             nxt = fetch(i + 1)
         if not reshard:
-            x = layer(x, p, cfg, lay.plan)
+            x = block(x, p, cfg, lay.plan)
             continue
         # without remat: the saved gathered weights are dropped after the forward and gathered again (the same
         # bucketed gather) for the layer's backward, the previous layer's regather prefetched meanwhile
         # (derive=False: the layer reads its weights through views only, no saved cast or concatenation of them,
         # fp32 and bf16, with or without tp: so no dispatch mode over its ~150 ops, ~40 ms a step at 13.2M params)
         with reshard_after_forward(p, functools.partial(fetch, i), after=scope, derive=False) as scope:
-            x = layer(x, p, cfg, lay.plan)
+            x = block(x, p, cfg, lay.plan)
         p = None  # [.., s, ..] freed here: the next layer's gather is in flight
     return x, scope
 
@@ -232,10 +265,28 @@ def _stages_in_turn(params: PyTree, x: torch.Tensor, cfg: Config, lay: Layout) -
         if r + 1 < p:
             x = lax.ppermute(x, pp, [(r, r + 1)])  # [b, s, d] -> [b, s, d], to the next stage
     # x * 0, not zeros: every stage keeps its chain of ppermutes in the graph, so all make the same backward
-    return lax.psum(x if me == p - 1 else x * 0, pp)  # [b, s, d] -> [b, s, d], from the last stage
+    if me != p - 1:
+        x = x * 0 if isinstance(x, torch.Tensor) else optree.tree_map(lambda t: t * 0, x)  # (a carry: (x, aux))
+    return lax.psum(x, pp)  # [b, s, d] -> [b, s, d], from the last stage
 
 
-def _forward(params: PyTree, tokens: torch.Tensor, cfg: Config, lay: Layout) -> torch.Tensor:
+def _carry(x: torch.Tensor, lay: Layout) -> Any:
+    """What the layers carry from the embedded ``x``: ``x``, or ``(x, aux_init(x))`` with ``lay.aux_init``."""
+    return x if lay.aux_init is None else (x, lay.aux_init(x))
+
+
+def _done(logits: torch.Tensor, carry: Any, lay: Layout) -> Any:
+    """``_forward``'s result: the logits, or ``(logits, aux)`` with ``lay.aux_init``."""
+    return logits if lay.aux_init is None else (logits, carry[1])
+
+
+def _hidden(carry: Any, lay: Layout) -> torch.Tensor:
+    """The hidden states of the layers' carry."""
+    return carry if lay.aux_init is None else carry[0]
+
+
+def _forward(params: PyTree, tokens: torch.Tensor, cfg: Config, lay: Layout) -> Any:
+    """The logits of ``tokens``; ``(logits, aux)`` when the layout's layers carry an ``aux`` (``lay.aux_init``)."""
     plan = lay.plan
     if plan.pp is None and plan.fsdp is None:
         # nothing to gather: embed, norm and head are only made varying over the replica axes, in ONE bucket
@@ -244,15 +295,15 @@ def _forward(params: PyTree, tokens: torch.Tensor, cfg: Config, lay: Layout) -> 
         names = ("embed", "norm") if cfg.tie_embeddings else ("embed", "norm", "head")
         top = use_params({k: params[k] for k in names}, {k: lay.specs[k] for k in names}, plan, cfg.precision)
         x = embed_tokens(top["embed"], tokens, lay)  # [b, s] -> [b, s(/tp), d]
-        x = run_layers(x, params["layers"], cfg, lay)
+        c = run_layers(_carry(x, lay), params["layers"], cfg, lay)
         tied = top["embed"] if cfg.tie_embeddings else None
-        return head_logits(top, x, cfg, lay, tied, ready=True)  # [b, s(/tp), d] -> [b, s, V/tp]
+        return _done(head_logits(top, _hidden(c, lay), cfg, lay, tied, ready=True), c, lay)  # -> [b, s, V/tp]
     table = use_params(params["embed"], lay.specs["embed"], plan, cfg.precision)  # [V/tp, d/fsdp] -> [V/tp, d]
     if plan.pp is not None:
         x = embed_tokens(table, tokens, lay)  # [b, s] -> [b, s(/tp), d]
-        x = _stages_in_turn(params, x, cfg, lay)
+        c = _stages_in_turn(params, _carry(x, lay), cfg, lay)
         tied = table if cfg.tie_embeddings else None
-        return head_logits(params, x, cfg, lay, tied)  # [b, s(/tp), d] -> [b, s, V/tp]
+        return _done(head_logits(params, _hidden(c, lay), cfg, lay, tied), c, lay)  # -> [b, s, V/tp]
     # fsdp: the norm and the head in ONE gather, at the start beside the embedding's (not waited for after the
     # layers): one all-gather and one reduce-scatter for both, the reduce-scatter issued as soon as the head's
     # backward is done (FSDP2's root group would add the embedding, whose gradient is the backward's last: the
@@ -260,11 +311,11 @@ def _forward(params: PyTree, tokens: torch.Tensor, cfg: Config, lay: Layout) -> 
     names = ("norm",) if cfg.tie_embeddings else ("norm", "head")
     top = use_params({k: params[k] for k in names}, {k: lay.specs[k] for k in names}, plan, cfg.precision)
     x = embed_tokens(table, tokens, lay)  # [b, s] -> [b, s(/tp), d]
-    x, last = _run_layers(x, params["layers"], cfg, lay)
+    c, last = _run_layers(_carry(x, lay), params["layers"], cfg, lay)
     tied = table if cfg.tie_embeddings else None
-    logits = head_logits(top, x, cfg, lay, tied, ready=True)  # [b, s(/tp), d] -> [b, s, V/tp]
+    logits = head_logits(top, _hidden(c, lay), cfg, lay, tied, ready=True)  # [b, s(/tp), d] -> [b, s, V/tp]
     # the last layer's regather issued as the backward starts: it travels during the head's backward
-    return logits if last is None else last.regather_at(logits)
+    return _done(logits if last is None else last.regather_at(logits), c, lay)
 
 
 def forward(params: PyTree, tokens: torch.Tensor, cfg: Config, plan: ParallelPlan | None = None) -> torch.Tensor:
@@ -327,19 +378,32 @@ def loss(
         >>> abs(value - 5.545) < 0.2  # about ln(256) = 5.545 at init
         True
     """
-    lay = layout(cfg, plan)
+    return loss_on(params, tokens, targets, cfg, layout(cfg, plan))
+
+
+def loss_on(params: PyTree, tokens: torch.Tensor, targets: torch.Tensor, cfg: Config, lay: Layout) -> torch.Tensor:
+    """:func:`loss` on a layout: the mean cross-entropy, plus ``lay.aux_loss`` of the layers' aux when the layout
+    has one (the Mixtral's load-balancing loss)."""
+    mean, aux = lm_loss(params, tokens, targets, cfg, lay)
+    return mean if lay.aux_loss is None else mean + lay.aux_loss(aux, lay.plan)
+
+
+def lm_loss(params: PyTree, tokens: torch.Tensor, targets: torch.Tensor, cfg: Config, lay: Layout) -> tuple[Any, Any]:
+    """:func:`loss` on a layout: ``(mean cross-entropy, aux)``, ``aux`` what the layers carry besides the hidden
+    states (``lay.aux_init``; None for the Llama)."""
     data = lay.plan.data_axes
     count = (targets != -100).sum().to(torch.float32)  # [] (local tokens; the cross-entropy is float32)
     if data:  # the global count depends on the targets only: summed while the forward computes (dist)
         count = psum_pending(count, data)  # [] -> [], over the data-parallel shards
-    logits = _forward(params, tokens, cfg, lay)  # [b, s(/cp), V/tp]
+    out = _forward(params, tokens, cfg, lay)  # [b, s(/cp), V/tp] (and the layers' aux)
+    logits, aux = (out, None) if lay.aux_init is None else out
     total = vocab_parallel_cross_entropy(logits, targets, axis=lay.plan.tp, reduction="sum")  # [] (local tokens)
     if data:  # the pending count waited for here, with no dispatch through it
         count = settle(count)
     mean = total / count.clamp(min=1)  # [] (this shard's part of the global mean)
     if data:  # read only after the backward (fs.value_and_grad): no wait for the other shards in the forward
         mean = psum_pending(mean, data)  # [] -> [], over the data-parallel shards
-    return mean
+    return mean, aux
 
 
 def init(key: torch.Tensor, cfg: Config, plan: ParallelPlan | None = None) -> PyTree:
@@ -369,8 +433,13 @@ def init(key: torch.Tensor, cfg: Config, plan: ParallelPlan | None = None) -> Py
         >>> torch.equal(fs.device_get(sharded)["layers"]["wq"], params["layers"]["wq"])
         True
     """
-    lay = layout(cfg, plan)
-    shapes = param_shapes(cfg)
+    return draw_params(key, cfg, param_shapes(cfg), layout(cfg, plan))
+
+
+def draw_params(key: torch.Tensor, cfg: Config, shapes: PyTree, lay: Layout) -> PyTree:
+    """:func:`init`'s draw of a parameter tree of ``shapes`` (``torch.Size`` leaves) laid out by ``lay``: norms
+    (leaves named ``*norm``) ones, the rest normal(0, ``init_std``), ``wo`` and ``w2`` scaled by
+    ``1/sqrt(2 n_layers)``, leaf ``i`` from ``fold_in(key, i)``; this device's blocks inside ``shard_map``."""
     paths, leaves, treedef = optree.tree_flatten_with_path(shapes, is_leaf=lambda x: isinstance(x, torch.Size))
     sharded = lay.mesh is not None
     dtype = torch.float32 if cfg.precision is None else cfg.precision.param_dtype

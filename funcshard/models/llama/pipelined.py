@@ -39,9 +39,9 @@ from ...pipeline import from_chunks, run, to_chunks
 from ..plan import ParallelPlan
 from ..transformer import use_params
 from .config import Config
-from .model import embed_tokens, head_logits, layout, loss, run_layers
+from .model import Layout, embed_tokens, head_logits, layout, loss, run_layers
 
-__all__ = ["value_and_grad"]
+__all__ = ["pipelined", "value_and_grad"]
 
 PyTree = Any
 
@@ -72,11 +72,28 @@ def value_and_grad(
     lay = layout(cfg, plan)
     if lay.plan.pp is None or lay.schedule is None:
         return _value_and_grad(loss)(params, tokens, targets, cfg, plan)
+    return pipelined(params, tokens, targets, cfg, lay)
+
+
+def _pack(x: torch.Tensor, aux: torch.Tensor | None) -> torch.Tensor:
+    """The activation between stages: ``x``, or with an aux one flat vector, ``x``'s elements then the aux's (in
+    ``x``'s dtype)."""
+    return x if aux is None else torch.cat([x.reshape(-1), aux.to(x.dtype)])  # -> [b*s*d + n]
+
+
+def pipelined(
+    params: PyTree, tokens: torch.Tensor, targets: torch.Tensor, cfg: Config, lay: Layout
+) -> tuple[torch.Tensor, PyTree]:
+    """:func:`value_and_grad` on a layout with a ``pp`` axis: the schedule run by :func:`funcshard.pipeline.run`.
+    With the layout's aux (the Mixtral's router statistics), a stage sends one flat vector, the hidden states
+    followed by the aux of the layers so far (in the activation's dtype), whose gradient comes back with the
+    activation's; the last stage adds ``lay.aux_loss`` of its microbatch's aux, so that term is averaged over the
+    microbatches."""
     plan_, sched, pp = lay.plan, lay.schedule, lay.plan.pp
     m, b = sched.n_microbatches, tokens.shape[0]
     if b % m:
         raise ConfigError(
-            f"llama.value_and_grad: the local batch of {b} sequences (the global batch over the data-parallel "
+            f"{cfg.MODEL}.value_and_grad: the local batch of {b} sequences (the global batch over the data-parallel "
             f"axes {list(plan_.batch_axes)}) is not divisible by pp_microbatches={m}; use a global batch that "
             f"is a multiple of {m} x the data-parallel size, or set pp_microbatches to a divisor of {b}."
         )
@@ -85,20 +102,31 @@ def value_and_grad(
     count = (targets != -100).sum()
     if plan_.data_axes:
         count = lax.psum(count, plan_.data_axes)  # [] -> [], target tokens of the global batch
+    like = None if lay.aux_init is None else lay.aux_init(tokens)  # [n]: the aux's size and dtype
+
+    def unpack(a: torch.Tensor) -> Any:  # the carry of the flat activation
+        if like is None:
+            return a
+        n = like.numel()
+        return a[:-n].view(b // m, -1, cfg.dim), a[-n:].to(like.dtype)  # [b/m, s, d], [n]
 
     def first_fn(shared: PyTree, tok: torch.Tensor) -> torch.Tensor:
         table = use_params(shared["embed"], lay.specs["embed"], plan_, cfg.precision)  # [V/tp, d/fsdp] -> [V/tp, d]
-        return embed_tokens(table, tok, lay)  # [b/m, s] -> [b/m, s(/tp), d]
+        x = embed_tokens(table, tok, lay)  # [b/m, s] -> [b/m, s(/tp), d]
+        return _pack(x, None if like is None else torch.zeros_like(like))
 
-    def stage_fn(chunk: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-        return run_layers(x, chunk, cfg, lay)  # [b/m, s(/tp), d] -> [b/m, s(/tp), d]
+    def stage_fn(chunk: dict[str, torch.Tensor], a: torch.Tensor) -> torch.Tensor:
+        c = run_layers(unpack(a), chunk, cfg, lay)  # [b/m, s(/tp), d] -> [b/m, s(/tp), d]
+        return c if like is None else _pack(*c)
 
-    def loss_fn(shared: PyTree, y: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
+    def loss_fn(shared: PyTree, a: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
+        y, aux = (a, None) if like is None else unpack(a)
         logits = head_logits(shared, y, cfg, lay)  # [b/m, s(/tp), d] -> [b/m, s, V/tp]
         total = vocab_parallel_cross_entropy(logits, tgt, axis=plan_.tp, reduction="sum")  # [] (local tokens)
         if plan_.data_axes:
             total = lax.psum(total, plan_.data_axes)  # [] -> [], over the data-parallel shards
-        return total * m / count.to(total.dtype).clamp(min=1)  # run() takes the mean over the m microbatches
+        lm = total * m / count.to(total.dtype).clamp(min=1)  # run() takes the mean over the m microbatches
+        return lm if lay.aux_loss is None else lm + lay.aux_loss(aux, plan_)  # this microbatch's aux term
 
     shared = {k: v for k, v in params.items() if k != "layers"}
     stage = to_chunks(params["layers"], sched, pp)  # [L/p, ...] -> [v, L/(p v), ...]

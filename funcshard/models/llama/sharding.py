@@ -8,11 +8,11 @@ over ``tp`` (row-parallel); ``fsdp`` splits each weight's outer (row) dim, minor
 ``tp x fsdp`` does not divide, e.g. an odd vocabulary, keeps ``fsdp`` on the inner dim instead), and the norms
 over ``fsdp``; the stacked layer dim over ``pp`` (natural layer order, so stage ``r`` holds a contiguous block of
 layers and a checkpoint loads into a mesh with or without ``pp``: checkpoints hold global tensors, whatever the
-layout; embedding, final norm and head are replicated over ``pp``). The batch dim goes over ``dp`` and ``fsdp``,
-the sequence over ``cp``. A :class:`~funcshard.models.ParallelPlan` turns each role
-into the mesh axis that plays it (``logical_to_mesh``), dropping the roles that are off, so one rule set
-serves every mesh, whatever its axes are called. Without a plan, each role is played by the mesh axis of
-its own name (``dp``, ``fsdp``, ``tp``, ``cp``).
+layout; embedding, final norm and head are replicated over ``pp``). The batch dim goes over ``dp`` and ``fsdp``
+(and ``ep``, which the Llama, having no experts, runs as one more data axis), the sequence over ``cp``. A
+:class:`~funcshard.models.ParallelPlan` turns each role into the mesh axis that plays it (``logical_to_mesh``),
+dropping the roles that are off, so one rule set serves every mesh, whatever its axes are called. Without a plan,
+each role is played by the mesh axis of its own name (``dp``, ``fsdp``, ``tp``, ``cp``, ``pp``, ``ep``).
 
 Example:
     >>> import funcshard as fs
@@ -48,11 +48,14 @@ __all__ = [
     "param_shapes",
     "param_specs",
     "pipeline_schedule",
+    "rule_specs",
     "specs_for",
 ]
 
-KNOWN_AXES = ("dp", "fsdp", "tp", "cp", "pp")  # the roles the Llama plays (and, without a plan, the axes' names)
-BATCH = P(("dp", "fsdp"), "cp")  # a [batch, seq] token tensor, in role names
+# the roles the Llama plays (and, without a plan, the axes' names); it has no experts: an ``ep`` axis is one more
+# data axis (the batch split over it, the gradients summed over it), as ``dp``
+KNOWN_AXES = ("dp", "fsdp", "tp", "cp", "pp", "ep")
+BATCH = P(("dp", "fsdp", "ep"), "cp")  # a [batch, seq] token tensor, in role names
 
 RULES = [
     (r"embed", P(("tp", "fsdp"), None)),
@@ -259,15 +262,31 @@ def specs_for(cfg: Config, plan: ParallelPlan, mesh: Any = None) -> dict[str, An
         >>> specs_for(cfg, ParallelPlan(fsdp="shard"))["layers"]["wo"]
         P(None, 'shard', None)
     """
+    return rule_specs(param_shapes(cfg), RULES, INNER, plan, mesh)
+
+
+def rule_specs(
+    shapes: dict[str, Any], rules: list[tuple[str, P]], inner: dict[str, P], plan: ParallelPlan, mesh: Any = None
+) -> dict[str, Any]:
+    """The spec tree of the parameter ``shapes`` from ``rules`` written in role names (the first pattern that
+    matches a leaf's path wins), ``inner[pattern]`` in place of a rule where ``tp x fsdp`` does not divide its
+    dim; checked against each shape on ``mesh`` when given. The Llama's specs are ``RULES`` and ``INNER`` on its
+    shapes; a model built on it (the Mixtral) adds its own rules in front.
+
+    Example:
+        >>> from funcshard.models import ParallelPlan
+        >>> rule_specs({"w": torch.Size([4, 8])}, [("w", P("tp", None))], {}, ParallelPlan())
+        {'w': P(None, None)}
+    """
     sizes = dict(plan.mesh_shape)
-    rules = []
-    for pattern, spec in RULES:
+    out = []
+    for pattern, spec in rules:
         spec = plan.to_mesh(spec)  # role names -> this mesh's axes
-        inner = INNER.get(pattern)
-        if inner is not None and plan.to_mesh(inner) != spec:  # fsdp on: the outer dim where the shape allows
-            spec = functools.partial(_outer_or_inner, spec, plan.to_mesh(inner), sizes)
-        rules.append((pattern, spec))
-    return spec_rules(param_shapes(cfg), rules, default=None, mesh=mesh)
+        alt = inner.get(pattern)
+        if alt is not None and plan.to_mesh(alt) != spec:  # fsdp on: the outer dim where the shape allows
+            spec = functools.partial(_outer_or_inner, spec, plan.to_mesh(alt), sizes)
+        out.append((pattern, spec))
+    return spec_rules(shapes, out, default=None, mesh=mesh)
 
 
 def _outer_or_inner(outer: P, inner: P, sizes: dict[str, int], path: str, shape: torch.Size) -> P:

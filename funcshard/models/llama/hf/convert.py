@@ -33,7 +33,7 @@ from __future__ import annotations
 import json
 import os
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -45,7 +45,7 @@ from ..sharding import param_shapes
 from .config import config_to_hf, model_folder, read_config, read_json
 from .safetensors import read_header, read_tensor, write_file
 
-__all__ = ["from_hf", "hf_names", "to_hf"]
+__all__ = ["check_tensors", "from_hf", "hf_names", "read_headers", "read_tensors", "to_hf", "write_folder"]
 
 PyTree = Any
 PathLike = str | os.PathLike[str]
@@ -115,8 +115,30 @@ def _check_tensors(cfg: Config, where: dict[str, Path], headers: dict[Path, Any]
     shapes = param_shapes(cfg)
     wanted = {}
     for name, leaf, layer in hf_names(cfg):
-        shape = shapes["layers"][leaf][1:] if layer is not None else shapes[leaf]
-        wanted[name] = shape
+        wanted[name] = shapes["layers"][leaf][1:] if layer is not None else shapes[leaf]
+    spare = {_TOP["head"]} if cfg.tie_embeddings else set()  # tied: the head is the embedding (as transformers does)
+    check_tensors(wanted, where, headers, folder, "Llama", spare)
+
+
+def check_tensors(
+    wanted: dict[str, torch.Size],
+    where: dict[str, Path],
+    headers: dict[Path, Any],
+    folder: Path,
+    model: str,
+    spare: Iterable[str] = (),
+) -> None:
+    """ConfigError for a tensor of ``wanted`` (name -> shape) missing from the weights (``where``: name -> file,
+    ``headers``: file -> its header), of another shape, or a tensor ``wanted`` has no place for (but the buffers
+    some old checkpoints hold and the names in ``spare``), naming the ``model``.
+
+    Example:
+        >>> check_tensors({}, {"x": Path("m.safetensors")}, {}, Path("."), "Llama")  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        funcshard._src.errors.ConfigError: from_hf: '.' holds a tensor funcshard's Llama has no place for: 'x' ...
+    """
+    for name, shape in wanted.items():
         if name not in where:
             raise ConfigError(
                 f"from_hf: tensor '{name}' (shape {list(shape)}) is missing from the weights in '{folder}'."
@@ -130,15 +152,57 @@ def _check_tensors(cfg: Config, where: dict[str, Path], headers: dict[Path, Any]
                 f"from_hf: tensor '{name}' in '{file}' has shape {entry['shape']}, expected {list(shape)} from "
                 f"config.json; the weights do not belong to this config."
             )
-    extra = [n for n in where if n not in wanted and not _IGNORED.fullmatch(n)]
-    if cfg.tie_embeddings:
-        extra = [n for n in extra if n != _TOP["head"]]  # tied: the head is the embedding (as transformers does)
+    spare = set(spare)
+    extra = [n for n in where if n not in wanted and not _IGNORED.fullmatch(n) and n not in spare]
     if extra:
         why = "a bias" if any(n.endswith(".bias") for n in extra) else "a tensor"
         raise ConfigError(
-            f"from_hf: '{folder}' holds {why} funcshard's Llama has no place for: '{extra[0]}' ({len(extra)} "
-            f"such); config.json and the weights disagree, or the model is not a plain Llama."
+            f"from_hf: '{folder}' holds {why} funcshard's {model} has no place for: '{extra[0]}' ({len(extra)} "
+            f"such); config.json and the weights disagree, or the model is not a plain {model}."
         )
+
+
+def read_headers(folder: Path) -> tuple[dict[str, Path], dict[Path, tuple[dict[str, Any], int]]]:
+    """``(where, headers)`` of a folder's safetensors weights: tensor name -> its file, file -> its header.
+
+    Raises:
+        ConfigError: no weights, a file the index names missing, a corrupt header.
+
+    Example:
+        >>> read_headers(Path("/no/such/folder"))  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        funcshard._src.errors.ConfigError: from_hf: '/no/such/folder' has no model.safetensors ...
+    """
+    where = _weight_files(folder)
+    headers: dict[Path, tuple[dict[str, Any], int]] = {}
+    for file in sorted(set(where.values())):
+        if not file.is_file():
+            raise ConfigError(f"from_hf: '{file}' is missing (named by the index of '{folder}').")
+        headers[file] = read_header(file)
+    return where, headers
+
+
+def read_tensors(
+    names: Iterable[str],
+    where: dict[str, Path],
+    headers: dict[Path, tuple[dict[str, Any], int]],
+    place: Callable[[str, torch.Tensor], None],
+) -> None:
+    """Read the tensors ``names`` one at a time, file by file in file order, handing each to ``place(name, t)``
+    (in its dtype on disk): memory of one tensor beside what ``place`` keeps.
+
+    Example:
+        >>> read_tensors([], {}, {}, print)  # nothing to read
+    """
+    by_file: dict[Path, list[str]] = {}
+    for name in names:
+        by_file.setdefault(where[name], []).append(name)
+    for file, group in by_file.items():
+        entries, data_start = headers[file]
+        with open(file, "rb") as f:
+            for name in sorted(group, key=lambda n: entries[n]["data_offsets"][0]):  # in file order
+                place(name, read_tensor(f, file, name, entries[name], data_start))
 
 
 def from_hf(path: PathLike, *, dtype: torch.dtype | None = torch.float32) -> tuple[Config, PyTree]:
@@ -168,29 +232,22 @@ def from_hf(path: PathLike, *, dtype: torch.dtype | None = torch.float32) -> tup
     """
     folder = model_folder(path, "from_hf")
     cfg = read_config(folder)
-    where = _weight_files(folder)
-    headers: dict[Path, tuple[dict[str, Any], int]] = {}
-    for file in sorted(set(where.values())):
-        if not file.is_file():
-            raise ConfigError(f"from_hf: '{file}' is missing (named by the index of '{folder}').")
-        headers[file] = read_header(file)
+    where, headers = read_headers(folder)
     _check_tensors(cfg, where, headers, folder)
     shapes = param_shapes(cfg)
     out: dict[str, Any] = {"layers": {}}
-    by_file: dict[Path, list[tuple[str, str, int | None]]] = {}
-    for name, leaf, layer in hf_names(cfg):
-        by_file.setdefault(where[name], []).append((name, leaf, layer))
-    for file, names in by_file.items():
-        entries, data_start = headers[file]
-        with open(file, "rb") as f:
-            for name, leaf, layer in sorted(names, key=lambda x: entries[x[0]]["data_offsets"][0]):  # in file order
-                t = read_tensor(f, file, name, entries[name], data_start)
-                if layer is None:
-                    out[leaf] = t.to(dtype) if dtype is not None else t
-                    continue
-                if leaf not in out["layers"]:
-                    out["layers"][leaf] = torch.empty(shapes["layers"][leaf], dtype=dtype or t.dtype)
-                out["layers"][leaf][layer].copy_(t)
+    spot = {name: (leaf, layer) for name, leaf, layer in hf_names(cfg)}
+
+    def place(name: str, t: torch.Tensor) -> None:
+        leaf, layer = spot[name]
+        if layer is None:
+            out[leaf] = t.to(dtype) if dtype is not None else t
+            return
+        if leaf not in out["layers"]:
+            out["layers"][leaf] = torch.empty(shapes["layers"][leaf], dtype=dtype or t.dtype)
+        out["layers"][leaf][layer].copy_(t)
+
+    read_tensors(spot, where, headers, place)
     tree = {"embed": out["embed"], "layers": {k: out["layers"][k] for k in _LAYER}, "norm": out["norm"]}
     if not cfg.tie_embeddings:
         tree["head"] = out["head"]
@@ -276,18 +333,43 @@ def to_hf(
         ['config.json', 'model-00001-of-00007.safetensors', 'model-00002-of-00007.safetensors']
     """
     _check_params(params, cfg)
+    write_folder(
+        params,
+        path,
+        dtype,
+        lambda dtype: config_to_hf(cfg, dtype),  # ConfigError for a dtype it cannot write
+        lambda full: _table(full, cfg),
+        max_shard_bytes,
+    )
+
+
+def write_folder(
+    params: PyTree,
+    path: PathLike,
+    dtype: torch.dtype | None,
+    config: Callable[[torch.dtype], dict[str, Any]],
+    table: Callable[[PyTree], dict[str, tuple[torch.Size, Callable[[], torch.Tensor]]]],
+    max_shard_bytes: int,
+) -> None:
+    """:func:`to_hf`'s folder for any model: ``params`` gathered (``fs.device_get``), process 0 writes the weights
+    ``table(full)`` (hf name -> ``(shape, getter)``, in order) in ``dtype`` (None: ``full["embed"]``'s) and
+    ``config(dtype)`` as ``config.json``; under ``"dist"`` every process returns once the folder is complete.
+
+    Example:
+        >>> # write_folder(params, path, None, lambda dtype: {...}, lambda full: {"w": (shape, lambda: full["w"])}, 5e9)
+    """
     leaves = [v for k, v in params.items() if k != "layers"] + list(params["layers"].values())
     meshes = [a.mesh for a in leaves if isinstance(a, Array) and a.mesh.is_multiprocess]
     together = bool(meshes)  # every process calls
     full = device_get(params)
     dtype = full["embed"].dtype if dtype is None else dtype
-    hf = config_to_hf(cfg, dtype)  # ConfigError for a dtype it cannot write
+    hf = config(dtype)
     procs = meshes[0].backend_impl if together else get_backend()  # (no such array: the backend the job runs on)
     folder = Path(path).expanduser()
     err: BaseException | None = None
     if (procs.process_index() if procs.multiprocess else int(os.environ.get("RANK", "0"))) == 0:
         try:
-            _write_folder(folder, full, cfg, dtype, hf, max_shard_bytes)
+            _write_folder(folder, table(full), dtype, hf, max_shard_bytes)
         except BaseException as e:  # noqa: BLE001 - re-raised below, after the other processes hear of it
             err = e
     if together:  # a collective: no process returns before the folder is complete
@@ -298,12 +380,8 @@ def to_hf(
         raise err
 
 
-def _write_folder(
-    folder: Path, full: PyTree, cfg: Config, dtype: torch.dtype, hf: dict[str, Any], max_shard_bytes: int
-) -> None:
-    """``to_hf``'s files: the weights of the full tensors ``full`` (in ``dtype``, sharded above
-    ``max_shard_bytes``), the index, and ``config.json`` (``hf``) last."""
-    folder.mkdir(parents=True, exist_ok=True)
+def _table(full: PyTree, cfg: Config) -> dict[str, tuple[torch.Size, Callable[[], torch.Tensor]]]:
+    """The Llama's tensors by hf name: ``(shape, getter)`` of each, in the order ``to_hf`` writes them."""
     shapes = param_shapes(cfg)
     table = {}  # hf name -> (shape, getter)
     for name, leaf, layer in hf_names(cfg):
@@ -311,6 +389,19 @@ def _write_folder(
             table[name] = (shapes[leaf], lambda leaf=leaf: full[leaf])
         else:
             table[name] = (shapes["layers"][leaf][1:], lambda leaf=leaf, i=layer: full["layers"][leaf][i])
+    return table
+
+
+def _write_folder(
+    folder: Path,
+    table: dict[str, tuple[torch.Size, Callable[[], torch.Tensor]]],
+    dtype: torch.dtype,
+    hf: dict[str, Any],
+    max_shard_bytes: int,
+) -> None:
+    """``to_hf``'s files: the weights of ``table`` (in ``dtype``, sharded above ``max_shard_bytes``), the index,
+    and ``config.json`` (``hf``) last."""
+    folder.mkdir(parents=True, exist_ok=True)
     groups = _shards(((n, s.numel() * dtype.itemsize) for n, (s, _) in table.items()), max_shard_bytes)
     for old in folder.iterdir():  # an earlier save's weights would shadow or mix with these
         if old.name in ("model.safetensors", "model.safetensors.index.json") or _SHARD.fullmatch(old.name):
