@@ -53,7 +53,7 @@ from ..collectives.vma import (
     tags_of,
 )
 from ..errors import ConfigError
-from ..runtime.context import dynamo_tracing, observer, swap_overlap, transforms_active
+from ..runtime.context import dynamo_tracing, observer, swap_overlap, tangents_possible, transforms_active
 
 __all__ = ["graph_walk", "has_tangent", "reaches_other_leaf", "value_and_grad"]
 
@@ -443,7 +443,6 @@ def _host_only() -> bool:
     return _HOST_ONLY[0]
 
 
-_fwd_ad = torch.autograd.forward_ad  # (its ``_current_level``: -1 while no forward-mode AD level is open)
 _LEAF = optree.tree_flatten(0, none_is_leaf=True)[1]  # the structure of a bare leaf (one tensor argument)
 
 
@@ -516,7 +515,7 @@ def _plain_autograd_ok(args: tuple[Any, ...], kwargs: dict[str, Any], nums: tupl
     no torch.func transform around the call, no forward-mode AD tangent on an argument, floating-point
     tensors to differentiate, and no argument that requires grad under an enabled outer autograd (which may
     want the gradients' graph). ``groups``: lists of the differentiated arguments' leaves (None a leaf)."""
-    if transforms_active() or (_fwd_ad._current_level >= 0 and has_tangent((args, kwargs))):
+    if transforms_active() or (tangents_possible() and has_tangent((args, kwargs))):
         return False
     outer = torch.is_grad_enabled()
     for xs in groups:

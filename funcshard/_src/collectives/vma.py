@@ -25,7 +25,7 @@ from torch.overrides import TorchFunctionMode
 
 from ..errors import ShardingError
 from ..runtime.comm import wait_pending
-from ..runtime.context import axes_of, current, transforms_active
+from ..runtime.context import axes_of, current, tangents_possible, transforms_active
 from .prims import Prim, Pvary, call
 
 __all__ = [
@@ -223,8 +223,7 @@ def _constant(x: torch.Tensor) -> bool:
     active, and it carries no forward-mode tangent (a constant: a mask, positions, a table)."""
     if x.requires_grad or transforms_active() or _is_wrapped(x):
         return False
-    fwd = torch.autograd.forward_ad
-    return fwd._current_level < 0 or fwd.unpack_dual(x).tangent is None
+    return not tangents_possible() or torch.autograd.forward_ad.unpack_dual(x).tangent is None
 
 
 def official_vma(t: torch.Tensor) -> frozenset[str] | None:

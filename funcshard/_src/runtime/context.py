@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch._functorch.eager_transforms as _eager
 
 from ..errors import ShardingError
 
@@ -226,6 +227,33 @@ class Overlap(contextlib.AbstractContextManager):
 
     def __exit__(self, *exc: object) -> None:
         _scope.on, _scope.last = self.prev
+
+
+#: the forward-mode AD level the runtime itself opened around a call's device threads (the sim backend: one level
+#: for all the devices, see ``backends.sim``), -1 while none is: no tangent lives on it unless a ``torch.func.jvp``
+#: runs inside it
+_RUNTIME_LEVEL = [-1]
+
+
+def swap_runtime_level(level: int) -> int:
+    """Record ``level`` as the forward-mode AD level the runtime opened (-1: none) and return the one it replaces."""
+    prev, _RUNTIME_LEVEL[0] = _RUNTIME_LEVEL[0], level
+    return prev
+
+
+def tangents_possible() -> bool:
+    """Whether a tensor may carry a forward-mode tangent now: a forward AD level is open, and it is not only the
+    runtime's own level with no ``torch.func.jvp`` running in it (where no tangent can exist, and asking each
+    tensor for one, from every device thread at once, is work for nothing).
+
+    Example:
+        >>> tangents_possible()
+        False
+    """
+    level = torch.autograd.forward_ad._current_level
+    if level < 0:
+        return False
+    return level != _RUNTIME_LEVEL[0] or _eager.JVP_NESTING > 1
 
 
 def swap_overlap(state: tuple[bool, Any]) -> tuple[bool, Any]:

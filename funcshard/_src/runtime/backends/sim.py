@@ -36,6 +36,7 @@ import torch.autograd.forward_ad as fwAD
 
 from ...errors import ShardingError
 from ..comm import P2POp, P2PWork, default_timeout
+from ..context import swap_runtime_level
 from .base import BackendImpl, DeviceHandle, check_p2p, from_order_key, group_members, order_key, ragged_mismatch
 
 __all__ = ["SimBackend", "SimDevice", "SimWorld", "abandoned_threads"]
@@ -100,9 +101,11 @@ def _shared_forward_level() -> Iterator[None]:
         return
     fwAD.enter_dual_level()
     _eager.JVP_NESTING += 1
+    prev = swap_runtime_level(fwAD._current_level)  # (no tangent on it unless a device's jvp nests in it)
     try:
         yield
     finally:
+        swap_runtime_level(prev)
         _eager.JVP_NESTING -= 1
         fwAD.exit_dual_level()
 
