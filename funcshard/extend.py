@@ -108,6 +108,7 @@ from ._src.runtime.context import observer as observer
 from ._src.runtime.context import prefetch_scope as prefetch_scope
 from ._src.runtime.context import tracing as tracing
 from ._src.runtime.context import transforms_active as transforms_active
+from ._src.runtime.context import user_call as user_call
 from ._src.runtime.mesh import BackendImpl as BackendImpl
 from ._src.runtime.mesh import get_backend as get_backend
 from ._src.runtime.stats import capture as capture
@@ -178,5 +179,6 @@ __all__ = [
     "tags_agree",
     "tracing",
     "transforms_active",
+    "user_call",
     "value_and_grad",
 ]
