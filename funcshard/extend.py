@@ -118,6 +118,7 @@ from ._src.tree.pytree import PyTree as PyTree
 from ._src.tree.rules import logical_to_mesh as logical_to_mesh
 from ._src.tree.rules import spec_rules as spec_rules
 from ._src.tree.spec import P as P
+from ._src.tree.spec import check_spec as check_spec
 from ._src.tree.spec import is_spec as is_spec
 from ._src.tree.spec import shard_shape as shard_shape
 from ._src.tree.spec import shard_slices as shard_slices
@@ -143,6 +144,7 @@ __all__ = [
     "bind",
     "call",
     "capture",
+    "check_spec",
     "checkpoint_name",
     "current",
     "current_vma_mode",

@@ -1,10 +1,10 @@
-"""Asynchronous saves: the blocks copied to host memory, then written by a background thread.
+"""Asynchronous saves: the handle, and the one save in flight.
 
-``save(..., async_save=True)`` stages every block it writes (a host copy; pinned memory for a CUDA block, copied
-without blocking and synchronised once) and hands the write to one background thread, which runs the same
-write and commit as a synchronous save over the backend's side channel (under ``"dist"`` a second gloo process
-group, so its collectives never interleave with the training step's). At most one save is in flight per
-process: any save waits for the one before it. The temporary folder and the atomic swap are those of a
+``save(..., async_save=True)`` stages every block it writes into shared host memory (:mod:`._writer`: a writer
+process of its own writes them) and hands the rest to one background thread, which waits for the writer and
+runs the same commit as a synchronous save over the backend's side channel (under ``"dist"`` a second gloo
+process group, so its collectives never interleave with the training step's). At most one save is in flight
+per process: any save waits for the one before it. The temporary folder and the atomic swap are those of a
 synchronous save, so a process killed mid-write leaves the previous checkpoint readable.
 
 Example:
@@ -21,13 +21,10 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
-
-import torch
 
 from ..extend import BackendImpl, user_call
 
-__all__ = ["SaveHandle", "in_flight", "stage", "start_in_flight", "wait_in_flight"]
+__all__ = ["SaveHandle", "in_flight", "start_in_flight", "wait_in_flight"]
 
 
 class SaveHandle:
@@ -100,23 +97,6 @@ def wait_in_flight() -> None:
             handle.wait()
         finally:
             _IN_FLIGHT.clear()
-
-
-def _host_copy(t: torch.Tensor) -> torch.Tensor:
-    """A host copy of ``t`` that shares no memory with it: pinned and non-blocking for a CUDA tensor."""
-    if t.is_cuda:
-        out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-        return out.copy_(t.detach(), non_blocking=True)
-    return t.detach().clone()
-
-
-def stage(state: dict[str, tuple[tuple[int, ...], dict[tuple[int, ...], torch.Tensor]]]) -> Any:
-    """``{name: (shape, {offsets: block})}`` with each block replaced by its host copy (CUDA copies synchronised
-    before returning, so the caller may go on writing into its tensors)."""
-    out = {name: (shape, {off: _host_copy(t) for off, t in blocks.items()}) for name, (shape, blocks) in state.items()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        torch.cuda.synchronize()
-    return out
 
 
 def start_in_flight(run: Callable[[BackendImpl], None], procs: BackendImpl, path: str) -> SaveHandle:

@@ -17,12 +17,13 @@ import torch
 
 from .. import checkpoint as _package  # swap_in is called through the package (as _swap_in), where tests patch it
 from ..extend import Array, BackendImpl, PyTree, user_call
-from ._async import SaveHandle, stage, start_in_flight, wait_in_flight
+from ._async import SaveHandle, start_in_flight, wait_in_flight
 from ._checksums import record as record_checksums
 from ._files import check_replaceable, fsync_dir
 from ._manifest import FORMAT, MANIFEST, VALUE_TYPES, VERSION, CheckpointError, dtype_name, manifest_text, spec_json
 from ._planners import cause_of, dcp_api, quiet
 from ._tree import all_block_offsets, backend_of, block_offsets, flatten
+from ._writer import Staged, merge_metadata, rank_folder, stage, write
 
 
 def save(
@@ -74,8 +75,10 @@ def save(
         if not async_save:
             job.run(job.procs)
             return str(job.path)
-        job.state = stage(job.state)  # host copies: the caller may write into its tensors at once
-        return start_in_flight(job.run, job.procs.side_channel(), str(job.path))
+        side = job.procs.side_channel()  # (made by every process here, at the same point, the first time)
+        staged = stage(job.state)  # into shared host memory: the caller may write into its tensors at once
+        folder = rank_folder(job.tmp, job.procs.process_index())
+        return start_in_flight(lambda procs: job.run(procs, staged=(staged, folder)), side, str(job.path))
 
 
 @dataclasses.dataclass
@@ -89,15 +92,21 @@ class _Job:
     state: _Blocks
     tmp: Path
 
-    def run(self, procs: BackendImpl) -> None:
-        """Write the blocks into ``tmp``, then rank 0 swaps them in (``procs``: the channel of the collectives)."""
+    def run(self, procs: BackendImpl, staged: tuple[Staged, Path] | None = None) -> None:
+        """Write the blocks into ``tmp`` (or have the writer process write the ``staged`` ones into its folder),
+        then rank 0 swaps them in (``procs``: the channel of the collectives)."""
         distributed, rank0 = procs.multiprocess, procs.process_index() == 0
-        _write_blocks(self.tmp, self.state, self.where, self.path, procs=procs)
-        if distributed:
-            procs.barrier()  # every process has written and fsync'd its blocks
+        if staged is None:
+            _write_blocks(self.tmp, self.state, self.where, self.path, procs=procs)
+            if distributed:
+                procs.barrier()  # every process has written and fsync'd its blocks
+        else:
+            self._children_done(procs, write(*staged))
         err: BaseException | None = None
         if rank0:
             try:
+                if staged is not None:
+                    merge_metadata(self.tmp, procs.process_count())
                 _commit(self.tmp, self.path, self.manifest, self.where)
             except BaseException as e:  # noqa: BLE001 - re-raised below, after the other ranks hear of it
                 shutil.rmtree(self.tmp, ignore_errors=True)
@@ -110,6 +119,18 @@ class _Job:
                 )
         if err is not None:
             raise err
+
+    def _children_done(self, procs: BackendImpl, reason: str | None) -> None:
+        """Every process's writer has answered (a collective); CheckpointError on every process if one failed."""
+        reasons = procs.all_gather_object(reason) if procs.multiprocess else [reason]
+        failed = [(r, m) for r, m in enumerate(reasons) if m is not None]
+        if failed:
+            if procs.process_index() == 0:
+                shutil.rmtree(self.tmp, ignore_errors=True)
+            r, msg = failed[0]
+            raise CheckpointError(
+                f"{self.where}: writing the blocks failed on rank {r} ({msg}); the previous checkpoint is untouched."
+            )
 
 
 def _prepare(path: Path, tree: PyTree, step: int | None, metadata: Any) -> _Job:
@@ -164,6 +185,7 @@ def _entries_and_blocks(leaves: list[tuple[str, Any]], where: str, *, rank0: boo
             )
         if isinstance(leaf, Array):
             blocks: dict[tuple[int, ...], torch.Tensor] = {}
+            owners = _owners(leaf)
             for c, t in leaf.shards.items():
                 off, sizes = block_offsets(leaf, c)
                 if tuple(t.shape) != sizes:
@@ -171,7 +193,8 @@ def _entries_and_blocks(leaves: list[tuple[str, Any]], where: str, *, rank0: boo
                         f"{where}: leaf '{name}': the shard of device {c} has shape {tuple(t.shape)}, but spec "
                         f"{leaf.spec!r} of shape {leaf.shape} on mesh {leaf.mesh.shape} gives blocks of {sizes}."
                     )
-                blocks.setdefault(off, t)
+                if owners is None or owners[off] == leaf.mesh.process_index():
+                    blocks.setdefault(off, t)
             state[name] = (leaf.shape, blocks)
             entries[name] = {
                 "kind": "array",
@@ -194,6 +217,17 @@ def _entries_and_blocks(leaves: list[tuple[str, Any]], where: str, *, rank0: boo
                 f"and int / float / bool / str leaves (convert it, e.g. with torch.as_tensor)."
             )
     return entries, state
+
+
+def _owners(a: Array) -> dict[tuple[int, ...], int] | None:
+    """Under ``"dist"``, the process that writes each block of ``a``: the lowest rank holding it (a replicated
+    block is written once); None where one process holds every device."""
+    if not a.mesh.is_multiprocess:
+        return None
+    owners: dict[tuple[int, ...], int] = {}
+    for rank, c in enumerate(a.mesh.device_coords()):
+        owners.setdefault(block_offsets(a, tuple(c.values()))[0], rank)
+    return owners
 
 
 def _write_blocks(tmp: Path, state: _Blocks, where: str, path: Path, *, procs: BackendImpl) -> None:

@@ -48,6 +48,11 @@ def test_async_save_writes_what_it_was_given_under_each_backend(run, tmp_path: P
         assert result == [2016.0, 4032.0, 1, 2]  # sum(arange(64)) and twice it: the values at the call
     assert checkpoint.list_steps(tmp_path) == [1, 2]
     assert sorted(os.listdir(tmp_path)) == ["step_00000001", "step_00000002"]  # no temp folder left
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    dcp_to_torch_save(checkpoint.step_path(tmp_path, 2), tmp_path / "full.pt")  # one standard DCP checkpoint
+    full = torch.load(tmp_path / "full.pt")
+    assert torch.equal(full["params/w"], torch.arange(64.0).reshape(8, 8) * 2)
 
 
 def test_async_save_error_is_raised_by_wait(tmp_path: Path) -> None:
