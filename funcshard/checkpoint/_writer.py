@@ -146,7 +146,7 @@ def write(staged: Staged, folder: Path) -> str | None:
     else why not."""
     w = _writer()
     try:
-        answer = w.ask(("write", *staged, str(folder)))
+        answer = w.ask(("write", *staged, os.path.abspath(folder)))  # (the writer keeps the cwd it started in)
     except (EOFError, OSError, pickle.UnpicklingError) as e:
         return f"the writer process ended ({type(e).__name__}: {e})"
     if staged[0] == w.file:

@@ -43,9 +43,11 @@ __all__ = [
     "check_ckpt_dir",
     "check_mesh_sizes",
     "check_numbers",
+    "check_shared_ckpt_dir",
     "check_step_size",
     "check_writable",
     "human_bytes",
+    "node_order",
 ]
 
 MAX_STEP_SECONDS = 3600.0  # a step estimated to take longer than this at --peak-tflops is refused
@@ -102,6 +104,55 @@ def check_mesh_sizes(args: argparse.Namespace) -> None:
         raise UsageError(
             f"--seq {args.seq} is not divisible by {split} (--mesh {args.mesh}{' --sp' if args.sp else ''}): each "
             f"device holds an equal part of every sequence; use --seq {nearest}."
+        )
+
+
+def node_order(shape: dict[str, int]) -> dict[str, int]:
+    """``--mesh`` with ``cp`` and ``tp`` moved last when the job spans several nodes (``WORLD_SIZE`` above
+    ``LOCAL_WORLD_SIZE``): the innermost axes stay inside a node, and those two run collectives every layer.
+    On one node, the order given.
+
+    Example:
+        >>> node_order({"tp": 2, "dp": 2})  # one node (no torchrun here): as given
+        {'tp': 2, 'dp': 2}
+    """
+    world, local = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0)
+    if not local or local >= world:
+        return shape
+    inner = ("cp", "tp")
+    return {**{a: s for a, s in shape.items() if a not in inner}, **{a: shape[a] for a in inner if a in shape}}
+
+
+def check_shared_ckpt_dir(ckpt_dir: Path, mesh: fs.Mesh) -> None:
+    """Every process sees the same ``--ckpt-dir`` (a collective under torchrun; nothing to check simulated):
+    process 0 writes a file with a fresh token there and every process reads it back.
+
+    Raises:
+        UsageError: on every process, naming the ranks that do not see it, and saying the folder must be shared.
+
+    Example:
+        >>> import tempfile
+        >>> check_shared_ckpt_dir(Path(tempfile.mkdtemp()), fs.make_mesh({"dp": 2}, backend="sim"))
+    """
+    if not mesh.is_multiprocess:
+        return
+    probe = ckpt_dir / ".funcshard-shared"
+    token = mesh.broadcast_object(os.urandom(8).hex() if mesh.process_index() == 0 else None)
+    if mesh.process_index() == 0:
+        probe.write_text(token)
+    mesh.barrier()
+    try:
+        seen = probe.read_text() == token
+    except OSError:
+        seen = False
+    blind = [r for r, ok in enumerate(mesh.all_gather_object(seen)) if not ok]
+    if mesh.process_index() == 0:
+        probe.unlink(missing_ok=True)
+    if blind:
+        raise UsageError(
+            f"--ckpt-dir '{ckpt_dir}' is not shared: rank(s) {', '.join(map(str, blind))} do not see the file rank 0 "
+            f"wrote there; every process writes its blocks of a checkpoint into it and rank 0 puts it in place, so "
+            f"it must be one folder on a filesystem every node mounts (NFS, Lustre, ...)."
         )
 
 
@@ -202,7 +253,7 @@ def check_step_size(args: argparse.Namespace, cfg: llama.Config) -> None:
         funcshard.job.cli.UsageError: --batch 1000000 x --seq 128: one training step needs about ... per device ...
     """
     flags = f"--batch {args.batch} x --seq {args.seq}"
-    shape = parse_mesh(args.mesh)
+    shape = node_order(parse_mesh(args.mesh))
     mesh = fs.make_mesh(shape)  # (the job's own mesh: where its devices' memory is)
     have, sharing, what = device_memory(mesh)
     if have is not None:

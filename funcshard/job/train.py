@@ -181,7 +181,9 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     saved = preflight.check_ckpt_dir(ckpt_dir, resume=args.resume, overwrite=args.overwrite)
     preflight.check_writable("--ckpt-dir", ckpt_dir)
     preflight.check_writable("--out", out)
+    mesh_shape = preflight.node_order(mesh_shape)  # several nodes: tp and cp inside one
     preflight.check_step_size(args, cfg)
+    preflight.check_shared_ckpt_dir(ckpt_dir, fs.make_mesh(mesh_shape))
     progress = {"step": None}  # the last step done, for the message after Ctrl-C
     stop = StopOnCtrlC()
     try:
@@ -192,6 +194,22 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         if stop.requested:  # a peer left after Ctrl-C: what the user asked for
             raise Interrupted(_stopped(progress["step"], ckpt_dir, args)) from None
         raise
+
+
+def _say_nodes(mesh: fs.Mesh, asked: dict[str, int]) -> None:
+    """On several nodes: how many, which axes stay inside one, and the reordering of ``--mesh`` if any."""
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0)
+    if not mesh.is_multiprocess or not local or local >= mesh.size:
+        return
+    inside = ", ".join(mesh.node_local_axes()) or "none"
+    _say(f"nodes: {mesh.size // local} of {local} processes; axes inside a node: {inside}")
+    if list(asked) != list(mesh.shape):
+        _say(f"note: --mesh {_mesh_text(asked)} ran as {_mesh_text(mesh.shape)}: tp and cp innermost, inside a node")
+
+
+def _mesh_text(shape: dict[str, int]) -> str:
+    """``{"dp": 2, "tp": 2}`` -> ``dp=2,tp=2``."""
+    return ",".join(f"{a}={s}" for a, s in shape.items())
 
 
 def _stopped(step: int | None, ckpt_dir: Path, args: argparse.Namespace) -> str:
@@ -344,6 +362,7 @@ def _train(
             (ckpt_dir / "config.json").write_text(json.dumps({**meta, "corpus": run.corpus.describe()}, indent=1))
         run.vals = eval_batches(run.corpus.val, n=args.eval_batches, batch=args.batch, seq=args.seq)
         _say(f"mesh {mesh.shape} ({mesh.backend}, {mesh.size} devices){'  sequence parallel' if args.sp else ''}")
+        _say_nodes(mesh, parse_mesh(args.mesh))
         _say(f"model: Llama, {cfg.num_params() / 1e6:.2f}M params, {cfg}")
         _say(f"data: {run.corpus.describe()}")
         _say(f"batch {args.batch} x {args.seq} = {args.batch * args.seq} tokens/step; steps {start} -> {args.steps}")

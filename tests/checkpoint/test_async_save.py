@@ -106,3 +106,13 @@ def test_job_killed_mid_async_write_leaves_previous_loadable(tmp_path: Path) -> 
     like = {"w": fs.device_put(torch.zeros(4, 4), mesh, P("dp")), "step": 0}
     out = checkpoint.load(checkpoint.latest(root), like)
     assert out["step"] == 1 and torch.equal(fs.device_get(out["w"]), torch.ones(4, 4))
+
+
+def test_relative_paths_after_chdir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The writer process keeps the directory it started in: paths are the caller's, whatever its cwd now."""
+    for d in ("one", "two"):
+        (tmp_path / d).mkdir()
+        monkeypatch.chdir(tmp_path / d)
+        assert checkpoint.save("ck", {"x": torch.ones(2)}, async_save=True).wait() == "ck"
+    assert checkpoint.list_steps(tmp_path) == [] and checkpoint.info(tmp_path / "two" / "ck")["step"] is None
+    assert torch.equal(checkpoint.load(tmp_path / "one" / "ck", {"x": torch.zeros(2)})["x"], torch.ones(2))

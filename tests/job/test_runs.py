@@ -17,7 +17,7 @@ from _train_job import TINY, _args, _write_corpus
 from funcshard import checkpoint
 from funcshard.__main__ import main as cli_main
 from funcshard.job import cli as _cli
-from funcshard.job import train
+from funcshard.job import preflight, train
 from funcshard.models import llama
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -124,3 +124,52 @@ def test_torchrun_restart_after_a_killed_worker_continues_bit_for_bit(tmp_path: 
         if name == "killed":
             assert "starting afresh" in p.stdout and "steps 2 -> 4" in p.stdout, p.stdout[-3000:]  # two generations
     assert len(losses["straight"]) == 4 and losses["killed"] == losses["straight"]
+
+
+def _shared_body(mesh, root: str) -> list[str]:
+    """The same folder on every rank passes; a folder of each rank's own is refused on every rank."""
+    preflight.check_shared_ckpt_dir(Path(root), mesh)
+    try:
+        preflight.check_shared_ckpt_dir(Path(root) / f"rank{mesh.process_index()}", mesh)
+    except _cli.UsageError as e:
+        return [str(e)]
+    return []
+
+
+def test_every_rank_must_see_the_same_ckpt_dir(run, backend: str, tmp_path: Path) -> None:
+    for r in range(2):
+        (tmp_path / f"rank{r}").mkdir()
+    for errors in run(_shared_body, {"dp": 2}, str(tmp_path)):
+        if backend == "sim":  # one process: nothing to check
+            assert errors == []
+            continue
+        assert len(errors) == 1 and "is not shared: rank(s) 1 do not see" in errors[0], errors
+        assert "filesystem every node mounts" in errors[0]
+    assert sorted(os.listdir(tmp_path)) == ["rank0", "rank1"]  # the probe is gone
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+def test_two_torchrun_agents_give_the_sim_losses_with_tp_inside_a_node(tmp_path: Path) -> None:
+    """torchrun --nnodes 2 --nproc-per-node 2 --rdzv-backend c10d, two agents on this host, --mesh tp=2,dp=2: the
+    job runs it as dp=2,tp=2 (tp inside a node) and gives the simulated run's losses."""
+    data = _write_corpus(tmp_path / "data")
+    common = [*TINY, "--data", str(data), "--steps", "3", "--eval-every", "3", "--mesh", "tp=2,dp=2", "--threads", "1"]
+    out, port = tmp_path / "dist", _free_port()
+    agents = []
+    for _ in range(2):  # two agents, one "node" each
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2"]
+        cmd += ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "funcshard-test"]
+        cmd += ["-m", "funcshard", "train", *common, "--ckpt-dir", str(out / "ckpt"), "--out", str(out)]
+        env = _env(FUNCSHARD_TIMEOUT="120")
+        agents.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    outputs = [a.communicate(timeout=600) for a in agents]
+    for a, (_, se) in zip(agents, outputs, strict=True):
+        assert a.returncode == 0, se[-4000:]
+    said = "".join(so for so, _ in outputs)
+    assert "nodes: 2 of 2 processes; axes inside a node: tp" in said, said[-3000:]
+    assert "--mesh tp=2,dp=2 ran as dp=2,tp=2" in said, said[-3000:]
+    sim = tmp_path / "sim"
+    assert cli_main(["train", *common, "--ckpt-dir", str(sim / "ckpt"), "--out", str(sim)]) == 0
+    for d, s in zip(_losses(out), _losses(sim), strict=True):
+        assert abs(float(d) - float(s)) < 1e-4, (d, s)
