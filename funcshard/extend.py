@@ -108,6 +108,7 @@ from ._src.runtime.context import observer as observer
 from ._src.runtime.context import prefetch_scope as prefetch_scope
 from ._src.runtime.context import tracing as tracing
 from ._src.runtime.context import transforms_active as transforms_active
+from ._src.runtime.context import user_call as user_call
 from ._src.runtime.mesh import BackendImpl as BackendImpl
 from ._src.runtime.mesh import get_backend as get_backend
 from ._src.runtime.stats import capture as capture
@@ -117,6 +118,7 @@ from ._src.tree.pytree import PyTree as PyTree
 from ._src.tree.rules import logical_to_mesh as logical_to_mesh
 from ._src.tree.rules import spec_rules as spec_rules
 from ._src.tree.spec import P as P
+from ._src.tree.spec import check_spec as check_spec
 from ._src.tree.spec import is_spec as is_spec
 from ._src.tree.spec import shard_shape as shard_shape
 from ._src.tree.spec import shard_slices as shard_slices
@@ -142,6 +144,7 @@ __all__ = [
     "bind",
     "call",
     "capture",
+    "check_spec",
     "checkpoint_name",
     "current",
     "current_vma_mode",
@@ -178,5 +181,6 @@ __all__ = [
     "tags_agree",
     "tracing",
     "transforms_active",
+    "user_call",
     "value_and_grad",
 ]

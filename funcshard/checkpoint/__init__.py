@@ -20,7 +20,9 @@ A save writes into ``<path>.tmp-<uuid>``, fsyncs, then swaps it in: the previous
 ``<path>.old``, the new one to ``<path>``, and ``.old`` is deleted. A crash before the swap leaves the
 previous checkpoint at ``<path>`` untouched; a crash inside the swap leaves it at ``<path>.old``, where
 ``load(path)`` finds it. Under ``"dist"`` every process writes its own blocks and only rank 0 swaps, after a
-barrier; ``path`` must be on a filesystem every process sees. A write that fails (a full disk) raises
+barrier; ``path`` must be on a filesystem every process sees. ``save(..., async_save=True)`` copies the blocks
+to host memory and returns a :class:`SaveHandle` at once; a background thread writes them (at most one save in
+flight; the next save waits for it). A write that fails (a full disk) raises
 ``CheckpointError`` with the OS's reason and the file; bytes changed after the save fail their checksum at load.
 
 Example:
@@ -37,6 +39,8 @@ Example:
     (7, P(None, 'tp'), True)
 """
 
+from ._async import SaveHandle as SaveHandle
+from ._async import in_flight as in_flight
 from ._files import swap_in as _swap_in  # noqa: F401 - save calls it here, where tests patch it
 from ._load import info as info
 from ._load import load as load
@@ -50,4 +54,4 @@ from ._steps import latest as latest
 from ._steps import list_steps as list_steps
 from ._steps import step_path as step_path
 
-__all__ = ["CheckpointError", "info", "latest", "list_steps", "load", "save", "step_path"]
+__all__ = ["CheckpointError", "SaveHandle", "in_flight", "info", "latest", "list_steps", "load", "save", "step_path"]

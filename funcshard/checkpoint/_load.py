@@ -9,7 +9,8 @@ from typing import Any
 import optree
 import torch
 
-from ..extend import Array, BackendImpl, PyTree
+from ..extend import Array, BackendImpl, PyTree, user_call
+from ._async import wait_in_flight
 from ._checksums import verify as verify_checksums
 from ._files import resolve
 from ._manifest import CheckpointError, check_data, parse_dtype, read_manifest
@@ -55,8 +56,13 @@ def load(path: str | os.PathLike[str], like: PyTree, *, strict: bool = True) -> 
     Example:
         >>> params = checkpoint.load("ckpt/step_100", like=params)  # doctest: +SKIP
     """
-    path = Path(os.fspath(path))
+    with user_call("checkpoint.load"):
+        return _load(Path(os.fspath(path)), like, strict=strict)
+
+
+def _load(path: Path, like: PyTree, *, strict: bool) -> PyTree:
     where = f"load('{path}')"
+    wait_in_flight()  # a save still writing in the background finishes first (it may be the one asked for)
     leaves, treedef = flatten(like, where)
     procs = backend_of(leaves, where)
     ckpt = resolve(path, where)
@@ -156,6 +162,9 @@ def _read(ckpt: Path, requests: dict[str, Any], saved: dict[str, Any], where: st
             reader = dcp.FileSystemReader(str(ckpt))
             dcp.load(requests, storage_reader=reader, planner=load_planner(), no_dist=not distributed)
     except (Exception, dcp.CheckpointException) as e:  # DCP wraps a failed read in CheckpointException
+        peer = procs.peer_failure("torch.distributed.checkpoint's exchange of the load plans", e)
+        if peer is not None:
+            raise peer from None
         raise CheckpointError(
             f"{where}: reading the tensor data failed ({cause_of(e)}); the checkpoint is damaged."
         ) from e

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import json
 import os
@@ -15,15 +16,24 @@ from typing import Any
 import torch
 
 from .. import checkpoint as _package  # swap_in is called through the package (as _swap_in), where tests patch it
-from ..extend import Array, PyTree
+from ..extend import Array, BackendImpl, PyTree, user_call
+from ._async import SaveHandle, start_in_flight, wait_in_flight
 from ._checksums import record as record_checksums
 from ._files import check_replaceable, fsync_dir
 from ._manifest import FORMAT, MANIFEST, VALUE_TYPES, VERSION, CheckpointError, dtype_name, manifest_text, spec_json
 from ._planners import cause_of, dcp_api, quiet
 from ._tree import all_block_offsets, backend_of, block_offsets, flatten
+from ._writer import Staged, merge_metadata, rank_folder, stage, write
 
 
-def save(path: str | os.PathLike[str], tree: PyTree, *, step: int | None = None, metadata: Any = None) -> str:
+def save(
+    path: str | os.PathLike[str],
+    tree: PyTree,
+    *,
+    step: int | None = None,
+    metadata: Any = None,
+    async_save: bool = False,
+) -> str | SaveHandle:
     """Write ``tree`` to the checkpoint directory ``path``, atomically (a crash keeps the previous one).
 
     Every process calls it with its part of the tree. Each ``fs.Array`` leaf is written as the distinct
@@ -31,27 +41,104 @@ def save(path: str | os.PathLike[str], tree: PyTree, *, step: int | None = None,
     tensors and Python scalars (int, float, bool, str) are saved whole as extras (under ``"dist"``, rank
     0's). ``None`` leaves are empty subtrees, as in optree.
 
+    With ``async_save=True`` the blocks are copied to host memory (pinned on CUDA) and the call returns a
+    :class:`SaveHandle` at once; a background thread writes them and puts the checkpoint in place while the
+    caller goes on (under ``"dist"`` over a process group of its own). At most one save is in flight: the next
+    save (either kind) waits for it first; call ``handle.wait()`` before the program ends (a save killed
+    mid-write leaves the previous checkpoint readable, as a synchronous one does).
+
     Args:
         path: the checkpoint directory (created; an existing checkpoint there is replaced).
         tree: a pytree of ``fs.Array``, ``torch.Tensor`` and Python scalars.
         step: an optional step number, recorded in the manifest (see :func:`info`).
         metadata: optional JSON-serialisable data recorded in the manifest.
+        async_save: write in the background and return a :class:`SaveHandle`.
 
     Returns:
-        ``path`` as a string.
+        ``path`` as a string; with ``async_save``, a :class:`SaveHandle` whose ``wait()`` returns it.
 
     Raises:
         CheckpointError: a leaf of another type, two leaves with one path, metadata that is not JSON, or a
-            ``path`` that exists and is not a checkpoint.
+            ``path`` that exists and is not a checkpoint (at once, also with ``async_save``); a failed write
+            (with ``async_save``, from ``wait()``).
+        PeerError: a peer process lost during the save (one line naming ``checkpoint.save``).
 
     Example:
         >>> checkpoint.save("ckpt/step_100", {"params": params, "opt": opt_state}, step=100)  # doctest: +SKIP
+        >>> handle = checkpoint.save("ckpt/step_200", state, step=200, async_save=True)  # doctest: +SKIP
+        >>> handle.wait()  # doctest: +SKIP
+        'ckpt/step_200'
     """
-    path = Path(os.fspath(path))
+    with user_call("checkpoint.save"):
+        wait_in_flight()  # at most one save in flight: an earlier asynchronous one finishes first
+        job = _prepare(Path(os.fspath(path)), tree, step, metadata)
+        if not async_save:
+            job.run(job.procs)
+            return str(job.path)
+        side = job.procs.side_channel()  # (made by every process here, at the same point, the first time)
+        staged = stage(job.state)  # into shared host memory: the caller may write into its tensors at once
+        folder = rank_folder(job.tmp, job.procs.process_index())
+        return start_in_flight(lambda procs: job.run(procs, staged=(staged, folder)), side, str(job.path))
+
+
+@dataclasses.dataclass
+class _Job:
+    """A save, planned: what this process writes (``state``) and the manifest rank 0 commits."""
+
+    path: Path
+    where: str
+    procs: BackendImpl
+    manifest: dict[str, Any]
+    state: _Blocks
+    tmp: Path
+
+    def run(self, procs: BackendImpl, staged: tuple[Staged, Path] | None = None) -> None:
+        """Write the blocks into ``tmp`` (or have the writer process write the ``staged`` ones into its folder),
+        then rank 0 swaps them in (``procs``: the channel of the collectives)."""
+        distributed, rank0 = procs.multiprocess, procs.process_index() == 0
+        if staged is None:
+            _write_blocks(self.tmp, self.state, self.where, self.path, procs=procs)
+            if distributed:
+                procs.barrier()  # every process has written and fsync'd its blocks
+        else:
+            self._children_done(procs, write(*staged))
+        err: BaseException | None = None
+        if rank0:
+            try:
+                if staged is not None:
+                    merge_metadata(self.tmp, procs.process_count())
+                _commit(self.tmp, self.path, self.manifest, self.where)
+            except BaseException as e:  # noqa: BLE001 - re-raised below, after the other ranks hear of it
+                shutil.rmtree(self.tmp, ignore_errors=True)
+                err = e
+        if distributed:
+            msg = procs.broadcast_object(None if err is None else f"{type(err).__name__}: {err}")
+            if msg is not None and err is None:
+                raise CheckpointError(
+                    f"{self.where}: rank 0 could not put the checkpoint in place ({msg}); nothing changed."
+                )
+        if err is not None:
+            raise err
+
+    def _children_done(self, procs: BackendImpl, reason: str | None) -> None:
+        """Every process's writer has answered (a collective); CheckpointError on every process if one failed."""
+        reasons = procs.all_gather_object(reason) if procs.multiprocess else [reason]
+        failed = [(r, m) for r, m in enumerate(reasons) if m is not None]
+        if failed:
+            if procs.process_index() == 0:
+                shutil.rmtree(self.tmp, ignore_errors=True)
+            r, msg = failed[0]
+            raise CheckpointError(
+                f"{self.where}: writing the blocks failed on rank {r} ({msg}); the previous checkpoint is untouched."
+            )
+
+
+def _prepare(path: Path, tree: PyTree, step: int | None, metadata: Any) -> _Job:
+    """Check the arguments, list this process's blocks and build the manifest; under ``"dist"`` agree on the
+    temporary folder (a collective)."""
     where = f"save('{path}')"
     leaves, treedef = flatten(tree, where)
     procs = backend_of(leaves, where)
-    distributed = procs.multiprocess
     if step is not None and (isinstance(step, bool) or not isinstance(step, int)):
         raise CheckpointError(f"{where}: step must be an int or None, found {step!r}.")
     try:
@@ -59,8 +146,7 @@ def save(path: str | os.PathLike[str], tree: PyTree, *, step: int | None = None,
     except (TypeError, ValueError) as e:
         raise CheckpointError(f"{where}: metadata must be JSON-serialisable ({e}).") from None
     check_replaceable(path)
-
-    rank0 = not distributed or procs.process_index() == 0
+    rank0 = not procs.multiprocess or procs.process_index() == 0
     entries, state = _entries_and_blocks(leaves, where, rank0=rank0)
     manifest = {
         "format": FORMAT,
@@ -71,26 +157,9 @@ def save(path: str | os.PathLike[str], tree: PyTree, *, step: int | None = None,
         "leaves": entries,
     }
     uid = uuid.uuid4().hex[:12]
-    if distributed:
+    if procs.multiprocess:
         uid = procs.broadcast_object(uid)  # every process writes into rank 0's temp dir
-    tmp = path.with_name(f"{path.name}.tmp-{uid}")
-    _write_blocks(tmp, state, where, path, distributed=distributed, rank0=rank0)
-    if distributed:
-        procs.barrier()  # every process has written and fsync'd its blocks
-    err: BaseException | None = None
-    if rank0:
-        try:
-            _commit(tmp, path, manifest, where)
-        except BaseException as e:  # noqa: BLE001 - re-raised below, after the other ranks hear of it
-            shutil.rmtree(tmp, ignore_errors=True)
-            err = e
-    if distributed:
-        msg = procs.broadcast_object(None if err is None else f"{type(err).__name__}: {err}")
-        if msg is not None and err is None:
-            raise CheckpointError(f"{where}: rank 0 could not put the checkpoint in place ({msg}); nothing changed.")
-    if err is not None:
-        raise err
-    return str(path)
+    return _Job(path, where, procs, manifest, state, path.with_name(f"{path.name}.tmp-{uid}"))
 
 
 _Blocks = dict[str, tuple[tuple[int, ...], dict[tuple[int, ...], torch.Tensor]]]
@@ -116,6 +185,7 @@ def _entries_and_blocks(leaves: list[tuple[str, Any]], where: str, *, rank0: boo
             )
         if isinstance(leaf, Array):
             blocks: dict[tuple[int, ...], torch.Tensor] = {}
+            owners = _owners(leaf)
             for c, t in leaf.shards.items():
                 off, sizes = block_offsets(leaf, c)
                 if tuple(t.shape) != sizes:
@@ -123,7 +193,8 @@ def _entries_and_blocks(leaves: list[tuple[str, Any]], where: str, *, rank0: boo
                         f"{where}: leaf '{name}': the shard of device {c} has shape {tuple(t.shape)}, but spec "
                         f"{leaf.spec!r} of shape {leaf.shape} on mesh {leaf.mesh.shape} gives blocks of {sizes}."
                     )
-                blocks.setdefault(off, t)
+                if owners is None or owners[off] == leaf.mesh.process_index():
+                    blocks.setdefault(off, t)
             state[name] = (leaf.shape, blocks)
             entries[name] = {
                 "kind": "array",
@@ -148,19 +219,41 @@ def _entries_and_blocks(leaves: list[tuple[str, Any]], where: str, *, rank0: boo
     return entries, state
 
 
-def _write_blocks(tmp: Path, state: _Blocks, where: str, path: Path, *, distributed: bool, rank0: bool) -> None:
-    """Write this process's blocks into ``tmp`` through DCP (fsync'd); on failure remove ``tmp`` and raise a
-    ``CheckpointError`` naming the OS's reason and the file."""
+def _owners(a: Array) -> dict[tuple[int, ...], int] | None:
+    """Under ``"dist"``, the process that writes each block of ``a``: the lowest rank holding it (a replicated
+    block is written once); None where one process holds every device."""
+    if not a.mesh.is_multiprocess:
+        return None
+    owners: dict[tuple[int, ...], int] = {}
+    for rank, c in enumerate(a.mesh.device_coords()):
+        owners.setdefault(block_offsets(a, tuple(c.values()))[0], rank)
+    return owners
+
+
+def _write_blocks(tmp: Path, state: _Blocks, where: str, path: Path, *, procs: BackendImpl) -> None:
+    """Write this process's blocks into ``tmp`` through DCP (fsync'd; its collectives over ``procs``' process
+    group); on failure remove ``tmp`` and raise a ``CheckpointError`` naming the OS's reason and the file, or
+    the ``PeerError`` of a peer lost meanwhile."""
     dcp, save_planner, _, _ = dcp_api()
     failures: list[tuple[OSError, str]] = []
+    distributed = procs.multiprocess
     try:
         writer = dcp.FileSystemWriter(str(tmp), single_file_per_rank=True, sync_files=True, thread_count=1)
         _record_failures(writer, failures)
         with quiet():
-            dcp.save(state, storage_writer=writer, planner=save_planner(), no_dist=not distributed)
+            dcp.save(
+                state,
+                storage_writer=writer,
+                planner=save_planner(),
+                process_group=procs.process_group,
+                no_dist=not distributed,
+            )
     except BaseException as e:
-        if rank0:
+        if not distributed or procs.process_index() == 0:
             shutil.rmtree(tmp, ignore_errors=True)
+        peer = procs.peer_failure("torch.distributed.checkpoint's exchange of the save plans", e)
+        if peer is not None:
+            raise peer from None
         if isinstance(e, OSError) or failures:
             raise _write_error(where, path, e, failures) from e
         if isinstance(e, dcp.CheckpointException):  # a BaseException that names only the failing ranks

@@ -1,10 +1,11 @@
 """Command-line plumbing shared by the jobs: ``--mesh`` parsing, one-line errors, exit codes.
 
 Every job turns bad input into ONE line ``error: ...`` on stderr and exit code 2 (no traceback): argparse's
-own complaints, :class:`UsageError` (raised by the jobs for input they cannot use), the library's
-``MeshError`` / ``ShardingError`` / ``CheckpointError``, whose messages already say what to change, and an
-``OSError`` (a file that could not be read or written: its reason and path). Ctrl-C ends a job with one line
-and exit code 130. ``--help`` shows every option with its default, and the environment settings.
+own complaints, :class:`UsageError` (raised by the jobs for input they cannot use), every ``FuncshardError`` of
+the library (``MeshError``, ``ShardingError``, ``ConfigError``, ``CheckpointError``, ...), whose messages already
+say what to change, and an ``OSError`` (a file that could not be read or written: its reason and path). Ctrl-C
+ends a job with one line and exit code 130. ``--help`` shows every option with its default, and the environment
+settings.
 
 Example:
     >>> parse_mesh("dp=2,tp=4")
@@ -23,8 +24,7 @@ import time
 from collections.abc import Callable
 from typing import Any, NoReturn
 
-from funcshard import ConfigError, MeshError, ShardingError
-from funcshard.checkpoint import CheckpointError
+from funcshard import FuncshardError, MeshError
 from funcshard.process import PeerError, abandoned_threads, shutdown
 
 __all__ = [
@@ -170,6 +170,12 @@ ENVIRONMENT = """environment:
   LOCAL_RANK         set by torchrun: the GPU of this process (NCCL)
   LOCAL_WORLD_SIZE   set by torchrun: processes on this machine, which share
                      its cores (see --threads)
+  TORCHELASTIC_RESTART_COUNT
+                     set by torchrun: a worker it restarted (--max-restarts)
+                     starts its process group under a fresh store prefix
+  FUNCSHARD_TEST_KILL_AFTER_CKPT
+                     a test hook, RANK:STEP: that rank kills itself once the
+                     checkpoint of STEP is complete (first generation only)
   MASTER_ADDR, MASTER_PORT are torch.distributed's own (set by torchrun).
 
 exit codes: 0 done; 2 bad input or a failure, with one 'error: ...' line;
@@ -338,7 +344,19 @@ def _add_output_options(ap: ArgumentParser) -> None:
     g = ap.add_argument_group("output")
     g.add_argument("--ckpt-dir", default="runs/llama/ckpt", help="checkpoints (one subfolder per step, last 2 kept)")
     g.add_argument("--ckpt-every", type=positive_int, default=100, help="save a checkpoint every N steps")
-    g.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --ckpt-dir")
+    g.add_argument(
+        "--async-ckpt",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="write checkpoints in the background while training goes on (one in flight; the next save and the "
+        "end of the run wait for it); default: on under torchrun, off on a simulated mesh",
+    )
+    g.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue from the latest checkpoint in --ckpt-dir; with none there yet, start afresh (so one command "
+        "serves every try of torchrun --max-restarts N)",
+    )
     g.add_argument(
         "--overwrite",
         action="store_true",
@@ -465,7 +483,7 @@ def run(parser: ArgumentParser, job: Callable[[argparse.Namespace], object], arg
         code = _say_once(f"{parser.prog}: stopped (Ctrl-C).", 130)
     except PeerError as e:
         code = _fail(str(e), every_rank=True)
-    except (UsageError, MeshError, ShardingError, ConfigError, CheckpointError) as e:
+    except (UsageError, FuncshardError) as e:  # MeshError, ShardingError, ConfigError, CheckpointError, ...
         code = _fail(str(e))
     except OSError as e:  # a file the job could not read or write (disk full, permissions, ...)
         code = _fail(_os_message(e))

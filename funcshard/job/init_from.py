@@ -209,7 +209,8 @@ def tokenize_corpus(corpus: Corpus, file: Path, *, vocab_size: int, seq: int) ->
 
 
 def load_params(folder: str | Path, mesh: fs.Mesh, specs: Any) -> Any:
-    """The folder's weights as ``fs.Array``s laid out by ``specs`` over ``mesh`` (each process keeps its shards).
+    """The folder's weights as ``fs.Array``s laid out by ``specs`` over ``mesh``: each process reads only the bytes
+    of its own shards (``llama.from_hf(..., mesh=...)``).
 
     Raises:
         UsageError: weights funcshard cannot read (missing, of the wrong shape, corrupt).
@@ -218,10 +219,9 @@ def load_params(folder: str | Path, mesh: fs.Mesh, specs: Any) -> Any:
         >>> # params = load_params("path/to/model", mesh, llama.param_specs(cfg, mesh))
     """
     try:
-        _, params = llama.from_hf(folder)
+        return llama.from_hf(folder, mesh=mesh, specs=specs)[1]
     except fs.FuncshardError as e:
         raise UsageError(f"--init-from: {e}") from None
-    return fs.device_put(params, mesh, specs)
 
 
 def byte_codec() -> Codec:

@@ -4,9 +4,11 @@ Everything here runs before the corpus is read and before any tensor is allocate
 second and gives one ``error: ...`` line (a :class:`~funcshard.job.cli.UsageError`), never a traceback after
 minutes of training:
 
-- float options are finite and in range (``--lr inf`` / ``nan`` / ``-1``);
+- float options are finite and in range (``--lr inf`` / ``nan`` / ``-1``), and ``--seq`` splits over the
+  sequence axes (``cp``, and ``tp`` with ``--sp``);
 - ``--ckpt-dir`` does not hold an earlier run's checkpoints unless ``--resume`` or ``--overwrite`` says what to
-  do with them (nothing an earlier run wrote is deleted without ``--overwrite``);
+  do with them (nothing an earlier run wrote is deleted without ``--overwrite``); ``--resume`` on a folder with
+  no checkpoint starts afresh (so ``torchrun --max-restarts N ... train --resume`` is one command for every try);
 - ``--out`` and ``--ckpt-dir`` are folders this process can write to (probed with a file, which also finds a
   read-only filesystem, where permission bits say nothing for root);
 - one training step fits in memory and in time: its ``memory_analysis()`` (the step lowered on the abstract twin
@@ -21,6 +23,7 @@ Example:
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import re
 import tempfile
@@ -39,10 +42,13 @@ __all__ = [
     "MAX_STEP_SECONDS",
     "available_memory",
     "check_ckpt_dir",
+    "check_mesh_sizes",
     "check_numbers",
+    "check_shared_ckpt_dir",
     "check_step_size",
     "check_writable",
     "human_bytes",
+    "node_order",
 ]
 
 MAX_STEP_SECONDS = 3600.0  # a step estimated to take longer than this at --peak-tflops is refused
@@ -73,12 +79,91 @@ def check_numbers(args: argparse.Namespace) -> None:
         raise UsageError("--resume continues the run in --ckpt-dir and --overwrite deletes it; pass one of them.")
 
 
+def check_mesh_sizes(args: argparse.Namespace) -> None:
+    """``--seq`` splits over the sequence axes of ``--mesh``: ``cp`` (and ``tp`` too with ``--sp``), checked before
+    the corpus is read.
+
+    Raises:
+        UsageError: naming ``--seq``, the axes and the nearest lengths that divide.
+
+    Example:
+        >>> from funcshard.job.cli import train_parser
+        >>> check_mesh_sizes(train_parser().parse_args(["--mesh", "cp=2", "--seq", "63"]))
+        Traceback (most recent call last):
+        ...
+        funcshard.job.cli.UsageError: --seq 63 is not divisible by cp=2 (--mesh cp=2): ...
+    """
+    shape = parse_mesh(args.mesh)
+    axes = {"cp": shape.get("cp", 1)}
+    if args.sp:
+        axes["tp"] = shape.get("tp", 1)
+    n = math.prod(axes.values())
+    if args.seq % n:
+        split = " x ".join(f"{a}={s}" for a, s in axes.items() if s > 1)
+        lower, upper = args.seq // n * n, (args.seq // n + 1) * n
+        nearest = f"{lower} or {upper}" if lower else f"{upper}"
+        raise UsageError(
+            f"--seq {args.seq} is not divisible by {split} (--mesh {args.mesh}{' --sp' if args.sp else ''}): each "
+            f"device holds an equal part of every sequence; use --seq {nearest}."
+        )
+
+
+def node_order(shape: dict[str, int]) -> dict[str, int]:
+    """``--mesh`` with ``cp`` and ``tp`` moved last when the job spans several nodes (``WORLD_SIZE`` above
+    ``LOCAL_WORLD_SIZE``): the innermost axes stay inside a node, and those two run collectives every layer.
+    On one node, the order given.
+
+    Example:
+        >>> node_order({"tp": 2, "dp": 2})  # one node (no torchrun here): as given
+        {'tp': 2, 'dp': 2}
+    """
+    world, local = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0)
+    if not local or local >= world:
+        return shape
+    inner = ("cp", "tp")
+    return {**{a: s for a, s in shape.items() if a not in inner}, **{a: shape[a] for a in inner if a in shape}}
+
+
+def check_shared_ckpt_dir(ckpt_dir: Path, mesh: fs.Mesh) -> None:
+    """Every process sees the same ``--ckpt-dir`` (a collective under torchrun; nothing to check simulated):
+    process 0 writes a file with a fresh token there and every process reads it back.
+
+    Raises:
+        UsageError: on every process, naming the ranks that do not see it, and saying the folder must be shared.
+
+    Example:
+        >>> import tempfile
+        >>> check_shared_ckpt_dir(Path(tempfile.mkdtemp()), fs.make_mesh({"dp": 2}, backend="sim"))
+    """
+    if not mesh.is_multiprocess:
+        return
+    probe = ckpt_dir / ".funcshard-shared"
+    token = mesh.broadcast_object(os.urandom(8).hex() if mesh.process_index() == 0 else None)
+    if mesh.process_index() == 0:
+        probe.write_text(token)
+    mesh.barrier()
+    try:
+        seen = probe.read_text() == token
+    except OSError:
+        seen = False
+    blind = [r for r, ok in enumerate(mesh.all_gather_object(seen)) if not ok]
+    if mesh.process_index() == 0:
+        probe.unlink(missing_ok=True)
+    if blind:
+        raise UsageError(
+            f"--ckpt-dir '{ckpt_dir}' is not shared: rank(s) {', '.join(map(str, blind))} do not see the file rank 0 "
+            f"wrote there; every process writes its blocks of a checkpoint into it and rank 0 puts it in place, so "
+            f"it must be one folder on a filesystem every node mounts (NFS, Lustre, ...)."
+        )
+
+
 def check_ckpt_dir(ckpt_dir: Path, *, resume: bool, overwrite: bool) -> list[int]:
     """The steps saved in ``ckpt_dir``, after checking that the run may start there.
 
     Without ``--resume`` or ``--overwrite``, a folder holding anything but an old ``config.json`` is refused:
     re-running a command from the shell history must not wipe the run it started. ``--overwrite`` may delete
-    only what train wrote (``step_N`` checkpoints and ``config.json``).
+    only what train wrote (``step_N`` checkpoints and ``config.json``). With ``--resume`` every folder is accepted;
+    one with no checkpoint yet gives ``[]`` (the run starts afresh).
 
     Raises:
         UsageError: saying what is there and which flag to pass.
@@ -89,9 +174,7 @@ def check_ckpt_dir(ckpt_dir: Path, *, resume: bool, overwrite: bool) -> list[int
         []
     """
     saved = list_steps(ckpt_dir)
-    if resume:
-        if not saved:
-            raise UsageError(f"--resume: no checkpoint in '{ckpt_dir}'; drop --resume to start, or fix --ckpt-dir.")
+    if resume:  # with none yet, the run starts afresh: a torchrun restart before the first checkpoint
         return saved
     entries = sorted(p.name for p in ckpt_dir.iterdir()) if ckpt_dir.is_dir() else []
     entries = [n for n in entries if n != "config.json"]
@@ -173,7 +256,7 @@ def check_step_size(args: argparse.Namespace, cfg: llama.Config) -> None:
     if bridge.wanted(args):  # a Hugging Face model through fs.nn: no abstract twin to lower (its init is the folder)
         return
     flags = f"--batch {args.batch} x --seq {args.seq}"
-    shape = parse_mesh(args.mesh)
+    shape = node_order(parse_mesh(args.mesh))
     mesh = fs.make_mesh(shape)  # (the job's own mesh: where its devices' memory is)
     have, sharing, what = device_memory(mesh)
     if have is not None:

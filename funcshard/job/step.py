@@ -128,7 +128,8 @@ def check_args(args: argparse.Namespace, mesh: fs.Mesh, cfg: llama.Config) -> in
 def optimizer(args: argparse.Namespace, warmup: int) -> optim.Optimizer:
     final = args.lr / 10 if args.final_lr is None else args.final_lr
     schedule = optim.warmup_cosine(args.lr, warmup, args.steps, final_lr=final)
-    return optim.chain(optim.clip_by_global_norm(args.clip), optim.adamw(schedule, weight_decay=args.weight_decay))
+    adamw = optim.adamw(schedule, b1=0.9, b2=0.95, weight_decay=args.weight_decay)  # b2 as LLM recipes (Llama)
+    return optim.chain(optim.clip_by_global_norm(args.clip), adamw)
 
 
 class TrainStep(NamedTuple):

@@ -29,11 +29,11 @@ import dataclasses
 import json
 import math
 import os
-import shutil
 import time
 from pathlib import Path
 from typing import Any
 
+import optree
 import torch
 
 import funcshard as fs
@@ -45,6 +45,7 @@ from funcshard.process import PeerError, any_process, collective_timeout
 from . import bridge, init_from, preflight
 from .cli import Interrupted, StopOnCtrlC, UsageError, parse_mesh, run, train_parser
 from .data import eval_batches, load_corpus, train_batch
+from .saving import Saver, async_default, remove_checkpoint
 from .step import build_step, model_config, model_module
 
 __all__ = ["main", "train"]
@@ -174,12 +175,15 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     cfg = model_config(args)
     preflight.check_numbers(args)
     mesh_shape = parse_mesh(args.mesh)
+    preflight.check_mesh_sizes(args)
     collective_timeout()  # MeshError now, not at the first collective: a FUNCSHARD_TIMEOUT that is not a number
     ckpt_dir, out = Path(args.ckpt_dir), Path(args.out)
     saved = preflight.check_ckpt_dir(ckpt_dir, resume=args.resume, overwrite=args.overwrite)
     preflight.check_writable("--ckpt-dir", ckpt_dir)
     preflight.check_writable("--out", out)
+    mesh_shape = preflight.node_order(mesh_shape)  # several nodes: tp and cp inside one
     preflight.check_step_size(args, cfg)
+    preflight.check_shared_ckpt_dir(ckpt_dir, fs.make_mesh(mesh_shape))
     progress = {"step": None}  # the last step done, for the message after Ctrl-C
     stop = StopOnCtrlC()
     try:
@@ -190,6 +194,22 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         if stop.requested:  # a peer left after Ctrl-C: what the user asked for
             raise Interrupted(_stopped(progress["step"], ckpt_dir, args)) from None
         raise
+
+
+def _say_nodes(mesh: fs.Mesh, asked: dict[str, int]) -> None:
+    """On several nodes: how many, which axes stay inside one, and the reordering of ``--mesh`` if any."""
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0)
+    if not mesh.is_multiprocess or not local or local >= mesh.size:
+        return
+    inside = ", ".join(mesh.node_local_axes()) or "none"
+    _say(f"nodes: {mesh.size // local} of {local} processes; axes inside a node: {inside}")
+    if list(asked) != list(mesh.shape):
+        _say(f"note: --mesh {_mesh_text(asked)} ran as {_mesh_text(mesh.shape)}: tp and cp innermost, inside a node")
+
+
+def _mesh_text(shape: dict[str, int]) -> str:
+    """``{"dp": 2, "tp": 2}`` -> ``dp=2,tp=2``."""
+    return ",".join(f"{a}={s}" for a, s in shape.items())
 
 
 def _stopped(step: int | None, ckpt_dir: Path, args: argparse.Namespace) -> str:
@@ -219,6 +239,7 @@ class _Run:
     eval_step: Any  # (params, tokens, targets) -> loss
     init: Any  # key -> params
     opt_init: Any  # params -> opt_state
+    abstract: Any  # () -> (params, opt_state) as arrays of meta tensors: the layout a resume loads into
     vals: list[tuple[torch.Tensor, torch.Tensor]] = dataclasses.field(default_factory=list)
 
     def evaluate(self, p: Any) -> float:
@@ -237,6 +258,7 @@ def _setup(args: argparse.Namespace, cfg: llama.Config, mesh_shape: dict[str, in
     specs, bs, accum = step.specs, step.batch_spec, getattr(args, "grad_accum", 1)
     if args.resume:
         _check_same_model(ckpt_dir, cfg)
+    resuming = args.resume and bool(checkpoint.list_steps(ckpt_dir))
 
     model = model_module(cfg)
 
@@ -246,11 +268,13 @@ def _setup(args: argparse.Namespace, cfg: llama.Config, mesh_shape: dict[str, in
 
     kw = {"mesh": mesh, "check_vma": args.check_vma}
     init = fs.shard_map(lambda k: model.init(k, cfg), in_specs=(P(),), out_specs=specs, **kw)
-    if getattr(args, "init_from", None) and not args.resume:  # the folder's weights (a resume loads its own)
+    if getattr(args, "init_from", None) and not resuming:  # the folder's weights (a resume loads its own)
         init = lambda k: init_from.load_params(args.init_from, mesh, specs)  # noqa: E731
     eval_step = fs.shard_map(eval_fn, in_specs=(specs, bs, bs), out_specs=P(), **kw)
+    abstract = lambda: _abstract_state(model.init, cfg, step, mesh)  # noqa: E731
     if bridge.wanted(args):  # a Hugging Face model that is not a Llama: its loss and weights through fs.nn
         eval_step, init = bridge.eval_and_init(args, mesh, specs, bs)  # (a resume loads its own over these)
+        abstract = lambda: (lambda p: (p, step.opt_init(p)))(init(None))  # noqa: E731 - the folder's weights
     return _Run(
         args,
         cfg,
@@ -263,7 +287,21 @@ def _setup(args: argparse.Namespace, cfg: llama.Config, mesh_shape: dict[str, in
         eval_step=eval_step,
         init=init,
         opt_init=step.opt_init,
+        abstract=abstract,
     )
+
+
+def _abstract_state(init: Any, cfg: llama.Config, step: Any, mesh: fs.Mesh) -> tuple[Any, Any]:
+    """The params and optimiser state as ``fs.Array``s of meta tensors on ``mesh`` (their shapes from
+    ``fs.eval_shape`` of the model's ``init``: nothing drawn, nothing allocated), for ``checkpoint.load`` to fill on
+    a resume."""
+    shapes = fs.eval_shape(lambda k: init(k, cfg), fsr.key(0))
+    state_shapes = fs.eval_shape(step.optimizer.init, shapes)
+
+    def meta(tree: Any) -> Any:
+        return optree.tree_map(lambda s: torch.empty(s.shape, dtype=s.dtype, device="meta"), tree)
+
+    return fs.device_put(meta(shapes), mesh, step.specs), fs.device_put(meta(state_shapes), mesh, step.state_specs)
 
 
 def _accumulating(step: Any, k: int) -> Any:
@@ -287,20 +325,25 @@ def _restore_or_init(run: _Run, saved: list[int]) -> tuple[Any, Any, torch.Tenso
     sharded init (and, with ``--overwrite``, an earlier run's checkpoints removed)."""
     args, ckpt_dir = run.args, run.ckpt_dir
     key = fsr.key(args.seed)
-    params = run.init(fsr.fold_in(key, 0))  # sharded init: each device draws its own blocks
-    state, data_key, start = run.opt_init(params), fsr.fold_in(key, 1), 0
-    if args.resume:
+    data_key = fsr.fold_in(key, 1)
+    if args.resume and saved:  # loaded into the abstract layout: no random init first
+        params, state = run.abstract()
         path = checkpoint.step_path(ckpt_dir, saved[-1])
         like = {"params": params, "opt_state": state, "step": 0, "data_key": data_key}
         tree = checkpoint.load(path, like)
         params, state, start, data_key = tree["params"], tree["opt_state"], tree["step"], tree["data_key"]
         if start >= args.steps:
             raise UsageError(f"--resume: the checkpoint is at step {start} already; raise --steps to train on.")
+        return params, state, data_key, start
+    params = run.init(fsr.fold_in(key, 0))  # sharded init: each device draws its own blocks
+    state = run.opt_init(params)
+    if args.resume:
+        _say(f"--resume: no checkpoint in '{ckpt_dir}' yet; starting afresh")
     elif saved and _lead():  # --overwrite (check_ckpt_dir refused the rest): the old run's checkpoints go
         for s in saved:
-            _remove_checkpoint(ckpt_dir, s)
+            remove_checkpoint(ckpt_dir, s)
         print(f"--overwrite: removed {len(saved)} checkpoint(s) of an earlier run in {ckpt_dir}", flush=True)
-    return params, state, data_key, start
+    return params, state, data_key, 0
 
 
 def _train(
@@ -327,6 +370,7 @@ def _train(
             (ckpt_dir / "config.json").write_text(json.dumps({**meta, "corpus": run.corpus.describe()}, indent=1))
         run.vals = eval_batches(run.corpus.val, n=args.eval_batches, batch=args.batch, seq=args.seq)
         _say(f"mesh {mesh.shape} ({mesh.backend}, {mesh.size} devices){'  sequence parallel' if args.sp else ''}")
+        _say_nodes(mesh, parse_mesh(args.mesh))
         _say(f"model: {_name(cfg)}, {cfg.num_params() / 1e6:.2f}M params, {cfg}")
         _say(f"data: {run.corpus.describe()}")
         _say(f"batch {args.batch} x {args.seq} = {args.batch * args.seq} tokens/step; steps {start} -> {args.steps}")
@@ -368,9 +412,12 @@ def _steps(
     times: list[float] = []
     last_val = next((float(r["val_loss"]) for r in reversed(rows) if r["val_loss"] != ""), float("nan"))
     bar = tqdm(total=end, initial=start, desc="train", disable=not _lead(), dynamic_ncols=True, mininterval=0.5)
+    background = args.async_ckpt if args.async_ckpt is not None else async_default(run.mesh.is_multiprocess)
+    saver = Saver(ckpt_dir, {"model": model_dict(cfg)}, asynchronous=background)
     with stop:
         for i in steps:
             if _agree(stop.requested, run.mesh):  # every device and process stops after the same step
+                saver.finish()  # the checkpoint in flight is in place before the line says it is intact
                 bar.close()
                 if _lead():
                     _write_rows(out / "metrics.csv", rows)
@@ -394,9 +441,10 @@ def _steps(
             )
             bar.update(1)
             if (i + 1) % args.ckpt_every == 0 or i + 1 == end:
-                _save(ckpt_dir, i + 1, params, state, data_key, cfg)
+                saver.save(i + 1, params, state, data_key)  # (with --async-ckpt, written while training goes on)
                 if _lead():
                     _write_rows(out / "metrics.csv", rows)
+    saver.finish()
     bar.close()
     return params, times
 
@@ -471,26 +519,6 @@ def _check_same_model(ckpt_dir: Path, cfg: llama.Config) -> None:
             f"--resume: the checkpoints in '{ckpt_dir}' are of another model: {', '.join(diff)}; "
             f"pass the same model flags, or use another --ckpt-dir."
         )
-
-
-def _save(ckpt_dir: Path, step: int, params: Any, state: Any, data_key: torch.Tensor, cfg: llama.Config) -> None:
-    tree = {"params": params, "opt_state": state, "step": step, "data_key": data_key}
-    checkpoint.save(checkpoint.step_path(ckpt_dir, step), tree, step=step, metadata={"model": model_dict(cfg)})
-    if _lead():
-        for s in checkpoint.list_steps(ckpt_dir)[:-2]:  # keep the last two
-            _remove_checkpoint(ckpt_dir, s)
-
-
-def _remove_checkpoint(ckpt_dir: Path, step: int) -> None:
-    """Delete the checkpoint of ``step``: renamed away first (one atomic step), so an interruption while its
-    files go never leaves a half-deleted folder that looks like a checkpoint."""
-    path = Path(checkpoint.step_path(ckpt_dir, step))
-    trash = path.with_name(f"{path.name}.trash-{os.getpid()}")
-    try:
-        os.rename(path, trash)
-    except OSError:
-        return
-    shutil.rmtree(trash, ignore_errors=True)
 
 
 def main(argv: list[str] | None = None) -> int:

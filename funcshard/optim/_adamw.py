@@ -30,7 +30,7 @@ from .schedules import LrSchedule, check_lr, lr_at
 def adamw(
     lr: float | LrSchedule,
     b1: float = 0.9,
-    b2: float = 0.95,
+    b2: float = 0.999,
     eps: float = 1e-8,
     weight_decay: float = 0.0,
     *,
@@ -51,7 +51,7 @@ def adamw(
     Args:
         lr: learning rate, or a schedule of the step count (see :func:`warmup_cosine`).
         b1: first-moment decay, in [0, 1).
-        b2: second-moment decay, in [0, 1).
+        b2: second-moment decay, in [0, 1) (optax's and torch's default 0.999; LLM recipes use 0.95).
         eps: added to the denominator, >= 0.
         weight_decay: decoupled decay coefficient, >= 0.
         mask: where the weight decay applies, as optax's ``adamw(mask=...)``: a tree of bools with the params'

@@ -87,6 +87,23 @@ def test_visualize_picture() -> None:
     assert "dev 0,4" in pic2 and "dp=* tp=0" in pic2
 
 
+def _visualize_body(mesh: fs.Mesh) -> tuple[str, str]:
+    import contextlib
+    import io
+
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        pic = fs.visualize(fs.device_put(torch.zeros(4, 8), mesh, P("dp")))
+    return str(pic), printed.getvalue()
+
+
+def test_visualize_prints_on_the_first_process_only(run) -> None:
+    results = run(_visualize_body, {"dp": 2})
+    assert all(pic == results[0][0] for pic, _ in results)  # every process returns the picture
+    assert results[0][1].strip() == results[0][0]  # the first prints it
+    assert all(printed == "" for _, printed in results[1:])  # the others print nothing
+
+
 def _numpy_body(mesh: fs.Mesh) -> tuple[bool, bool]:
     """A tensor over memory torch does not own (``torch.from_numpy``) as a shard_map argument and its result."""
     import numpy as np

@@ -147,7 +147,7 @@ def _masked_fused_body(mesh: fs.Mesh, donate: tuple[int, ...]) -> list[dict[str,
     g = torch.Generator().manual_seed(5)
     params = {k: torch.randn(s, generator=g) for k, s in FUSED_SHAPES.items()}
     grads = [{k: torch.randn(s, generator=g) for k, s in FUSED_SHAPES.items()} for _ in range(3)]
-    opt = optim.adamw(1e-2, weight_decay=0.1, mask={"w": True, "b": False, "n": False})
+    opt = optim.adamw(1e-2, b2=0.95, weight_decay=0.1, mask={"w": True, "b": False, "n": False})
     sspecs = opt.state_specs(FUSED_SPECS)
     step = fs.shard_map(
         lambda p, g, s: opt.update(g, s, p),

@@ -132,7 +132,7 @@ def _clip_body(mesh: fs.Mesh, check_vma: bool) -> str:
     cases = [
         (optim.sgd(0.1, momentum=0.9), lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, foreach=False)),
         (
-            optim.adamw(1e-2, weight_decay=0.1),
+            optim.adamw(1e-2, b2=0.95, weight_decay=0.1),
             lambda ps: torch.optim.AdamW(ps, lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, foreach=False),
         ),
     ]
@@ -365,3 +365,9 @@ def test_schedule_returning_negative_lr_raises() -> None:
     p = {"w": torch.ones(2)}
     with pytest.raises(ValueError, match=r"the lr schedule gave -0\.1 at step 0"):
         opt.update(p, opt.init(p), p)
+
+
+def test_adamw_b2_defaults_to_optax_and_torch() -> None:
+    import inspect
+
+    assert inspect.signature(optim.adamw).parameters["b2"].default == 0.999  # optax.adamw, torch.optim.AdamW

@@ -21,6 +21,7 @@ import optree
 import torch
 
 from ..errors import ShardingError
+from ..runtime.context import user_call
 from ..runtime.mesh import Mesh
 from ..shard_map.api import shard_map
 from ..tree import pytree
@@ -133,7 +134,8 @@ def device_get(x: PyTree) -> PyTree:
             full = full.clone()
         return full
 
-    return optree.tree_map(one, x, is_leaf=is_array)
+    with user_call("fs.device_get"):  # a peer that never calls it: the error names device_get, not its gather
+        return optree.tree_map(one, x, is_leaf=is_array)
 
 
 def reshard(x: PyTree, spec: PyTree) -> PyTree:
@@ -157,15 +159,16 @@ def reshard(x: PyTree, spec: PyTree) -> PyTree:
         check_spec(s, a.shape, a.mesh, path=path, fn="reshard")
         if s != a.spec:
             moves.setdefault(a.mesh, []).append(k)
-    for mesh, idx in moves.items():
-        dst = [specs[k] for k in idx]
-        # an identity whose in_specs differ from the arguments' layouts: the executor runs the fewest
-        # collectives (see _reshard.reshard_plan) on the devices before it
-        moved = shard_map(_identity, mesh=mesh, in_specs=(dst,), out_specs=dst, check_vma=False)(
-            [leaves[k] for k in idx]
-        )
-        for k, a in zip(idx, moved, strict=True):
-            out[k] = a
+    with user_call("fs.reshard"):  # a peer that never calls it: the error names reshard, not its collectives
+        for mesh, idx in moves.items():
+            dst = [specs[k] for k in idx]
+            # an identity whose in_specs differ from the arguments' layouts: the executor runs the fewest
+            # collectives (see _reshard.reshard_plan) on the devices before it
+            moved = shard_map(_identity, mesh=mesh, in_specs=(dst,), out_specs=dst, check_vma=False)(
+                [leaves[k] for k in idx]
+            )
+            for k, a in zip(idx, moved, strict=True):
+                out[k] = a
     return optree.tree_unflatten(treedef, out)
 
 

@@ -65,7 +65,8 @@ class Picture(str):
 
 def visualize(a: Array, *, show: bool = True) -> Picture:
     """Draw which devices hold each block of ``a`` (the first two dims; like
-    ``jax.debug.visualize_array_sharding``). Returns the picture and prints it unless ``show=False``.
+    ``jax.debug.visualize_array_sharding``). Returns the picture and prints it unless ``show=False``; under
+    ``"dist"`` the first process alone prints it (each process returns it).
 
     Each cell is one block; it lists the ranks that hold it and their coordinates (``*`` = every index of
     that axis, i.e. replicated over it).
@@ -107,7 +108,7 @@ def visualize(a: Array, *, show: bool = True) -> Picture:
             lines.append("│" + "│".join(texts[(i, j)][k].center(width) for j in range(cols_n)) + "│")
         lines.append(border("├", "┼", "┤") if i < rows_n - 1 else border("└", "┴", "┘"))
     pic = Picture("\n".join(lines))
-    if show:
+    if show and a.mesh.process_index() == 0:  # under torchrun, printed once (every process returns it)
         print(pic)
         pic.shown = True
     return pic

@@ -38,6 +38,8 @@ __all__ = [
     "trace_scope",
     "tracing",
     "transforms_active",
+    "user_call",
+    "user_call_name",
 ]
 
 _local = threading.local()
@@ -321,6 +323,37 @@ def observe_scope(obs: Any) -> contextlib.AbstractContextManager[None]:
 def observer() -> Any:
     """The analysis of :func:`observe_scope` watching this thread, or None."""
     return getattr(_scope, "observer", None) or None
+
+
+class user_call(contextlib.AbstractContextManager):  # used as a function: ``with user_call("x"):``
+    """Within it, this thread runs the public call ``name`` (``device_get``, ``checkpoint.save``): a collective
+    inside that fails for want of its peers names that call, which the user wrote, besides its own (an
+    ``all_gather`` the user never wrote). The outermost call wins.
+
+    Example:
+        >>> with user_call("device_get"):
+        ...     with user_call("reshard"):
+        ...         user_call_name()
+        'device_get'
+    """
+
+    __slots__ = ("name", "prev")
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __enter__(self) -> None:
+        self.prev = getattr(_scope, "call", None)
+        if self.prev is None:
+            _scope.call = self.name
+
+    def __exit__(self, *exc: object) -> None:
+        _scope.call = self.prev
+
+
+def user_call_name() -> str | None:
+    """The public call this thread runs (:class:`user_call`), or None."""
+    return getattr(_scope, "call", None)
 
 
 #: whether ``torch.compile``'s dynamo is tracing the calling code (then a value read or an in-place write into

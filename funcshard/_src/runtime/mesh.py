@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import itertools
 import math
+import os
+import warnings
 from collections.abc import Mapping
 from typing import Any, Literal
 
@@ -32,8 +34,9 @@ class Mesh:
 
     Besides its layout, a mesh answers the process questions of a job on every backend (as ``jax.process_index()``
     and friends do): :meth:`process_index`, :meth:`process_count`, :meth:`local_device_coords`, :meth:`is_local`,
-    :meth:`local_device`, :meth:`barrier`, :meth:`broadcast_object`, :meth:`all_gather_object`; code that needs
-    to know how its devices run asks :attr:`is_multiprocess`, never the backend's name.
+    :meth:`local_device`, :meth:`node_local_axes`, :meth:`barrier`, :meth:`broadcast_object`,
+    :meth:`all_gather_object`; code that needs to know how its devices run asks :attr:`is_multiprocess`, never
+    the backend's name.
 
     Attributes:
         backend_impl: the backend's object (its declared capabilities, and the answers to the process
@@ -199,6 +202,25 @@ class Mesh:
         """
         return self.backend_impl.all_gather_object(obj)
 
+    def node_local_axes(self) -> tuple[str, ...]:
+        """The axes whose every group of devices lies inside one node (machine), in axis order: their
+        collectives never cross the network.
+
+        Under ``"dist"`` a node holds ``LOCAL_WORLD_SIZE`` consecutive ranks (torchrun's placement: node ``k`` runs
+        ranks ``k * LOCAL_WORLD_SIZE`` on); since rank is the row-major index of the coordinates, the innermost
+        axes are the ones that stay inside a node, so put ``tp`` (and ``cp``) last. One node (``LOCAL_WORLD_SIZE``
+        unset or the world size), ``"sim"`` and ``"abstract"``: every axis.
+
+        Example:
+            >>> make_mesh({"dp": 2, "tp": 2}, backend="sim").node_local_axes()
+            ('dp', 'tp')
+            >>> # under torchrun --nnodes 2 --nproc-per-node 2: ('tp',); with {"tp": 2, "dp": 2}: ('dp',)
+        """
+        local = _processes_per_node(self)
+        if local >= self.size:
+            return self._names
+        return tuple(n for n in self._names if _inside_nodes(self, n, local))
+
     def _key(self) -> tuple[tuple[str, ...], tuple[int, ...], str]:
         return (self._names, self._sizes, self._backend)
 
@@ -216,6 +238,48 @@ class Mesh:
         return (Mesh, (self.shape, self._backend))
 
 
+def _processes_per_node(mesh: Mesh) -> int:
+    """Processes per node: ``LOCAL_WORLD_SIZE`` under a multiprocess backend, else the whole mesh."""
+    if not mesh.is_multiprocess:
+        return mesh.size
+    try:
+        return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", mesh.size)))
+    except ValueError:
+        return mesh.size
+
+
+def _inside_nodes(mesh: Mesh, axis: str, local: int) -> bool:
+    """Whether every group of ``axis`` (the devices that differ only on it) lies in one node of ``local`` ranks."""
+    names = mesh.axis_names
+    i = names.index(axis)
+    size = mesh.shape[axis]
+    stride = math.prod(mesh.shape[n] for n in names[i + 1 :])
+    for rank in range(mesh.size):
+        if (rank // stride) % size == 0 and len({(rank + k * stride) // local for k in range(size)}) > 1:
+            return False
+    return True
+
+
+NODE_LOCAL_ROLES = ("tp", "cp")  # axes whose collectives run every layer: they belong inside a node
+
+
+def _warn_cross_node(mesh: Mesh) -> None:
+    """Warn when a ``tp`` or ``cp`` axis of a multi-node ``"dist"`` mesh has groups that cross nodes."""
+    inside = mesh.node_local_axes()
+    crossing = [a for a in NODE_LOCAL_ROLES if a in mesh.shape and mesh.shape[a] > 1 and a not in inside]
+    if not crossing:
+        return
+    local = _processes_per_node(mesh)
+    order = {a: s for a, s in mesh.shape.items() if a not in NODE_LOCAL_ROLES}
+    order.update({a: mesh.shape[a] for a in NODE_LOCAL_ROLES if a in mesh.shape})
+    warnings.warn(
+        f"make_mesh: axis {', '.join(repr(a) for a in crossing)} of the mesh {mesh.shape} has groups that cross "
+        f"nodes ({local} processes per node, LOCAL_WORLD_SIZE): its collectives, every layer, go over the network. "
+        f"Put it last (the innermost axes stay inside a node): make_mesh({order}).",
+        stacklevel=3,
+    )
+
+
 def make_mesh(shape: Mapping[str, int], *, backend: str = "auto") -> Mesh:
     """Build a mesh of named axes.
 
@@ -229,6 +293,10 @@ def make_mesh(shape: Mapping[str, int], *, backend: str = "auto") -> Mesh:
 
     Returns:
         The mesh.
+
+    Axis order is major to minor: the innermost (last) axes vary fastest with the rank, so on several nodes
+    (``torchrun --nnodes N``) they are the ones whose groups stay inside a node (:meth:`Mesh.node_local_axes`);
+    a ``tp`` or ``cp`` axis whose groups would cross nodes is warned about (put it last).
 
     Raises:
         MeshError: bad axis names or sizes, an unknown backend, or (``"dist"``) a mesh size that is not the
@@ -256,6 +324,8 @@ def make_mesh(shape: Mapping[str, int], *, backend: str = "auto") -> Mesh:
         backends.get(backend)  # MeshError naming the backends there are
     mesh = Mesh(dict(shape), backend)  # type: ignore[arg-type]
     mesh.backend_impl.setup(mesh)
+    if mesh.is_multiprocess:
+        _warn_cross_node(mesh)
     return mesh
 
 

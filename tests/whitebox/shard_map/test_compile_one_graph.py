@@ -33,7 +33,7 @@ def _train(
 ) -> tuple[list[float], list, dict]:
     """Three AdamW steps of the Llama: the losses, the final params (full), the communication of the last step."""
     specs, bs = llama.param_specs(cfg, mesh), llama.batch_spec(mesh)
-    opt = optim.adamw(1e-2, weight_decay=0.1)
+    opt = optim.adamw(1e-2, b2=0.95, weight_decay=0.1)
     sspecs = opt.state_specs(specs)
 
     def step_fn(p, s, x, y):

@@ -324,6 +324,29 @@ class BackendImpl:
         """``flag`` on any process (the same answer on every process)."""
         return flag
 
+    @property
+    def process_group(self) -> Any:
+        """The torch.distributed process group these process questions go over, for a library that takes one
+        (torch.distributed.checkpoint); None: the default group, or none at all."""
+        return None
+
+    def side_channel(self) -> BackendImpl:
+        """These process questions over a second channel of their own, for ONE background thread whose
+        collectives run while the main thread's go on (an asynchronous checkpoint): under torch.distributed a
+        second process group over every process, made once, by every process at the same point (the first call
+        is a collective). Where there are no peers, the backend itself.
+
+        Example:
+            >>> BackendImpl().side_channel().barrier()  # one process: nothing to wait for
+        """
+        return self
+
+    def peer_failure(self, what: str, err: BaseException) -> BaseException | None:
+        """The ``PeerError`` for ``err``, raised by ``what`` (a library call this backend did not make, such as
+        torch.distributed.checkpoint's own collectives) when it says that a peer process did not answer or its
+        connection broke; None otherwise (and always where there are no peer processes)."""
+        return None
+
     # ------------------------------------------------------------------------------------------------- devices
     def world(self, mesh: Any) -> Any:
         """Where this process runs every device of ``mesh`` (not :attr:`multiprocess`): an object whose

@@ -45,7 +45,7 @@ import torch.distributed as dist
 
 from ...errors import ConfigError, MeshError, ShardingError
 from ..comm import P2POp, P2PWork, PeerError, default_timeout
-from ..context import env, overlapped_node, prefetching, tracing
+from ..context import env, overlapped_node, prefetching, tracing, user_call_name
 from .base import BackendImpl, DeviceHandle, check_p2p, from_order_key, group_members, order_key, ragged_mismatch
 
 __all__ = [
@@ -121,6 +121,7 @@ def _drop_groups() -> None:
         groups.clear()
     _DEVICES.clear()
     _GROUPS.clear()
+    _SIDE.clear()
 
 
 atexit.register(_drop_groups)
@@ -149,7 +150,31 @@ def _init_default_group() -> None:
     backend = "nccl" if torch.cuda.is_available() and dist.is_nccl_available() else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group(backend, timeout=_timeout())
+    if "TORCHELASTIC_RESTART_COUNT" not in os.environ:
+        dist.init_process_group(backend, timeout=_timeout())
+        return
+    store, rank, world = next(dist.rendezvous("env://", timeout=_timeout()))
+    store = dist.PrefixStore(generation_prefix(store, rank), store)  # this generation's keys only
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=_timeout())
+
+
+def generation_prefix(store: Any, rank: int) -> str:
+    """The store prefix of this generation of a torchrun job's workers: ``funcshard/restart_<n>/``.
+
+    torchrun's agent keeps its store across restarts (``--max-restarts``), so a restarted worker that starts
+    its process group under the plain keys can read the dead generation's gloo addresses and fail. ``n`` counts
+    this rank's starts in that store (``store.add``): every worker of a job starts once per generation, so
+    ``n`` is the generation on every rank and every node (it equals ``TORCHELASTIC_RESTART_COUNT`` on one node;
+    that variable stays 0 on a node whose agent restarted its workers for another node's failure).
+
+    Example:
+        >>> import datetime, torch.distributed as dist
+        >>> store = dist.HashStore()
+        >>> generation_prefix(store, 0), generation_prefix(store, 0)
+        ('funcshard/restart_0/', 'funcshard/restart_1/')
+    """
+    n = store.add(f"funcshard/starts/rank_{rank}", 1) - 1
+    return f"funcshard/restart_{n}/"
 
 
 def _timeout() -> datetime.timedelta:
@@ -302,6 +327,9 @@ def peer_error(what: str, axes: tuple[str, ...], members: list[int], err: BaseEx
     silent = _silent_ranks(min(_PROBE_S, t))
     how = f"got no answer within {t:g} s (FUNCSHARD_TIMEOUT)" if timed_out else "lost its connection"
     head = f"{what} over {where} ({_ranks(sorted(members))}): rank {me} {how}"
+    call = user_call_name()
+    if call is not None:  # the user's call, which they can find in their code; ``what`` is its inner collective
+        head = f"{call} (a collective: every process calls it at the same point): its {head}"
     if silent is None:
         who = "which (or a rank it waits for) is" if len(peers) == 1 else "one of them (or a rank they wait for) is"
         body = f"waiting for {_ranks(peers)}, {who} stopped, hung or dead"
@@ -915,6 +943,30 @@ def any_process(flag: bool) -> bool:
     return bool(t.item())
 
 
+def peer_failure(what: str, err: BaseException) -> BaseException | None:
+    """The :class:`PeerError` for ``err`` (or an exception in its chain, or one of the per-rank failures that
+    torch.distributed.checkpoint's ``CheckpointException`` holds) when it says a peer did not answer or a
+    connection broke; None otherwise. ``what``: the call that raised it."""
+    seen: list[BaseException] = []
+    todo = [err]
+    while todo and len(seen) < 32:
+        e = todo.pop()
+        if e is None or any(e is s for s in seen):
+            continue
+        seen.append(e)
+        if isinstance(e, PeerError):
+            return e
+        todo += [e.__cause__, e.__context__]
+        failures = getattr(e, "failures", None)
+        if isinstance(failures, dict):
+            todo += [f for f in failures.values() if isinstance(f, BaseException)]
+            todo += [f[0] for f in failures.values() if isinstance(f, tuple) and f and isinstance(f[0], BaseException)]
+    for e in seen:
+        if isinstance(e, RuntimeError) and _peer_trouble(e) and initialized():
+            return peer_error(what, (), list(range(dist.get_world_size())), e)
+    return None
+
+
 class DistBackend(BackendImpl):
     """The ``"dist"`` backend: one device per torch.distributed process; it answers the process questions over
     the default process group, and hands arrays off to torch's DTensor.
@@ -966,6 +1018,15 @@ class DistBackend(BackendImpl):
     def any_process(self, flag: bool) -> bool:
         return any_process(flag)
 
+    def peer_failure(self, what: str, err: BaseException) -> BaseException | None:
+        return peer_failure(what, err)
+
+    def side_channel(self) -> BackendImpl:
+        side = _SIDE.get("side")
+        if side is None:
+            side = _SIDE["side"] = SideChannel(dist.new_group(backend="gloo", timeout=_timeout()))
+        return side
+
     def device(self, mesh: Any) -> DistDevice:
         return device_for(mesh)
 
@@ -988,3 +1049,40 @@ class DistBackend(BackendImpl):
         from . import dtensor
 
         return dtensor.from_local(local, mesh, shard_dims, shape)
+
+
+class SideChannel(DistBackend):
+    """The process questions over a second process group (gloo, every process): a background thread's own
+    channel (:meth:`DistBackend.side_channel`), so its collectives never interleave with the main thread's."""
+
+    def __init__(self, group: Any) -> None:
+        self._group = group
+
+    @property
+    def process_group(self) -> Any:
+        return self._group
+
+    def side_channel(self) -> BackendImpl:
+        return self
+
+    def barrier(self) -> None:
+        with _waiting("barrier", (), list(range(dist.get_world_size()))):
+            dist.barrier(group=self._group)
+
+    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+        box = [obj]
+        with _waiting("broadcast", (), list(range(dist.get_world_size()))):
+            dist.broadcast_object_list(box, src=src, group=self._group)
+        return box[0]
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        box: list[Any] = [None] * dist.get_world_size()
+        with _waiting("all_gather_object", (), list(range(dist.get_world_size()))):
+            dist.all_gather_object(box, obj, group=self._group)
+        return box
+
+    def any_process(self, flag: bool) -> bool:
+        return any(self.all_gather_object(bool(flag)))
+
+
+_SIDE: dict[str, SideChannel] = {}

@@ -4,7 +4,8 @@ A folder is ``config.json`` and the weights as safetensors: one ``model.safetens
 ``model.safetensors.index.json`` (its ``weight_map``). The format is read and written here, with no
 dependency (:mod:`funcshard.models.llama.hf.safetensors`); tensors are read one at a time (a buffer the size
 of one tensor beside the parameters), in F32, F16, BF16 or F64, and ``config.json`` is mapped by
-:mod:`funcshard.models.llama.hf.config`.
+:mod:`funcshard.models.llama.hf.config`. ``from_hf(path, mesh=...)`` gives ``fs.Array``s, each process reading
+only its own blocks (:mod:`funcshard.models.llama.hf.sharded`).
 
 The layouts agree without any permutation: funcshard's RoPE rotates halves (as transformers' ``rotate_half``),
 q/k/v heads are contiguous blocks of ``head_dim`` rows in both, and weights are ``F.linear``'s
@@ -44,6 +45,7 @@ from ..config import Config
 from ..sharding import param_shapes
 from .config import config_to_hf, model_folder, read_config, read_json
 from .safetensors import read_header, read_tensor, write_file
+from .sharded import read_sharded
 
 __all__ = ["check_tensors", "from_hf", "hf_names", "read_headers", "read_tensors", "to_hf", "write_folder"]
 
@@ -205,35 +207,48 @@ def read_tensors(
                 place(name, read_tensor(f, file, name, entries[name], data_start))
 
 
-def from_hf(path: PathLike, *, dtype: torch.dtype | None = torch.float32) -> tuple[Config, PyTree]:
+def from_hf(
+    path: PathLike, *, dtype: torch.dtype | None = torch.float32, mesh: Any = None, specs: Any = None
+) -> tuple[Config, PyTree]:
     """Read a local Hugging Face Llama folder: ``config.json`` and safetensors weights (sharded or not).
 
-    Tensors are read one at a time into the stacked parameter tree (memory: the parameters and one tensor).
-    The tree has the layout of :func:`~funcshard.models.llama.init`, so
-    ``fs.device_put(params, mesh, llama.param_specs(cfg, mesh))`` lays it out over a mesh.
+    Without a mesh, tensors are read one at a time into the stacked parameter tree of full tensors (memory: the
+    parameters and one tensor), with the layout of :func:`~funcshard.models.llama.init`. With a ``mesh``, the
+    tree is of ``fs.Array``s laid out by ``specs`` (default ``llama.param_specs(cfg, mesh)``), and each process
+    reads only the bytes of its own devices' blocks, one tensor's slice at a time through a memory map (memory:
+    this process's shards and one tensor's mapped pages); every process of a ``"dist"`` mesh calls it.
 
     Args:
         path: the folder (``config.json``, ``model.safetensors`` or ``model.safetensors.index.json`` + shards).
         dtype: the parameters' dtype (default float32, the master weights for training); ``None`` keeps the
             dtype on disk.
+        mesh: an ``fs.Mesh`` to lay the parameters out over (None: full tensors).
+        specs: their spec tree on ``mesh`` (a prefix is allowed); None: ``llama.param_specs(cfg, mesh)``.
 
     Returns:
-        ``(cfg, params)``: the :class:`Config` and the parameter tree of full tensors.
+        ``(cfg, params)``: the :class:`Config` and the parameter tree (full tensors, or ``fs.Array``s with a mesh).
 
     Raises:
         ConfigError: no such folder, no ``config.json`` or no weights, a model funcshard cannot represent
             (naming the field), a tensor missing or of the wrong shape (naming it, expected vs found), a
             truncated or corrupt safetensors file.
+        ShardingError: a spec the mesh cannot lay a parameter out by.
 
     Example:
         >>> cfg, params = from_hf("path/to/Llama-3.2-1B")  # doctest: +SKIP
         >>> params["layers"]["wq"].shape  # doctest: +SKIP
         torch.Size([16, 2048, 2048])
+        >>> cfg, params = from_hf("path/to/Llama-3.2-1B", mesh=fs.make_mesh({"fsdp": 8}))  # doctest: +SKIP
     """
     folder = model_folder(path, "from_hf")
     cfg = read_config(folder)
     where, headers = read_headers(folder)
     _check_tensors(cfg, where, headers, folder)
+    if mesh is not None:  # each process reads its own blocks only
+        names: dict[str, list[tuple[str, int | None]]] = {}
+        for name, leaf, layer in hf_names(cfg):
+            names.setdefault(leaf if layer is None else f"layers/{leaf}", []).append((name, layer))
+        return cfg, read_sharded(cfg, names, where, headers, mesh, specs, dtype)
     shapes = param_shapes(cfg)
     out: dict[str, Any] = {"layers": {}}
     spot = {name: (leaf, layer) for name, leaf, layer in hf_names(cfg)}

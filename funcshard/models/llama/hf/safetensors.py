@@ -3,7 +3,8 @@
 A file is an 8-byte little-endian header length ``n``, ``n`` bytes of JSON (each tensor's ``dtype``, ``shape``
 and ``data_offsets`` ``[begin, end)`` into the data; an optional ``__metadata__`` of strings; padded with
 spaces so the data starts 8-byte aligned), then the tensors' raw little-endian bytes, back to back. Tensors
-are read one at a time, straight into a tensor of their own, so reading a model holds one tensor beside the parameters.
+are read one at a time, straight into a tensor of their own, so reading a model holds one tensor beside the parameters;
+:func:`read_block` reads one block of a tensor through a memory map of its bytes (a process loading its shards).
 
 Example:
     >>> import tempfile, torch
@@ -23,8 +24,11 @@ Example:
 from __future__ import annotations
 
 import json
+import math
+import mmap
 import os
 import sys
+import warnings
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -33,7 +37,7 @@ import torch
 
 from ....extend import ConfigError
 
-__all__ = ["DTYPES", "read_header", "read_tensor", "write_file"]
+__all__ = ["DTYPES", "read_block", "read_header", "read_tensor", "write_file"]
 
 # safetensors dtype names -> torch dtypes (what funcshard reads; it writes any of them too)
 DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64}
@@ -117,6 +121,26 @@ def read_header(file: str | os.PathLike[str]) -> tuple[dict[str, dict[str, Any]]
     return header, 8 + n
 
 
+def _layout(file: Path, name: str, entry: Mapping[str, Any]) -> tuple[torch.dtype, tuple[int, ...], int, int]:
+    """``(dtype, shape, begin, end)`` of a tensor's header entry, checked (dtype read, size agrees with shape)."""
+    dtype = DTYPES.get(entry["dtype"])
+    if dtype is None:
+        raise ConfigError(
+            f"safetensors: tensor '{name}' in '{file}' has dtype {entry['dtype']}; funcshard reads {sorted(DTYPES)}."
+        )
+    if sys.byteorder != "little":
+        raise ConfigError("safetensors: this machine is big-endian; safetensors files hold little-endian bytes.")
+    begin, end = entry["data_offsets"]
+    shape = tuple(entry["shape"])
+    numel = math.prod(shape)
+    if end - begin != numel * dtype.itemsize:
+        raise ConfigError(
+            f"safetensors: tensor '{name}' in '{file}' holds {end - begin} bytes, but shape {list(shape)} of "
+            f"{entry['dtype']} needs {numel * dtype.itemsize}; the file is corrupt."
+        )
+    return dtype, shape, begin, end
+
+
 def read_tensor(f: BinaryIO, file: Path, name: str, entry: Mapping[str, Any], data_start: int) -> torch.Tensor:
     """One tensor of an open safetensors file, in its on-disk dtype, read straight into its own storage.
 
@@ -136,29 +160,65 @@ def read_tensor(f: BinaryIO, file: Path, name: str, entry: Mapping[str, Any], da
     Example:
         >>> # with open(file, "rb") as f: read_tensor(f, file, name, entries[name], data_start)
     """
-    dtype = DTYPES.get(entry["dtype"])
-    if dtype is None:
-        raise ConfigError(
-            f"safetensors: tensor '{name}' in '{file}' has dtype {entry['dtype']}; funcshard reads {sorted(DTYPES)}."
-        )
-    if sys.byteorder != "little":
-        raise ConfigError("safetensors: this machine is big-endian; safetensors files hold little-endian bytes.")
-    begin, end = entry["data_offsets"]
-    shape = tuple(entry["shape"])
-    numel = 1
-    for s in shape:
-        numel *= s
-    if end - begin != numel * dtype.itemsize:
-        raise ConfigError(
-            f"safetensors: tensor '{name}' in '{file}' holds {end - begin} bytes, but shape {list(shape)} of "
-            f"{entry['dtype']} needs {numel * dtype.itemsize}; the file is corrupt."
-        )
-    if numel == 0:
+    dtype, shape, begin, end = _layout(file, name, entry)
+    if begin == end:
         return torch.empty(shape, dtype=dtype)
     out = torch.empty(shape, dtype=dtype)  # torch's own storage (a tensor over a Python buffer is not everywhere)
     f.seek(data_start + begin)
     if f.readinto(memoryview(out.reshape(-1).view(torch.uint8).numpy())) != end - begin:
         raise ConfigError(f"safetensors: '{file}' is truncated inside tensor '{name}'; save or download it again.")
+    return out
+
+
+def read_block(
+    file: Path, name: str, entry: Mapping[str, Any], data_start: int, index: tuple[slice, ...]
+) -> torch.Tensor:
+    """The block ``index`` (one slice per dim) of one tensor, read through a memory map of that tensor's bytes
+    alone: only the pages holding the block's elements are read, and the map is closed before returning (the
+    process keeps the block, in a tensor of its own, and nothing else).
+
+    Args:
+        file: the safetensors file.
+        name: the tensor's name (for messages).
+        entry: its header entry (from :func:`read_header`).
+        data_start: where the data begins (from :func:`read_header`).
+        index: the block, a slice per dim (step 1).
+
+    Returns:
+        The block (CPU, the dtype on disk).
+
+    Raises:
+        ConfigError: as :func:`read_tensor`.
+
+    Example:
+        >>> import tempfile
+        >>> f = Path(tempfile.mkdtemp()) / "w.safetensors"
+        >>> _ = write_file(f, [("a", torch.Size([4, 6]))], torch.float32, lambda n: torch.arange(24.0).reshape(4, 6))
+        >>> entries, start = read_header(f)
+        >>> read_block(f, "a", entries["a"], start, (slice(2, 4), slice(3, 6)))
+        tensor([[15., 16., 17.],
+                [21., 22., 23.]])
+    """
+    dtype, shape, begin, end = _layout(file, name, entry)
+    block = tuple(len(range(*s.indices(n))) for s, n in zip(index, shape, strict=True))
+    if begin == end or math.prod(block) == 0:
+        return torch.empty(block, dtype=dtype)
+    start = data_start + begin
+    base = start - start % mmap.ALLOCATIONGRANULARITY  # a map starts on a granularity boundary
+    try:
+        with (
+            open(file, "rb") as f,
+            mmap.mmap(f.fileno(), data_start + end - base, offset=base, access=mmap.ACCESS_READ) as mm,
+        ):
+            with warnings.catch_warnings():  # a read-only buffer: the view is only read
+                warnings.simplefilter("ignore", UserWarning)
+                whole = torch.frombuffer(mm, dtype=dtype, count=math.prod(shape), offset=start - base).view(shape)
+            out = whole[index].clone()  # the block's own storage: the map closes below
+            del whole
+    except (OSError, ValueError) as e:
+        raise ConfigError(
+            f"safetensors: cannot read tensor '{name}' of '{file}' ({e}); save or download it again."
+        ) from None
     return out
 
 
