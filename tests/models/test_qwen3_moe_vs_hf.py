@@ -1,7 +1,8 @@
 """Qwen3-MoE through ``mixtral.from_hf``: a ``Qwen3MoeForCausalLM`` folder (q/k RMSNorm per head, a head size of
 its own, ``norm_topk_prob`` either way) against transformers' model (logits, the loss with ``output_router_logits``
 and its aux term, every gradient; fp32 rtol 1e-4) on one device and on sim ``ep=2`` and ``ep=2 x tp=2``; ``to_hf``
-writes a folder transformers loads; the configs funcshard cannot represent (dense layers) are refused."""
+writes a folder transformers loads; greedy ``mixtral.generate`` (the KV-cached decode with the q/k norms) emits
+transformers' tokens; the configs funcshard cannot represent (dense layers) are refused."""
 
 from __future__ import annotations
 
@@ -157,3 +158,35 @@ def test_what_cannot_be_represented_is_refused(tmp_path, change: dict, says: str
     path.write_text(json.dumps({**json.loads(path.read_text()), **change}))
     with pytest.raises(fs.ConfigError, match=says.replace("[", r"\[").replace("]", r"\]")):
         mixtral.from_hf(tmp_path)
+
+
+def _greedy_hf(model, prompts: list[list[int]], new: int) -> torch.Tensor:
+    width = max(len(p) for p in prompts)
+    ids, mask = (
+        torch.zeros((len(prompts), width), dtype=torch.long),
+        torch.zeros((len(prompts), width), dtype=torch.long),
+    )
+    for r, p in enumerate(prompts):
+        ids[r, width - len(p) :], mask[r, width - len(p) :] = torch.tensor(p), 1
+    with torch.no_grad():
+        return model.generate(ids, attention_mask=mask, max_new_tokens=new, do_sample=False, pad_token_id=0,
+                              eos_token_id=None)  # fmt: skip
+
+
+@pytest.mark.parametrize("mesh", [None, {"ep": 2, "tp": 2}], ids=["one_device", "ep2_tp2"])
+def test_greedy_generate_equals_transformers(tmp_path, mesh: dict | None) -> None:
+    """The KV-cached decode with the q/k norms: ``mixtral.generate`` emits transformers' greedy tokens."""
+    model = _hf_model(norm_topk=True)
+    model.save_pretrained(tmp_path)
+    cfg, params = mixtral.from_hf(tmp_path)
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(1, 128, (n,), generator=gen).tolist() for n in (1, 5, 9)]
+    if mesh is None:
+        got = mixtral.generate(params, prompts, cfg, max_new_tokens=12, pad_id=0)
+    else:
+        m = fs.make_mesh(mesh, backend="sim")
+        specs = mixtral.param_specs(cfg, m)
+        f = fs.shard_map(lambda p: mixtral.generate(p, prompts, cfg, max_new_tokens=12, pad_id=0), mesh=m,
+                         in_specs=(specs,), out_specs=P())  # fmt: skip
+        got = fs.device_get(f(fs.device_put(params, m, specs)))
+    assert torch.equal(got, _greedy_hf(model, prompts, 12))
