@@ -1,8 +1,9 @@
 """Qwen3-MoE through ``mixtral.from_hf``: a ``Qwen3MoeForCausalLM`` folder (q/k RMSNorm per head, a head size of
 its own, ``norm_topk_prob`` either way) against transformers' model (logits, the loss with ``output_router_logits``
-and its aux term, every gradient; fp32 rtol 1e-4) on one device and on sim ``ep=2`` and ``ep=2 x tp=2``; ``to_hf``
-writes a folder transformers loads; greedy ``mixtral.generate`` (the KV-cached decode with the q/k norms) emits
-transformers' tokens; the configs funcshard cannot represent (dense layers) are refused."""
+and its aux term, every gradient; fp32 rtol 1e-4) on one device, on sim ``ep=2`` and ``ep=2 x tp=2`` and on 4 gloo
+processes ``ep=2 x tp=2``; ``to_hf`` writes a folder transformers loads; greedy ``mixtral.generate`` (the KV-cached
+decode with the q/k norms) emits transformers' tokens; the configs funcshard cannot represent (dense layers, a
+sliding window) are refused."""
 
 from __future__ import annotations
 
@@ -126,6 +127,15 @@ def test_sharded_equals_transformers_sim(tmp_path, mesh: dict, check_vma: bool) 
 
     _hf_model().save_pretrained(tmp_path)
     assert run_body("sim", _sharded_body, mesh, str(tmp_path), check_vma) == ["ok"]
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+def test_sharded_equals_transformers_dist(tmp_path) -> None:
+    from _dist_pool import run_body
+
+    _hf_model().save_pretrained(tmp_path)
+    assert run_body("dist", _sharded_body, {"ep": 2, "tp": 2}, str(tmp_path), True) == ["ok"] * 4
 
 
 def test_to_hf_writes_a_folder_transformers_loads(tmp_path) -> None:
