@@ -1,12 +1,13 @@
 """Qwen3-MoE through ``mixtral.from_hf``: a ``Qwen3MoeForCausalLM`` folder (q/k RMSNorm per head, a head size of
 its own, ``norm_topk_prob`` either way) against transformers' model (logits, the loss with ``output_router_logits``
-and its aux term, every gradient; fp32 rtol 1e-4) on one device, on sim ``ep=2`` and ``ep=2 x tp=2`` and on 4 gloo
-processes ``ep=2 x tp=2``; ``to_hf`` writes a folder transformers loads; greedy ``mixtral.generate`` (the KV-cached
-decode with the q/k norms) emits transformers' tokens; the configs funcshard cannot represent (dense layers, a
-sliding window) are refused."""
+and its aux term, every gradient; fp32 rtol 1e-4) on one device, on sim ``ep=2`` alone and beside ``tp``, ``fsdp``,
+``pp`` and ``cp``, and on 4 gloo processes ``ep=2 x tp=2``; ``to_hf`` writes a folder transformers loads; greedy
+``mixtral.generate`` (the KV-cached decode with the q/k norms) emits transformers' tokens; the configs funcshard
+cannot represent (dense layers, a sliding window) are refused."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -104,6 +105,7 @@ def test_one_device_equals_transformers(tmp_path, norm_topk: bool) -> None:
 def _sharded_body(mesh: fs.Mesh, tmp: str, check_vma: bool) -> str:
     model = _hf_model()
     cfg, params = mixtral.from_hf(tmp)
+    cfg = dataclasses.replace(cfg, pp_microbatches=1)  # with pp: one microbatch, HF's pooling of the whole batch
     tokens, labels, targets = _data()
     ref_logits, ref_loss, ref_grads = _reference(model, tokens, labels)
     specs, bs = mixtral.param_specs(cfg, mesh), mixtral.batch_spec(mesh)
@@ -121,7 +123,11 @@ def _sharded_body(mesh: fs.Mesh, tmp: str, check_vma: bool) -> str:
 
 
 @pytest.mark.parametrize("check_vma", [True, False], ids=["vma", "no_vma"])
-@pytest.mark.parametrize("mesh", [{"ep": 2}, {"ep": 2, "tp": 2}], ids=["ep2", "ep2_tp2"])
+@pytest.mark.parametrize(
+    "mesh",
+    [{"ep": 2}, {"ep": 2, "tp": 2}, {"fsdp": 2, "ep": 2}, {"pp": 2, "ep": 2}, {"cp": 2, "ep": 2}],
+    ids=["ep2", "ep2_tp2", "fsdp2_ep2", "pp2_ep2", "cp2_ep2"],
+)
 def test_sharded_equals_transformers_sim(tmp_path, mesh: dict, check_vma: bool) -> None:
     from _dist_pool import run_body
 
