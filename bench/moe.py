@@ -17,8 +17,16 @@ Part ``mm`` (for reference): one projection alone, ``grouped_mm`` against a Pyth
 ``x[rows of e] @ w[e].T`` over the same sorted rows (no gather, no scatter: the matmuls themselves, so here the
 grouped call can only save the loop's overhead, which is small at these sizes on CPU).
 
-Part ``ep`` (expert parallelism over a mesh, dispatch by ``ragged_all_to_all``): a seam, :func:`bench_ep`, for the
-Mixtral work to fill.
+Part ``ep`` (expert parallelism, dispatch by ``ragged_all_to_all``, CPU): the Mixtral train step
+(``mixtral.value_and_grad``, ``--layers`` layers of width ``--d``, ``--experts`` experts of ``--f``, top-``--k``,
+``--tokens`` tokens in sequences of ``--seq``) on ``ep=2`` -- sim (two threads of this process) and dist (two gloo
+processes spawned here, or ``torchrun --nproc-per-node 2 bench/moe.py --parts ep --dim 256 --ffn 512`` for that row
+alone, without a ratio) -- against
+the same step on one process, as ratios (one thread per device; one process with 2 threads for reference). The
+router is made device-balanced (:func:`balance_router`), so the exchange is the theory's uniform routing; then the
+exact counters: each device's ``ragged_all_to_all`` bytes per layer and direction (forward dispatch and combine,
+backward combine and dispatch) and their sum from ``fs.comm_stats``, against ``tokens x k x dim x 4 B x
+(ep-1)/ep`` (the device's tokens).
 
 Method: every variant is run once (warmup), then ``--rounds`` rounds, each round every variant once in a rotating
 order; a ratio is the baseline's median time over the variant's (forward alone, and forward + backward), for the
@@ -30,18 +38,29 @@ Usage:
     python bench/moe.py                                   # 4096 tokens x top-2, d=512, f=1024, 8 experts
     python bench/moe.py --tokens 1024 --d 256 --f 512 --rounds 10
     python bench/moe.py --parts mm
+    python bench/moe.py --parts ep --tokens 2048 --d 256 --f 512
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
+import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import funcshard as fs
+from funcshard import P
+from funcshard.extend import axis_index_int, capture
+from funcshard.models import mixtral
 from funcshard.ops import moe
 
 Fn = Callable[..., torch.Tensor]
@@ -174,10 +193,132 @@ def bench_mm(args: argparse.Namespace, sync: Callable[[], None]) -> None:
     report(title, times, "loop")
 
 
+def ep_config(args: argparse.Namespace) -> mixtral.Config:
+    """The Mixtral of part ``ep``: ``--layers`` layers of width ``--d``, ``--experts`` experts of ``--f``, top-``--k``
+    (8 query / 4 kv heads, byte vocabulary)."""
+    return mixtral.Config(
+        vocab_size=256, dim=args.d, n_layers=args.layers, n_heads=8, n_kv_heads=4, ffn_dim=args.f,
+        max_seq_len=args.seq, n_experts=args.experts, experts_per_token=args.k,
+    )  # fmt: skip
+
+
+def balance_router(params: dict, ep: int) -> dict:
+    """``params`` with each layer's router made device-balanced over ``ep`` devices: its ``E / ep`` rows repeated on
+    every device's block (expert ``j`` of each device has the same logit), so each token picks its top ``k / ep``
+    local experts on EVERY device (``torch.topk`` takes all tied copies when ``k`` is a multiple of ``ep``) and
+    exactly ``(ep - 1) / ep`` of its ``k`` assignments leave its device: the theory's uniform routing.
+
+    A zero router is no such router: equal logits tie, and ``torch.topk`` resolves ties to the lowest expert ids,
+    so every token would go to experts ``0 .. k-1``, all on device 0."""
+    router = params["layers"]["router"]  # [L, E, d]
+    e_local = router.shape[1] // ep
+    layers = {**params["layers"], "router": router[:, :e_local].repeat(1, ep, 1)}  # [L, E/ep, d] -> [L, E, d]
+    return {**params, "layers": layers}
+
+
+def ep_data(args: argparse.Namespace, ep: int) -> tuple[mixtral.Config, dict, torch.Tensor, torch.Tensor]:
+    """``(cfg, params, tokens [b, s], targets [b, s])`` of part ``ep``: ``--tokens`` tokens in sequences of
+    ``--seq``, the router device-balanced over ``ep`` (:func:`balance_router`)."""
+    cfg = ep_config(args)
+    params = balance_router(mixtral.init(fs.random.key(0), cfg), ep)
+    tokens = torch.randint(0, 256, (args.tokens // args.seq, args.seq), generator=torch.Generator().manual_seed(1))
+    return cfg, params, tokens, tokens.roll(-1, dims=1)
+
+
+def ep_step(cfg: mixtral.Config, mesh: fs.Mesh | None) -> Callable[..., tuple]:
+    """The train step's ``(loss, grads)``: on full tensors (``mesh=None``), or inside ``shard_map`` over ``mesh``."""
+    if mesh is None:
+        return lambda p, t, y: mixtral.value_and_grad(p, t, y, cfg)
+    specs, bs = mixtral.param_specs(cfg, mesh), mixtral.batch_spec(mesh)
+    return fs.shard_map(
+        lambda p, t, y: mixtral.value_and_grad(p, t, y, cfg), mesh=mesh, in_specs=(specs, bs, bs),
+        out_specs=(P(), specs),
+    )  # fmt: skip
+
+
+def _median_s(fn: Callable[[], object], rounds: int) -> float:
+    fn()  # warmup
+    return statistics.median(_time(fn, lambda: None)[0] for _ in range(rounds))
+
+
+def ep_counters(args: argparse.Namespace, ep: int) -> None:
+    """One step on a sim ``ep`` mesh: the ``ragged_all_to_all`` bytes of every device per layer and direction (the
+    body's own log, :func:`funcshard.extend.capture`, in program order) and their sum (``fs.comm_stats``), against
+    ``tokens x k x dim x bytes x (ep-1)/ep`` (``tokens`` the device's)."""
+    cfg, params, tokens, targets = ep_data(args, ep)
+    mesh = fs.make_mesh({"ep": ep}, backend="sim")
+    specs, bs = mixtral.param_specs(cfg, mesh), mixtral.batch_spec(mesh)
+    logs: dict[int, list] = {}
+
+    def body(p: dict, t: torch.Tensor, y: torch.Tensor) -> tuple:
+        with capture() as log:
+            out = mixtral.value_and_grad(p, t, y, cfg)
+        logs[axis_index_int("ep")] = [b for _, name, _, b in log if name == "ragged_all_to_all"]
+        return out
+
+    step = fs.shard_map(body, mesh=mesh, in_specs=(specs, bs, bs), out_specs=(P(), specs))
+    with fs.comm_stats() as st:
+        step(fs.device_put(params, mesh, specs), tokens, targets)
+    theory = args.tokens // ep * args.k * args.d * 4 * (ep - 1) // ep  # per device, layer and direction
+    names = ("fwd dispatch", "fwd combine", "bwd combine", "bwd dispatch")
+    print(f"\nep counters (sim ep={ep}, device-balanced router; theory per device, layer, direction: "
+          f"{args.tokens // ep} tokens x k={args.k} x d={args.d} x 4 B x {ep - 1}/{ep} = {theory:,} B)")  # fmt: skip
+    for r in sorted(logs):
+        got, n = logs[r], args.layers
+        fwd, bwd = got[: 2 * n], got[2 * n :][::-1]  # the backward runs the layers in reverse, combine first
+        for layer in range(n):
+            cells = (fwd[2 * layer], fwd[2 * layer + 1], bwd[2 * layer + 1], bwd[2 * layer])
+            row = "  ".join(f"{nm} {c:,}" for nm, c in zip(names, cells))
+            ok = all(c == theory for c in cells)
+            print(f"  device {r} layer {layer}: {row}  {'= theory' if ok else '!= theory'}")
+        total = st.bytes("ragged_all_to_all", "ep", device=r)
+        print(f"  device {r} comm_stats: {st.calls('ragged_all_to_all', 'ep', device=r)} calls, {total:,} B "
+              f"({'= ' if total == 4 * n * theory else '!= '}4 x {n} layers x theory)")  # fmt: skip
+
+
+def _ep_dist(args: argparse.Namespace) -> None:
+    """On each of 2 gloo processes (one thread each): the step on a dist ``ep=2`` mesh; rank 0 prints its time
+    against the one-process time of this run (``BENCH_ONE_S``)."""
+    torch.set_num_threads(1)
+    cfg, params, tokens, targets = ep_data(args, 2)
+    mesh = fs.make_mesh({"ep": 2}, backend="dist")
+    sharded = fs.device_put(params, mesh, mixtral.param_specs(cfg, mesh))
+    step = ep_step(cfg, mesh)
+    t = _median_s(lambda: step(sharded, tokens, targets), args.rounds)
+    if int(os.environ["RANK"]) == 0:  # (under torchrun alone: no one-process time, no ratio)
+        one = os.environ.get("BENCH_ONE_S")
+        ratio = f"{float(one) / t:>10.2f}" if one else f"{'-':>10}"
+        print(f"{'dist ep=2, 2 gloo processes x 1 thread':<44}{t * 1e3:>10.1f}{ratio}")
+
+
 def bench_ep(args: argparse.Namespace, sync: Callable[[], None]) -> None:
-    """Expert parallelism (``moe_ffn(axis="ep")`` over a mesh, against ``axis=None`` on the whole batch): a seam for
-    the Mixtral work (a sim mesh, or gloo processes as bench/shard_map_overhead.py launches them)."""
-    raise SystemExit("bench/moe.py: the ep part is not written yet (see bench_ep)")
+    """Part ``ep``: the Mixtral train step (``value_and_grad``) on ``ep=2`` (sim: 2 threads of one process; dist: 2
+    gloo processes) against the same step on one process, as ratios (one process's median time over the
+    variant's), then the exchange's bytes against theory (:func:`ep_counters`). CPU only."""
+    if args.device != "cpu":
+        raise SystemExit("bench/moe.py: part ep runs on CPU (sim threads and gloo processes)")
+    cfg, params, tokens, targets = ep_data(args, 2)
+    load = os.getloadavg()[0]
+    print(f"\nep: Mixtral train step, {args.layers} layers, d={args.d}, {args.experts} experts of f={args.f}, "
+          f"top-{args.k}, {tokens.shape[0]} x {tokens.shape[1]} tokens; host load {load:.1f}")  # fmt: skip
+    print(f"{'variant':<44}{'ms':>10}{'x one':>10}")
+    torch.set_num_threads(1)
+    one = _median_s(lambda: ep_step(cfg, None)(params, tokens, targets), args.rounds)
+    print(f"{'one process, 1 thread (baseline)':<44}{one * 1e3:>10.1f}{1.0:>10.2f}")
+    torch.set_num_threads(2)
+    two = _median_s(lambda: ep_step(cfg, None)(params, tokens, targets), args.rounds)
+    print(f"{'one process, 2 threads':<44}{two * 1e3:>10.1f}{one / two:>10.2f}")
+    torch.set_num_threads(1)
+    mesh = fs.make_mesh({"ep": 2}, backend="sim")
+    sharded, step = fs.device_put(params, mesh, mixtral.param_specs(cfg, mesh)), ep_step(cfg, mesh)
+    sim = _median_s(lambda: step(sharded, tokens, targets), args.rounds)
+    print(f"{'sim ep=2, 2 threads of one process':<44}{sim * 1e3:>10.1f}{one / sim:>10.2f}")
+    from _launch import launch
+
+    os.environ["BENCH_ONE_S"] = str(one)
+    launch(_ep_dist, args, world=2)
+    ep_counters(args, 2)
+    torch.set_num_threads(args.threads)
 
 
 def _impls(args: argparse.Namespace) -> list[str]:
@@ -192,14 +333,21 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, default=4096)
     ap.add_argument("--k", type=int, default=2)
-    ap.add_argument("--d", type=int, default=512)
-    ap.add_argument("--f", type=int, default=1024)
+    ap.add_argument("--d", "--dim", dest="d", type=int, default=512)  # (--dim under torchrun: --d is ambiguous there)
+    ap.add_argument("--f", "--ffn", dest="f", type=int, default=1024)
     ap.add_argument("--experts", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--layers", type=int, default=2, help="part ep: the Mixtral's layers")
+    ap.add_argument("--seq", type=int, default=256, help="part ep: tokens per sequence")
     ap.add_argument("--parts", default="experts,mm", help="comma-separated: experts, mm, ep")
     args = ap.parse_args()
+    if "RANK" in os.environ:  # under torchrun --nproc-per-node 2: part ep's dist row, against BENCH_ONE_S
+        from _launch import launch
+
+        launch(_ep_dist, args, world=2)
+        return
     torch.set_num_threads(args.threads)
     sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
     print(f"torch {torch.__version__}, {args.device}, {args.threads} threads, {args.rounds} rounds")

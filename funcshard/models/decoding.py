@@ -187,17 +187,21 @@ def attention_step(
     at: Position,
     *,
     head_dim: int,
+    norm_eps: float = 1e-5,
 ) -> torch.Tensor:
-    """Attention of the normed ``h [b, s, d]`` with a KV cache: column-parallel q/k/v, RoPE at ``at``'s
+    """Attention of the normed ``h [b, s, d]`` with a KV cache: column-parallel q/k/v (each head's q and k
+    RMSNormed where ``p`` has ``q_norm`` / ``k_norm``, Qwen3), RoPE at ``at``'s
     positions, the new keys and values written into ``kv``, attention over the cache, row-parallel output.
 
     Args:
         h: ``[b, s, d]`` the normed hidden states of the step's tokens.
-        p: the layer's ``wq``, ``wk``, ``wv``, ``wo`` (local blocks over ``plan.tp``).
+        p: the layer's ``wq``, ``wk``, ``wv``, ``wo`` (local blocks over ``plan.tp``), and ``q_norm`` / ``k_norm``
+            ``[head_dim]`` where the model has them.
         plan: the parallel plan (only ``tp`` is read).
         kv: the layer's cache views.
         at: the step's slots, angles and mask.
         head_dim: the attention head size.
+        norm_eps: the q/k norms' epsilon.
 
     Returns:
         ``[b, s, d]``, the attention block's output (to add to the residual), invariant over ``tp``.
@@ -214,6 +218,8 @@ def attention_step(
     qkv = column_parallel_linear(h, [p["wq"], p["wk"], p["wv"]], axis=plan.tp)  # [b, s, d] -> 3 x [b, s, h*hd(/tp)]
     b, s = h.shape[:2]
     q, k, v = (t.view(b, s, -1, head_dim) for t in qkv)  # -> [b, s, heads(/tp), hd]
+    if "q_norm" in p:  # Qwen3: each head's q and k RMSNormed before RoPE
+        q, k = rms_norm(q, p["q_norm"], norm_eps), rms_norm(k, p["k_norm"], norm_eps)  # [b, s, heads(/tp), hd]
     q, k = rope_at(q, at.cos, at.sin), rope_at(k, at.cos, at.sin)
     o = _cached_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), kv, at)  # [b, h(/tp), s, hd]
     o = o.transpose(1, 2).reshape(b, s, -1)  # -> [b, s, h*hd(/tp)]
@@ -237,7 +243,7 @@ def block_step(
 
     def step(x: torch.Tensor, kv: LayerKV, at: Position) -> torch.Tensor:
         h = rms_norm(x, p["attn_norm"], norm_eps)  # [b, s, d]
-        x = x + attention_step(h, p, plan, kv, at, head_dim=head_dim)  # [b, s, d]
+        x = x + attention_step(h, p, plan, kv, at, head_dim=head_dim, norm_eps=norm_eps)  # [b, s, d]
         return x + ffn(rms_norm(x, p["mlp_norm"], norm_eps))  # [b, s, d] -> [b, s, d]
 
     return step

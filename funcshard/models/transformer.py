@@ -286,7 +286,8 @@ def transformer_block(
         x: ``[b, s, d]`` hidden states (``[b, s/tp, d]`` under sequence parallelism, ``s/cp`` positions
             with a ``cp`` axis).
         p: ``attn_norm``, ``wq``, ``wk``, ``wv``, ``wo``, ``mlp_norm``, ``w2`` and the MLP's column weights
-            (``w1``, ``w3`` for SwiGLU; ``w1`` for GELU), ``F.linear`` layout, local blocks of their specs.
+            (``w1``, ``w3`` for SwiGLU; ``w1`` for GELU), ``F.linear`` layout, local blocks of their specs; with
+            ``q_norm`` and ``k_norm`` (``[head_dim]``, Qwen3) each head's queries and keys are RMSNormed before RoPE.
         plan: the parallel plan (``ParallelPlan()``: the unsharded block).
         head_dim: the attention head size (q/k/v features are ``heads * head_dim``).
         norm_eps: RMSNorm's epsilon.
@@ -354,6 +355,9 @@ def _block(
     b, s = qkv[0].shape[:2]
     # -> [b, s, heads(/tp), hd]: the view unflatten makes (without Tensor.unflatten's Python wrapper)
     q, k, v = (t.view(b, s, -1, head_dim) for t in qkv)
+    if "q_norm" in p:  # Qwen3: RMSNorm of each head's q and k; the weights meet tp's heads (gradients summed)
+        q = rms_norm(q, _vary(p["q_norm"], plan.tp), norm_eps)  # [b, s, heads(/tp), hd]
+        k = rms_norm(k, _vary(p["k_norm"], plan.tp), norm_eps)  # [b, s, kv_heads(/tp), hd]
     if rope_theta is not None:
         offset = 0 if plan.cp is None else lax.axis_index(plan.cp) * s  # this device's first position
         q, k = rope(q, rope_theta, offset, rope_scaling), rope(k, rope_theta, offset, rope_scaling)

@@ -81,7 +81,13 @@ def test_presets() -> None:
     assert cfg.active_params() < cfg.num_params() / 3  # 2 of 8 experts a token
     shapes = fs.eval_shape(mixtral.init, fs.random.key(0), cfg)
     assert shapes["layers"]["w1"].shape == (32, 8, 14336, 4096)
-    assert mixtral.PRESETS == ("debug", "mixtral-8x7b", "mixtral-8x22b")
+    assert mixtral.PRESETS == ("debug", "mixtral-8x7b", "mixtral-8x22b", "qwen3-30b-a3b", "qwen3-235b-a22b")
+    qwen = mixtral.Config.preset("qwen3-30b-a3b")  # Qwen3-30B-A3B: 30.5B, 3.3B active; head 128 at width 2048
+    assert (qwen.num_params(), qwen.active_params(), qwen.head_dim, qwen.qk_norm) == (
+        30_532_122_624, 3_353_032_704, 128, True,
+    )  # fmt: skip
+    assert mixtral.Config.preset("qwen3-235b-a22b").num_params() == 235_093_634_560  # Qwen3-235B-A22B
+    assert fs.eval_shape(mixtral.init, fs.random.key(0), qwen)["layers"]["q_norm"].shape == (48, 128)
     with pytest.raises(fs.ConfigError, match="no preset named 'llama3-8b'"):
         mixtral.Config.preset("llama3-8b")
 
@@ -202,7 +208,7 @@ def test_errors_name_the_problem(tmp_path) -> None:
     with pytest.raises(fs.ConfigError, match="sequence_parallel=True is not supported"):
         mixtral.Config(sequence_parallel=True)
     llama.to_hf(llama.init(fs.random.key(0), llama.Config.preset("debug")), llama.Config.preset("debug"), tmp_path)
-    with pytest.raises(fs.ConfigError, match="reads Mixtral folders"):
+    with pytest.raises(fs.ConfigError, match=r"reads Mixtral .* and Qwen3-MoE .* folders"):
         mixtral.from_hf(tmp_path)
     params = mixtral.init(fs.random.key(0), CFG)
     params["layers"]["w1"] = params["layers"]["w1"][:, :2]

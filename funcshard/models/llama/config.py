@@ -22,7 +22,7 @@ class Config:
         vocab_size: tokens in the vocabulary (256 for byte-level text).
         dim: model width.
         n_layers: decoder layers (stored stacked on a leading layer dim).
-        n_heads: query heads; ``dim`` must be divisible by it.
+        n_heads: query heads; ``dim`` must be divisible by it (unless ``head_size`` is given).
         n_kv_heads: key/value heads (grouped-query attention); divides ``n_heads``.
         ffn_dim: SwiGLU hidden size.
         max_seq_len: longest sequence RoPE is prepared for.
@@ -50,6 +50,10 @@ class Config:
             gathered weights autograd saves and gather them again at the layer's backward (the previous layer's
             regather prefetched meanwhile): at most two layers' full weights alive at a time. False: they are
             kept from the forward to the backward (no extra all-gather). Without an ``fsdp`` axis it does nothing.
+        head_size: the attention head size when it is not ``dim // n_heads`` (Hugging Face's ``head_dim``: Qwen3's
+            128 at any width); ``None`` (the Llama): ``dim // n_heads``. :attr:`head_dim` is the size in use.
+        qk_norm: RMSNorm over each head's queries and keys before RoPE (Qwen3's ``q_norm`` / ``k_norm``: layer
+            leaves ``q_norm`` and ``k_norm`` ``[n_layers, head_dim]``); False (the Llama): none.
         precision: mixed precision (``fs.Precision``, or its string form: ``"bf16"``,
             ``"params=float32,compute=bfloat16"``): parameters initialised and kept in its ``param_dtype``, the
             weights cast to its ``compute_dtype`` for the computation (FSDP gathers them in it), the gradients
@@ -85,6 +89,8 @@ class Config:
     remat: str = "none"
     reshard_after_forward: bool = True
     precision: Precision | None = None
+    head_size: int | None = None
+    qk_norm: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.rope_scaling, dict):  # read back from a checkpoint's metadata (dataclasses.asdict)
@@ -107,7 +113,10 @@ class Config:
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
                 raise ShardingError(f"{self.MODEL}.Config: {name} must be a positive int, found {v!r}.")
-        if self.dim % self.n_heads:
+        hs = self.head_size
+        if hs is not None and (not isinstance(hs, int) or isinstance(hs, bool) or hs < 1):
+            raise ShardingError(f"{self.MODEL}.Config: head_size must be a positive int or None, found {hs!r}.")
+        if hs is None and self.dim % self.n_heads:
             raise ShardingError(f"{self.MODEL}.Config: dim {self.dim} is not divisible by n_heads {self.n_heads}.")
         if self.n_heads % self.n_kv_heads:
             raise ShardingError(
@@ -122,15 +131,15 @@ class Config:
         m = self.pp_microbatches
         if m is not None and (not isinstance(m, int) or isinstance(m, bool) or m < 1):
             raise ConfigError(f"{self.MODEL}.Config: pp_microbatches must be a positive int or None, found {m!r}.")
-        if (self.dim // self.n_heads) % 2:
-            raise ShardingError(f"{self.MODEL}.Config: the head dim {self.dim // self.n_heads} must be even for RoPE.")
+        if self.head_dim % 2:
+            raise ShardingError(f"{self.MODEL}.Config: the head dim {self.head_dim} must be even for RoPE.")
         for name, low in (("rope_theta", 0.0), ("norm_eps", None), ("init_std", None)):  # > 0, or >= 0 (None)
             v = getattr(self, name)
             real = isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
             if not real or (v <= low if low is not None else v < 0):
                 want = "a finite number > 0" if low is not None else "a finite number >= 0"
                 raise ConfigError(f"{self.MODEL}.Config: {name} must be {want}, found {v!r}.")
-        for name in ("tie_embeddings", "sequence_parallel", "reshard_after_forward"):
+        for name in ("tie_embeddings", "sequence_parallel", "reshard_after_forward", "qk_norm"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{self.MODEL}.Config: {name} must be True or False, found {getattr(self, name)!r}.")
 
@@ -182,19 +191,34 @@ class Config:
 
     @property
     def head_dim(self) -> int:
-        """``dim // n_heads``."""
-        return self.dim // self.n_heads
+        """The attention head size: ``head_size``, or ``dim // n_heads``.
+
+        Example:
+            >>> Config(dim=64, n_heads=4).head_dim, Config(dim=64, n_heads=4, head_size=24).head_dim
+            (16, 24)
+        """
+        return self.dim // self.n_heads if self.head_size is None else self.head_size
+
+    def attention_params(self) -> int:
+        """Parameters of one layer's attention: ``wq``, ``wk``, ``wv``, ``wo`` (and the q/k norms with ``qk_norm``).
+
+        Example:
+            >>> Config(dim=64, n_heads=4, n_kv_heads=2).attention_params()  # 2 x 64 x 64 + 2 x 64 x 32
+            12288
+        """
+        d, hd = self.dim, self.head_dim
+        return 2 * d * self.n_heads * hd + 2 * d * self.n_kv_heads * hd + (2 * hd if self.qk_norm else 0)
 
     def num_params(self) -> int:
         """Number of parameters."""
-        d, f, v, hd = self.dim, self.ffn_dim, self.vocab_size, self.head_dim
-        per_layer = 2 * d + d * d * 2 + 2 * d * self.n_kv_heads * hd + 3 * d * f
+        d, f, v = self.dim, self.ffn_dim, self.vocab_size
+        per_layer = 2 * d + self.attention_params() + 3 * d * f
         return v * d * (1 if self.tie_embeddings else 2) + d + self.n_layers * per_layer
 
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token (forward + backward): 6 x params + attention (PaLM's estimate)."""
         n = self.num_params() - self.vocab_size * self.dim * (0 if self.tie_embeddings else 1)
-        return 6.0 * n + 12.0 * self.n_layers * self.dim * seq_len
+        return 6.0 * n + 12.0 * self.n_layers * self.n_heads * self.head_dim * seq_len
 
 
 # Llama 3.1's RoPE scaling of the long-context models (their config.json's "rope_scaling", rope_type "llama3")

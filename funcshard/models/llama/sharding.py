@@ -61,7 +61,7 @@ RULES = [
     (r"embed", P(("tp", "fsdp"), None)),
     (r"head", P(("tp", "fsdp"), None)),
     (r"norm", P("fsdp")),
-    (r"layers/(attn|mlp)_norm", P("pp", "fsdp")),
+    (r"layers/(attn|mlp|q|k)_norm", P("pp", "fsdp")),
     (r"layers/(wq|wk|wv|w1|w3)", P("pp", ("tp", "fsdp"), None)),
     (r"layers/(wo|w2)", P("pp", "fsdp", "tp")),
 ]
@@ -103,6 +103,8 @@ def param_shapes(cfg: Config) -> dict[str, Any]:
         "w3": (n, f, d),
         "w2": (n, d, f),
     }
+    if cfg.qk_norm:  # Qwen3: RMSNorm of each head's queries and keys
+        layers |= {"q_norm": (n, hd), "k_norm": (n, hd)}
     tree: dict[str, Any] = {"embed": (v, d), "layers": layers, "norm": (d,)}
     if not cfg.tie_embeddings:
         tree["head"] = (v, d)

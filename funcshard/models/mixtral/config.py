@@ -25,7 +25,8 @@ class Config(LlamaConfig):
         norm_topk_prob: renormalise each token's top-k routing weights to sum to 1 (Mixtral: always; Qwen3-MoE's
             ``norm_topk_prob``).
 
-    The other fields are the Llama's (``ffn_dim`` is each expert's hidden size). ``sequence_parallel`` is not
+    The other fields are the Llama's (``ffn_dim`` is each expert's hidden size); a Qwen3-MoE sets the Llama's
+    ``qk_norm=True`` (each head's q and k RMSNormed) and ``head_size`` (its ``head_dim``). ``sequence_parallel`` is not
     supported yet: a ``ConfigError``.
 
     Example:
@@ -73,11 +74,11 @@ class Config(LlamaConfig):
         """Number of parameters (every expert).
 
         Example:
-            >>> f"{Config.preset('mixtral-8x7b').num_params():,}"
-            '46,702,792,704'
+            >>> f"{Config.preset('mixtral-8x7b').num_params():,}", f"{Config.preset('qwen3-30b-a3b').num_params():,}"
+            ('46,702,792,704', '30,532,122,624')
         """
-        d, v, hd = self.dim, self.vocab_size, self.head_dim
-        per_layer = 2 * d + d * d * 2 + 2 * d * self.n_kv_heads * hd + self.n_experts * d
+        d, v = self.dim, self.vocab_size
+        per_layer = 2 * d + self.attention_params() + self.n_experts * d
         per_layer += self._expert_params(self.n_experts)
         return v * d * (1 if self.tie_embeddings else 2) + d + self.n_layers * per_layer
 
@@ -85,8 +86,8 @@ class Config(LlamaConfig):
         """Parameters a token uses: :meth:`num_params` with ``experts_per_token`` experts a layer, not all.
 
         Example:
-            >>> f"{Config.preset('mixtral-8x7b').active_params():,}"
-            '12,879,925,248'
+            >>> [f"{Config.preset(n).active_params():,}" for n in ("mixtral-8x7b", "qwen3-30b-a3b")]
+            ['12,879,925,248', '3,353,032,704']
         """
         unused = self._expert_params(self.n_experts) - self._expert_params(self.experts_per_token)
         return self.num_params() - self.n_layers * unused
@@ -94,10 +95,15 @@ class Config(LlamaConfig):
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token (forward + backward): 6 x the active parameters + attention (PaLM's estimate)."""
         n = self.active_params() - self.vocab_size * self.dim * (0 if self.tie_embeddings else 1)
-        return 6.0 * n + 12.0 * self.n_layers * self.dim * seq_len
+        return 6.0 * n + 12.0 * self.n_layers * self.n_heads * self.head_dim * seq_len
 
 
 _MIXTRAL = {"rope_theta": 1e6, "norm_eps": 1e-5, "n_experts": 8, "experts_per_token": 2}
+_QWEN3_MOE = {
+    "vocab_size": 151936, "n_kv_heads": 4, "head_size": 128, "qk_norm": True, "max_seq_len": 40960,
+    "rope_theta": 1e6, "norm_eps": 1e-6, "n_experts": 128, "experts_per_token": 8, "norm_topk_prob": True,
+    "router_aux_loss_coef": 0.001,
+}  # fmt: skip
 
 #: name -> the config's fields (Mistral AI's published shapes, as the Hugging Face config.json of each model)
 _PRESETS: dict[str, dict[str, Any]] = {
@@ -113,9 +119,16 @@ _PRESETS: dict[str, dict[str, Any]] = {
         **_MIXTRAL, "vocab_size": 32768, "dim": 6144, "n_layers": 56, "n_heads": 48, "n_kv_heads": 8,
         "ffn_dim": 16384, "max_seq_len": 65536, "router_aux_loss_coef": 0.001,
     },
+    # Qwen3-MoE (Alibaba's config.json): q/k norms, head size 128 at any width, 128 experts, top-8, renormalised
+    "qwen3-30b-a3b": {
+        **_QWEN3_MOE, "dim": 2048, "n_layers": 48, "n_heads": 32, "ffn_dim": 768,
+    },
+    "qwen3-235b-a22b": {
+        **_QWEN3_MOE, "dim": 4096, "n_layers": 94, "n_heads": 64, "ffn_dim": 1536,
+    },
 }  # fmt: skip
 
 #: the names :meth:`Config.preset` knows: ``"debug"`` (a tiny model for tests), ``"mixtral-8x7b"``,
-#: ``"mixtral-8x22b"``
+#: ``"mixtral-8x22b"``, ``"qwen3-30b-a3b"``, ``"qwen3-235b-a22b"``
 PRESETS: tuple[str, ...] = tuple(_PRESETS)
 Config.PRESETS, Config.PRESET_FIELDS = PRESETS, _PRESETS

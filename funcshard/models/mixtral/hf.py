@@ -8,6 +8,14 @@ one tensor per expert ``model.layers.{i}.block_sparse_moe.experts.{j}.w1.weight`
 fused in-memory names, ``mlp.experts.gate_up_proj [E, 2f, d]`` (gate rows first), ``mlp.experts.down_proj
 [E, d, f]`` and ``mlp.gate.weight``. :func:`to_hf` writes the original layout, which both versions load.
 
+Qwen3-MoE folders (``model_type`` ``"qwen3_moe"``, ``Qwen3MoeForCausalLM``) are read too: the same model with each
+head's queries and keys RMSNormed (``self_attn.q_norm`` / ``k_norm``: ``Config(qk_norm=True)``), a head size of its
+own (``head_dim``: ``Config(head_size=...)``), the routing weights renormalised or not (``norm_topk_prob``), the
+experts' hidden size ``moe_intermediate_size`` and the experts named ``mlp.experts.{j}.gate_proj`` / ``up_proj`` /
+``down_proj`` (router ``mlp.gate.weight``). Only all-sparse models: a layer with a dense MLP (``mlp_only_layers``,
+``decoder_sparse_step`` above 1) is a :class:`~funcshard.ConfigError`. :func:`to_hf` writes a Qwen3-MoE folder for a
+config with ``qk_norm``, a Mixtral folder otherwise.
+
 funcshard stacks the layers and experts: ``params["layers"]["w1"][i, j]`` is expert ``j``'s ``w1`` of layer ``i``.
 What funcshard's Mixtral cannot represent (a sliding window shorter than the context, router jitter, biases, another
 architecture) is refused with a :class:`~funcshard.ConfigError` naming the field or the tensor.
@@ -46,6 +54,9 @@ PathLike = str | os.PathLike[str]
 
 _FUSED = "model.layers.{i}.mlp.experts.gate_up_proj"  # transformers 5's in-memory layout of the experts
 _ATTENTION = {k: v for k, v in llama_convert._LAYER.items() if k not in ("w1", "w3", "w2")}
+_QK_NORMS = {"q_norm": "self_attn.q_norm.weight", "k_norm": "self_attn.k_norm.weight"}  # Qwen3
+_QWEN3_EXPERT = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}  # mlp.experts.{j}.<name>.weight
+QWEN3 = ("qwen3_moe", "Qwen3MoeForCausalLM")
 
 
 def config_from_hf(hf: Mapping[str, Any], where: str = "config.json") -> Config:
@@ -63,12 +74,15 @@ def config_from_hf(hf: Mapping[str, Any], where: str = "config.json") -> Config:
     """
     if not isinstance(hf, Mapping):
         raise ConfigError(f"from_hf: {where} must hold a JSON object, found {type(hf).__name__}.")
+    if hf.get("model_type") == QWEN3[0]:
+        return _qwen3_config(hf, where)
     if hf.get("model_type", "mixtral") != "mixtral" or "MixtralForCausalLM" not in (
         hf.get("architectures") or ["MixtralForCausalLM"]
     ):
         raise ConfigError(
             f"from_hf: {where} is a {hf.get('model_type')!r} model ({hf.get('architectures')}); "
-            f"mixtral.from_hf reads Mixtral folders ('mixtral', MixtralForCausalLM); use llama.from_hf for a Llama."
+            f"mixtral.from_hf reads Mixtral ('mixtral', MixtralForCausalLM) and Qwen3-MoE ('qwen3_moe', "
+            f"Qwen3MoeForCausalLM) folders; use llama.from_hf for a Llama."
         )
     window = hf.get("sliding_window")
     if window is not None and window < hf.get("max_position_embeddings", 4096 * 32):
@@ -99,6 +113,44 @@ def config_from_hf(hf: Mapping[str, Any], where: str = "config.json") -> Config:
         raise ConfigError(f"from_hf: {where}: {e}") from None
 
 
+def _qwen3_config(hf: Mapping[str, Any], where: str) -> Config:
+    """The :class:`Config` of a Qwen3-MoE ``config.json``: all layers sparse, q/k norms, its own head size."""
+    if QWEN3[1] not in (hf.get("architectures") or [QWEN3[1]]):
+        raise ConfigError(f"from_hf: {where} is a qwen3_moe config of {hf.get('architectures')}; need {QWEN3[1]}.")
+    field = llama_config._field
+    n_layers = field(hf, "num_hidden_layers", where)
+    step, only = field(hf, "decoder_sparse_step", where, 1), hf.get("mlp_only_layers") or []
+    dense = [i for i in range(n_layers) if i in only or (i + 1) % step]
+    if dense:
+        raise ConfigError(
+            f"from_hf: {where}: layers {dense} have a dense MLP (mlp_only_layers={list(only)}, decoder_sparse_step="
+            f"{step}); funcshard's mixture-of-experts models are sparse in every layer (mlp_only_layers [] and "
+            f"decoder_sparse_step 1)."
+        )
+    if hf.get("use_sliding_window"):
+        raise ConfigError(
+            f"from_hf: {where} field 'use_sliding_window' is true; funcshard attends to the whole context."
+        )
+    dim, n_heads = field(hf, "hidden_size", where), field(hf, "num_attention_heads", where)
+    head_dim = field(hf, "head_dim", where, dim // n_heads)
+    base = {**hf, "model_type": "mixtral", "architectures": ["MixtralForCausalLM"], "head_dim": None}
+    base |= {"sliding_window": None, "intermediate_size": field(hf, "moe_intermediate_size", where)}  # per expert
+    base.setdefault("rope_theta", 10000.0)  # Qwen3MoeConfig's defaults
+    base.setdefault("rms_norm_eps", 1e-6)
+    cfg = config_from_hf(base, where)  # as a Mixtral's, then the Qwen3 fields
+    experts = field(hf, "num_experts", where, None) if "num_experts" in hf else field(hf, "num_local_experts", where)
+    try:
+        return dataclasses.replace(
+            cfg,
+            n_experts=experts,
+            norm_topk_prob=field(hf, "norm_topk_prob", where, False, bool),
+            head_size=None if head_dim * n_heads == dim else head_dim,
+            qk_norm=True,
+        )
+    except FuncshardError as e:
+        raise ConfigError(f"from_hf: {where}: {e}") from None
+
+
 def config_to_hf(cfg: Config, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
     """The ``config.json`` of ``cfg`` for transformers' ``MixtralForCausalLM`` (read by transformers 4 and 5).
 
@@ -109,9 +161,12 @@ def config_to_hf(cfg: Config, dtype: torch.dtype = torch.float32) -> dict[str, A
         >>> config_from_hf(hf) == Config.preset("debug")
         True
     """
-    if not cfg.norm_topk_prob:
+    if cfg.qk_norm:
+        return _qwen3_to_hf(cfg, dtype)
+    if not cfg.norm_topk_prob or cfg.head_size is not None:
         raise ConfigError(
-            "to_hf: a Mixtral renormalises its top-k routing weights; norm_topk_prob=False cannot be written."
+            "to_hf: a Mixtral renormalises its top-k routing weights and has head_dim = dim / n_heads; a config with "
+            "norm_topk_prob=False or a head_size is written as a Qwen3-MoE (qk_norm=True) or not at all."
         )
     hf = llama_config.config_to_hf(cfg, dtype)
     for flag in ("mlp_bias", "attention_bias"):
@@ -129,6 +184,28 @@ def config_to_hf(cfg: Config, dtype: torch.dtype = torch.float32) -> dict[str, A
     }
 
 
+def _qwen3_to_hf(cfg: Config, dtype: torch.dtype) -> dict[str, Any]:
+    """The ``config.json`` of ``cfg`` (``qk_norm``) for transformers' ``Qwen3MoeForCausalLM``."""
+    hf = llama_config.config_to_hf(cfg, dtype)
+    hf.pop("mlp_bias")
+    return {
+        **hf,
+        "architectures": [QWEN3[1]],
+        "model_type": QWEN3[0],
+        "head_dim": cfg.head_dim,
+        "moe_intermediate_size": cfg.ffn_dim,
+        "num_experts": cfg.n_experts,
+        "num_experts_per_tok": cfg.experts_per_token,
+        "norm_topk_prob": cfg.norm_topk_prob,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "router_aux_loss_coef": cfg.router_aux_loss_coef,
+        "output_router_logits": False,
+        "use_sliding_window": False,
+        "sliding_window": None,
+    }
+
+
 def hf_names(cfg: Config, *, fused: bool = False) -> list[tuple[str, str, tuple[int, ...] | None]]:
     """``(hf_name, leaf, index)`` for every tensor of the model (``index``: ``(layer,)`` or ``(layer, expert)`` into
     the stacked leaf; None for embedding, final norm and head), in the order :func:`to_hf` writes them. ``fused``:
@@ -140,12 +217,20 @@ def hf_names(cfg: Config, *, fused: bool = False) -> list[tuple[str, str, tuple[
 ('model.layers.0.block_sparse_moe.experts.0.w1.weight', 'w1', (0, 0))]
     """
     out: list[tuple[str, str, tuple[int, ...] | None]] = [(llama_convert._TOP["embed"], "embed", None)]
+    attention = _ATTENTION | (_QK_NORMS if cfg.qk_norm else {})
     for i in range(cfg.n_layers):
-        out.extend((f"model.layers.{i}.{name}", leaf, (i,)) for leaf, name in _ATTENTION.items())
+        out.extend((f"model.layers.{i}.{name}", leaf, (i,)) for leaf, name in attention.items())
         if fused:
             out.append((f"model.layers.{i}.mlp.gate.weight", "router", (i,)))
             out.append((_FUSED.format(i=i), "w1", (i,)))
             out.append((f"model.layers.{i}.mlp.experts.down_proj", "w2", (i,)))
+            continue
+        if cfg.qk_norm:  # Qwen3-MoE's names
+            out.append((f"model.layers.{i}.mlp.gate.weight", "router", (i,)))
+            for j in range(cfg.n_experts):
+                out.extend(
+                    (f"model.layers.{i}.mlp.experts.{j}.{n}.weight", w, (i, j)) for w, n in _QWEN3_EXPERT.items()
+                )
             continue
         out.append((f"model.layers.{i}.block_sparse_moe.gate.weight", "router", (i,)))
         for j in range(cfg.n_experts):
@@ -195,7 +280,8 @@ def from_hf(path: PathLike, *, dtype: torch.dtype | None = torch.float32) -> tup
     shapes = param_shapes(cfg)
     spare = {llama_convert._TOP["head"]} if cfg.tie_embeddings else set()
     wanted = {n: _shape(shapes, leaf, index, fused) for n, leaf, index in names}
-    llama_convert.check_tensors(wanted, where, headers, folder, "Mixtral", spare)
+    family = "Qwen3-MoE" if cfg.qk_norm else "Mixtral"
+    llama_convert.check_tensors(wanted, where, headers, folder, family, spare)
     out: dict[str, Any] = {"layers": {}}
     spot = {n: (leaf, index) for n, leaf, index in names}
     llama_convert.read_tensors(spot, where, headers, _placer(out, spot, shapes, dtype, cfg.ffn_dim))
