@@ -371,8 +371,8 @@ def run(args: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--batch", type=int, default=64)
-    ap.add_argument("--d", type=int, default=512)
-    ap.add_argument("--h", type=int, default=2048)
+    ap.add_argument("--d", "--dim", dest="d", type=int, default=512)  # (--dim under torchrun: it takes --d as its own)
+    ap.add_argument("--h", "--hidden", dest="h", type=int, default=2048)
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument(
         "--steps",
