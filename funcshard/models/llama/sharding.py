@@ -121,10 +121,10 @@ def _check_sizes(cfg: Config, plan: ParallelPlan) -> None:
     """ShardingError when the tp or fsdp size does not divide the model's sizes."""
     tp, fsdp = plan.size("tp"), plan.size("fsdp")
     tp_name = "tp" if plan.tp in (None, "tp") else f"tp (axis {plan.tp!r})"
+    # (a vocabulary tp does not divide is split unevenly, as torch.tensor_split splits it)
     for what, n in (
         ("n_heads", cfg.n_heads),
         ("n_kv_heads", cfg.n_kv_heads),
-        ("vocab_size", cfg.vocab_size),
         ("ffn_dim", cfg.ffn_dim),
     ):
         if n % tp:
