@@ -16,6 +16,8 @@ import torch
 
 import funcshard as fs
 from funcshard import P
+from funcshard.extend import split_invariant
+from funcshard.ops import sequence_gather, sequence_scatter
 
 
 def _split(x: torch.Tensor, n: int, dim: int = 0) -> list[torch.Tensor]:
@@ -109,6 +111,23 @@ CASES: dict[str, Case] = {
         P(),
         lambda x: fs.lax.all_gather_invariant(fs.psum_scatter(x, "tp", tiled=True), "tp", tiled=True),
         lambda x: _sum_of_blocks(x, 4),
+    ),
+    # split_invariant (all_gather_invariant's transpose) into tensor_split blocks, and back
+    "split_invariant": Case(
+        {"tp": 4},
+        (10, 3),
+        P(),
+        P("tp"),
+        lambda x: split_invariant(x, "tp", dim=0),
+        lambda x: x,
+    ),
+    "sequence_scatter_then_gather": Case(
+        {"tp": 4},
+        (2, 7, 3),
+        P(),
+        P("tp"),  # the gathered value varies over tp (all_gather's): one copy per device
+        lambda x: sequence_gather(sequence_scatter(x * 2, "tp", 1), "tp", 1),  # [b, 7, d] -> [b, 7/4, d] -> back
+        lambda x: (x * 2).repeat(4, 1, 1),
     ),
     # all_to_all of tensor_split chunks: blocks that differ along split_dim and concat_dim
     "all_to_all_rows_to_cols": Case(

@@ -482,9 +482,10 @@ def all_gather_invariant(x: PyTree, axis: _Axis, *, dim: int = 0, tiled: bool = 
 
 
 def split_invariant(x: PyTree, axis: _Axis, *, dim: int = 0) -> PyTree:
-    """This device's block of ``dim`` (split into axis-size blocks) of a value invariant over ``axis``
-    (forward, no communication); all-gather of the cotangent blocks (backward). The transpose of
-    :func:`all_gather_invariant`; Megatron's "scatter to the sequence-parallel region".
+    """This device's block of ``dim`` (split into axis-size blocks, ``torch.tensor_split``'s where the axis size
+    does not divide it) of a value invariant over ``axis`` (forward, no communication); all-gather of the
+    cotangent blocks (backward). The transpose of :func:`all_gather_invariant`; Megatron's "scatter to the
+    sequence-parallel region".
 
     Under ``check_vma=True`` a value already varying over ``axis`` is sliced plainly (its cotangent is
     per device). Under ``check_vma=False`` the value is taken to be invariant.
@@ -499,11 +500,11 @@ def split_invariant(x: PyTree, axis: _Axis, *, dim: int = 0) -> PyTree:
 
     def one(t: torch.Tensor) -> torch.Tensor:
         d = _dim(dim, t.dim(), "split_invariant", "dim", t.shape)
-        if t.shape[d] % n:
-            raise ShardingError(
-                f"split_invariant: dim {d} of shape {tuple(t.shape)} has size {t.shape[d]}, not divisible by the "
-                f"size {n} of {axes}; pad it to a multiple of {n}."
-            )
+        if t.shape[d] % n:  # torch.tensor_split's blocks: each padded to the largest, split, cut
+            blocks = torch.tensor_split(t, n, dim=d)  # [.., s, ..] -> n x [.., sizes[i], ..]
+            y = split_invariant(torch.cat([pad_to(b, blocks[0].shape) for b in blocks], dim=d), axis, dim=d)
+            note_uneven()
+            return y.narrow(d, 0, blocks[axis_index_int(axes)].shape[d])  # [.., m, ..] -> [.., sizes[i], ..]
         # under check_vma=False the value is taken to be invariant over axes (its tag may say otherwise: an
         # argument); its other axes are kept where known
         have = get_vma(t) if ctx.check_vma else known_vma(t, False)
