@@ -85,6 +85,7 @@ from ._src.collectives.prims import BucketPool as BucketPool
 from ._src.collectives.prims import Ppermute as Ppermute
 from ._src.collectives.prims import Prim as Prim
 from ._src.collectives.prims import call as call
+from ._src.collectives.uneven import block_sizes as block_sizes
 from ._src.collectives.vma import Audited as Audited
 from ._src.collectives.vma import Op as Op
 from ._src.collectives.vma import bind as bind
@@ -142,6 +143,7 @@ __all__ = [
     "axes_of",
     "axis_index_int",
     "bind",
+    "block_sizes",
     "call",
     "capture",
     "check_spec",

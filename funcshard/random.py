@@ -38,8 +38,8 @@ import torch
 
 from ._src.collectives.vma import get_vma, set_vma
 from ._src.errors import ConfigError, ShardingError
-from ._src.runtime.context import maybe_current
-from ._src.tree.spec import P, check_spec, shard_slices
+from ._src.runtime.context import maybe_current, note_uneven
+from ._src.tree.spec import P, check_spec, shard_slices, uneven_axes
 
 __all__ = ["bernoulli", "bits", "fold_in", "key", "normal", "randint", "split", "threefry2x32", "uniform"]
 
@@ -200,6 +200,10 @@ def _words(k: Any, shape: Any, spec: P | None, fn: str) -> tuple[torch.Tensor, t
                 f"out with fs.device_put(value, mesh, spec)."
             )
         check_spec(spec, shape, ctx.mesh, fn=fn)
+        uneven = uneven_axes(shape, spec, ctx.mesh.shape)
+        if uneven:  # tensor_split's block, whose shape differs between devices
+            ctx.device.index(uneven)  # (read: on an abstract mesh its devices are run apart by their blocks)
+            note_uneven()  # (the call's outputs are assembled from blocks of different shapes)
         block = shard_slices(shape, spec, ctx.mesh.shape, ctx.device.coords)
         axes = frozenset(spec.axes)
     if math.prod(shape) >= 2**63:

@@ -40,6 +40,7 @@ from ..extend import (
     ShardingError,
     axes_of,
     bind,
+    block_sizes,
     call,
     current,
     known_vma,
@@ -295,22 +296,29 @@ def vocab_parallel_embedding(
     n = lax.axis_size(axis)
     with torch._C.DisableTorchFunction():
         rows = table.shape[0]
-    _check_ids(ids, rows * n, "ids", "vocab_parallel_embedding")
-    emb = _embedding_slice(ids, table, lax.axis_index(axis))  # [...] -> [..., dim]
+    vocab = sum(block_sizes(rows, axis))  # rows * n, unless the vocabulary is split unevenly (tensor_split's)
+    _check_ids(ids, vocab, "ids", "vocab_parallel_embedding")
+    emb = _embedding_slice(ids, table, lax.axis_index(axis), *divmod(vocab, n))  # [...] -> [..., dim]
     if scatter_dim is None:
         return psum_owned(emb, axis)  # [..., dim] -> [..., dim] (summed in emb's own buffer)
     return lax.psum_scatter(emb, axis, dim=scatter_dim, tiled=True)  # [.., s, .., dim] -> [.., s/n, .., dim]
 
 
 @one_op  # one op for check_vma's tracking (its result depends on every operand), not its ~10
-def _embedding_slice(ids: torch.Tensor, table: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+def _embedding_slice(ids: torch.Tensor, table: torch.Tensor, index: torch.Tensor, q: int, r: int) -> torch.Tensor:
     """``[..., dim]``: the rows of ``ids`` that lie in the vocabulary slice ``index`` held as ``table``, zeros for
-    the other ids."""
+    the other ids; the vocabulary is ``q * n + r`` rows split as ``torch.tensor_split`` splits it."""
     rows = table.shape[0]
-    local = ids - index * rows
+    local = ids - _block_start(index, q, r)
     mine = (local >= 0) & (local < rows)
     emb = _embedding(torch.where(mine, local, 0), table)  # [...] -> [..., dim]
     return emb * mine.unsqueeze(-1).to(emb.dtype)
+
+
+def _block_start(index: torch.Tensor, q: int, r: int) -> torch.Tensor:
+    """The first row of block ``index`` of a dim of ``q * n + r`` rows split as ``torch.tensor_split`` splits it
+    (the first ``r`` blocks one row longer): ``index * q`` for an even split."""
+    return index * q + index.clamp(max=r) if r else index * q
 
 
 def _embedding(ids: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
@@ -369,10 +377,11 @@ def vocab_parallel_cross_entropy(
     _check_replicated(labels, axis, "labels", "vocab_parallel_cross_entropy")
     n = lax.axis_size(axis)
     v_local = logits.shape[-1]
-    _check_ids(labels, v_local * n, "labels", "vocab_parallel_cross_entropy", ignore=ignore_index)
+    vocab = sum(block_sizes(v_local, axis))  # v_local * n, unless the vocabulary is split unevenly
+    _check_ids(labels, vocab, "labels", "vocab_parallel_cross_entropy", ignore=ignore_index)
     x, lmax = _float_and_max(logits)  # [..., V/n] -> [..., V/n] fp32, [...]
     gmax = lax.pmax(lmax, axis)  # [...] -> [...], the global max (no gradient needed)
-    both = _exp_sum_and_target(x, gmax, labels, lax.axis_index(axis))  # [..., 2]
+    both = _exp_sum_and_target(x, gmax, labels, lax.axis_index(axis), *divmod(vocab, n))  # [..., 2]
     both = lax.psum(both, axis)  # [..., 2] -> [..., 2]: sum of exp, target logit
     return _cross_entropy_from_sums(both, labels, ignore_index, reduction)
 
@@ -390,12 +399,14 @@ def _float_and_max(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @one_op
-def _exp_sum_and_target(x: torch.Tensor, gmax: torch.Tensor, labels: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+def _exp_sum_and_target(
+    x: torch.Tensor, gmax: torch.Tensor, labels: torch.Tensor, index: torch.Tensor, q: int, r: int
+) -> torch.Tensor:
     """``[..., 2]``: this device's sum of ``exp(x - gmax)`` and its shifted target logit (0 where the label is
-    another device's), for the vocabulary slice ``index`` of ``x``'s width."""
+    another device's), for the vocabulary slice ``index`` of ``x``'s width (of ``q * n + r``, tensor_split's)."""
     v_local = x.shape[-1]
     shifted = x - gmax.unsqueeze(-1)  # [..., V/n]
-    local = labels - index * v_local
+    local = labels - _block_start(index, q, r)
     mine = (local >= 0) & (local < v_local)
     picked = shifted.gather(-1, torch.where(mine, local, 0).unsqueeze(-1)).squeeze(-1)  # [..., V/n] -> [...]
     # 0 where the label is another device's: selected, not multiplied by 0 (a masked -inf logit in the column

@@ -60,6 +60,9 @@ def _errors(mesh: fs.Mesh) -> str:
         fs.to_dtensor(torch.zeros(2))
     with pytest.raises(fs.ShardingError, match="expected a torch DTensor"):
         fs.from_dtensor(torch.zeros(2))
+    # tensor_split's uneven blocks are not DTensor's (torch.chunk's): refused, not mislabelled
+    with pytest.raises(fs.ShardingError, match=r"dim 0 .* split unevenly .*\[3, 2\].*torch\.chunk"):
+        fs.to_dtensor(fs.device_put(torch.zeros(5, 2), mesh, P("tp")))
     return "ok"
 
 

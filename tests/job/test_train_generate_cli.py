@@ -85,7 +85,8 @@ def _bad(tmp: Path, data: Path, empty: Path) -> list[tuple[list[str], str]]:
         ([*base, "--mesh", "dp2"], "--mesh"),
         ([*base, "--mesh", "dp=2,mp=2"], "'mp'"),  # (an ep axis is a data axis for the Llama)
         ([*base, "--mesh", "tp=3"], "n_heads"),
-        ([*base, "--dim", "24", "--heads", "3", "--kv-heads", "3", "--mesh", "tp=3"], "vocab_size"),
+        # (a vocabulary tp does not divide is split unevenly: the next size tp=3 must divide is ffn_dim's)
+        ([*base, "--dim", "24", "--heads", "3", "--kv-heads", "3", "--mesh", "tp=3"], "ffn_dim"),
         ([*base, "--mesh", "dp=3"], "--batch"),
         ([*base, "--data", str(empty)], "no text"),
         ([*base, "--data", str(tmp / "nowhere")], "no such file"),

@@ -203,9 +203,22 @@ def test_labels_out_of_range() -> None:
         )
 
 
-def test_vocab_not_divisible() -> None:
+def test_vocab_not_divisible_splits_unevenly() -> None:
+    """A vocabulary of 30 on tp=4: blocks of 8, 8, 7, 7 rows (torch.tensor_split's), forward and backward."""
     mesh = fs.make_mesh({"tp": 4}, backend="sim")
-    with pytest.raises(fs.ShardingError, match=r"dim 0 of size 30 .* not divisible by 4"):
-        fs.shard_map(vocab_parallel_embedding, mesh=mesh, in_specs=(P(), P("tp")), out_specs=P())(
-            torch.zeros(2, 3, dtype=torch.long), torch.randn(30, 4)
-        )
+    ids = torch.tensor([[0, 7, 8, 15], [16, 22, 23, 29]])
+    table = torch.randn(30, 4, requires_grad=True)
+    out = fs.shard_map(vocab_parallel_embedding, mesh=mesh, in_specs=(P(), P("tp")), out_specs=P())(ids, table)
+    want = F.embedding(ids, table)
+    assert torch.allclose(fs.device_get(out), want)
+    g = torch.randn(2, 4, 4)
+    (got,) = torch.autograd.grad(fs.device_get(out), table, g)
+    (ref,) = torch.autograd.grad(want, table, g)
+    assert torch.allclose(got, ref)
+    logits = torch.randn(2, 3, 30, requires_grad=True)
+    labels = torch.tensor([[0, 8, 29], [15, 16, -100]])
+    loss = fs.shard_map(vocab_parallel_cross_entropy, mesh=mesh, in_specs=(P(None, None, "tp"), P()), out_specs=P())
+    got_loss = fs.device_get(loss(logits, labels))
+    ref_loss = F.cross_entropy(logits.reshape(-1, 30), labels.reshape(-1))
+    assert torch.allclose(got_loss, ref_loss)
+    assert torch.allclose(torch.autograd.grad(got_loss, logits)[0], torch.autograd.grad(ref_loss, logits)[0])

@@ -236,9 +236,7 @@ def test_bad_inputs_raise(case: str) -> None:
         fn()
 
 
-@pytest.mark.parametrize(
-    ("spec", "match"), [(P("tp"), "not divisible"), (P("xx"), "does not have"), (P(None, None, "tp"), "entries")]
-)
+@pytest.mark.parametrize(("spec", "match"), [(P("xx"), "does not have"), (P(None, None, "tp"), "entries")])
 def test_bad_spec_inside_shard_map(spec: P, match: str) -> None:
     f = fs.shard_map(lambda k: fsr.normal(k, (6, 4), spec=spec), mesh=_mesh("tp4"), in_specs=(P(),), out_specs=P())
     with pytest.raises(fs.ShardingError, match=match):

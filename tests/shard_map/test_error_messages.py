@@ -56,18 +56,13 @@ def test_spec_axis_used_twice_within_one_entry() -> None:
         fs.device_put({"w": torch.zeros(8)}, mesh, {"w": P(("tp", "tp"))})
 
 
-def test_spec_dim_not_divisible() -> None:
+def test_spec_dim_not_divisible_splits_unevenly() -> None:
+    """A dim its axes do not divide is no error: it is split as torch.tensor_split splits it (API §14)."""
     mesh = _mesh()
-    with pytest.raises(
-        fs.ShardingError, match=_has("at 'layers/1'", "dim 0", "size 3", "(3, 4)", "P('dp')", "divisible by 2", "pad")
-    ):
-        fs.device_put({"layers": [torch.zeros(4, 4), torch.zeros(3, 4)]}, mesh, P("dp"))
-
-
-def test_spec_dim_not_divisible_by_product_of_axes() -> None:
-    mesh = _mesh()
-    with pytest.raises(fs.ShardingError, match=_has("at 'w'", "dim 1", "size 6", "('dp', 'tp')", "divisible by 4")):
-        fs.device_put({"w": torch.zeros(2, 6)}, mesh, {"w": P(None, ("dp", "tp"))})
+    out = fs.device_put({"layers": [torch.zeros(4, 4), torch.arange(12.0).reshape(3, 4)]}, mesh, P("dp"))
+    assert [tuple(out["layers"][1].shards[(i, 0)].shape) for i in range(2)] == [(2, 4), (1, 4)]
+    w = fs.device_put({"w": torch.zeros(2, 6)}, mesh, {"w": P(None, ("dp", "tp"))})["w"]
+    assert [w.shards[c].shape[1] for c in sorted(w.shards)] == [2, 2, 1, 1]
 
 
 def test_spec_more_entries_than_dims() -> None:
@@ -223,9 +218,11 @@ def test_ppermute_index_out_of_range() -> None:
         _run(lambda x: fs.ppermute(x, "tp", [(0, 2)]), torch.ones(4), out_specs=P("dp"))
 
 
-def test_psum_scatter_tiled_not_divisible() -> None:
-    with pytest.raises(fs.ShardingError, match=_has("psum_scatter", "dim 0", "(3, 2)", "size 3", "('tp',)", "pad")):
-        _run(lambda x: fs.psum_scatter(x, "tp", tiled=True), torch.ones(3, 2), in_specs=(P(),), out_specs=P("tp"))
+def test_psum_scatter_tiled_not_divisible_splits_unevenly() -> None:
+    """A dim the axis does not divide is scattered as torch.tensor_split splits it (API §14)."""
+    y = _run(lambda x: fs.psum_scatter(x, "tp", tiled=True), torch.ones(3, 2), in_specs=(P(),), out_specs=P("tp"))
+    assert [tuple(y.shards[(0, j)].shape) for j in range(2)] == [(2, 2), (1, 2)]
+    assert torch.equal(fs.device_get(y), torch.full((3, 2), 2.0))
 
 
 def test_psum_scatter_untiled_wrong_size() -> None:
@@ -235,9 +232,17 @@ def test_psum_scatter_untiled_wrong_size() -> None:
         _run(lambda x: fs.psum_scatter(x, "tp", tiled=False), torch.ones(3, 2), in_specs=(P(),), out_specs=P("tp"))
 
 
-def test_all_to_all_split_dim_not_divisible() -> None:
+def test_all_to_all_split_dim_not_divisible_splits_unevenly() -> None:
+    """A split_dim the axis does not divide is cut as torch.tensor_split cuts it (API §14)."""
+    x = torch.arange(6.0).reshape(2, 3)
+    y = _run(lambda x: fs.all_to_all(x, "tp", 1, 0), x, in_specs=(P(),), out_specs=P(None, "tp"))
+    assert [tuple(y.shards[(0, j)].shape) for j in range(2)] == [(4, 2), (4, 1)]  # [2, 3] -> [2 x 2, 3 / 2]
+    assert torch.equal(fs.device_get(y), torch.cat([x, x]))
+
+
+def test_all_to_all_untiled_wrong_size() -> None:
     with pytest.raises(fs.ShardingError, match=_has("all_to_all", "split_dim 1", "(2, 3)", "size 3", "('tp',)")):
-        _run(lambda x: fs.all_to_all(x, "tp", 1, 0), torch.ones(2, 3), in_specs=(P(),), out_specs=P("tp"))
+        _run(lambda x: fs.all_to_all(x, "tp", 1, 0, tiled=False), torch.ones(2, 3), in_specs=(P(),), out_specs=P("tp"))
 
 
 # -- shard_map: outputs ------------------------------------------------------------------------------------
@@ -338,8 +343,8 @@ def test_in_specs_not_a_tuple() -> None:
 
 
 def test_in_spec_does_not_fit_argument() -> None:
-    with pytest.raises(fs.ShardingError, match=_has("at 'args[1]/w'", "dim 0", "size 3", "P('dp')", "(3,)")):
-        _run(lambda a, p: a, torch.ones(4), {"w": torch.ones(3)}, in_specs=(P(), {"w": P("dp")}))
+    with pytest.raises(fs.ShardingError, match=_has("at 'args[1]/w'", "2 entries", "P('dp', None)", "(3,)")):
+        _run(lambda a, p: a, torch.ones(4), {"w": torch.ones(3)}, in_specs=(P(), {"w": P("dp", None)}))
 
 
 def test_in_specs_tree_not_a_prefix_of_argument() -> None:
@@ -415,10 +420,11 @@ def test_reshard_bad_spec() -> None:
         fs.reshard(a, {"w": P("xx")})
 
 
-def test_reshard_not_divisible() -> None:
-    a = fs.device_put({"w": torch.ones(4, 6)}, _mesh(), {"w": P("dp")})
-    with pytest.raises(fs.ShardingError, match=_has("reshard at 'w'", "dim 1", "size 6", "('dp', 'tp')")):
-        fs.reshard(a, {"w": P(None, ("dp", "tp"))})
+def test_reshard_not_divisible_splits_unevenly() -> None:
+    a = fs.device_put({"w": torch.arange(24.0).reshape(4, 6)}, _mesh(), {"w": P("dp")})
+    b = fs.reshard(a, {"w": P(None, ("dp", "tp"))})["w"]
+    assert [b.shards[c].shape[1] for c in sorted(b.shards)] == [2, 2, 1, 1]
+    assert torch.equal(fs.device_get(b), torch.arange(24.0).reshape(4, 6))
 
 
 def test_reshard_non_array_leaf() -> None:

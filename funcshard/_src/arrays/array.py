@@ -13,13 +13,14 @@ Example:
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import torch
 
 from ..errors import ShardingError
 from ..runtime.mesh import Mesh
-from ..tree.spec import P, format_mesh, shard_slices
+from ..tree.spec import P, format_mesh, shard_slices, uneven_axes
 
 __all__ = ["Array", "ClassShards", "Coords", "is_array", "local_coords", "local_shards"]
 
@@ -168,12 +169,17 @@ def local_coords(mesh: Mesh) -> list[Coords]:
 
 def local_shards(x: torch.Tensor, mesh: Mesh, spec: P) -> dict[Coords, torch.Tensor]:
     """The blocks of full tensor ``x`` held by this process's devices (views of ``x``); on a mesh that holds no
-    data, one meta block for every device (:class:`ClassShards`)."""
+    data, one meta block per class of devices (:class:`ClassShards`): one for every device, or, where a dim is
+    split unevenly, one per coordinate on the axes of such dims (their blocks' shapes differ)."""
     if not mesh.backend_impl.holds_data:
-        first = dict.fromkeys(mesh.axis_names, 0)
-        block = x[shard_slices(x.shape, spec, mesh.shape, first)]
-        block = torch.empty(block.shape, dtype=x.dtype, device="meta")
-        return ClassShards((), {tuple(first.values()): block})
+        names = mesh.axis_names
+        uneven = set(uneven_axes(x.shape, spec, mesh.shape))
+        positions = tuple(i for i, n in enumerate(names) if n in uneven)
+        blocks: dict[Coords, torch.Tensor] = {}
+        for c in itertools.product(*[range(mesh.shape[n]) if n in uneven else range(1) for n in names]):
+            block = x[shard_slices(x.shape, spec, mesh.shape, dict(zip(names, c, strict=True)))]
+            blocks[c] = torch.empty(block.shape, dtype=x.dtype, device="meta")
+        return ClassShards(positions, blocks)
     dev = mesh.local_device()
     if dev is not None:
         x = x.to(dev)

@@ -15,7 +15,7 @@ from typing import Any
 
 from ..errors import ShardingError
 from ..runtime.mesh import Mesh, get_backend, make_mesh
-from ..tree.spec import P
+from ..tree.spec import P, is_even, split_sizes
 from .array import Array
 
 __all__ = ["from_dtensor", "to_dtensor"]
@@ -42,7 +42,8 @@ def to_dtensor(a: Array) -> Any:
     """The ``DTensor`` holding ``a``'s blocks, on ``a.mesh``'s ``DeviceMesh`` (``"dist"`` only; no copy).
 
     Raises:
-        ShardingError: not an Array, a ``"sim"`` Array, or a dim split over axes out of mesh order.
+        ShardingError: not an Array, a ``"sim"`` Array, a dim split over axes out of mesh order, or a dim split
+            unevenly (DTensor's uneven blocks are ``torch.chunk``'s, not ``torch.tensor_split``'s).
 
     Example:
         >>> # dt = fs.to_dtensor(w); dt.placements  # (Replicate(), Shard(dim=1))
@@ -53,6 +54,18 @@ def to_dtensor(a: Array) -> Any:
         raise ShardingError(
             "to_dtensor: DTensors live on torch.distributed process groups, but this Array is on a 'sim' mesh. "
             "Run under torchrun (backend 'dist'), or take the whole value with fs.device_get(a)."
+        )
+    if not is_even(a.shape, a.spec, a.mesh.shape):
+        d, axes = next(
+            (d, axes)
+            for d, axes in enumerate(a.spec.dim_axes(a.ndim))
+            if axes and a.shape[d] % math.prod(a.mesh.shape[x] for x in axes)
+        )
+        n = math.prod(a.mesh.shape[x] for x in axes)
+        raise ShardingError(
+            f"to_dtensor: dim {d} of shape {a.shape} is split unevenly over {axes} (torch.tensor_split's blocks "
+            f"{list(split_sizes(a.shape[d], n))}), which a DTensor's Shard placement would read as torch.chunk's; "
+            f"reshard to a spec whose axes divide dim {d} (e.g. P() on it) first."
         )
     return a.mesh.backend_impl.dtensor_from_local(a.local, a.mesh, _shard_dims(a.spec, a.ndim, a.mesh), a.shape)
 

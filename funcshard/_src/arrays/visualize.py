@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 
 from ..errors import ShardingError
-from ..tree.spec import block_index, format_mesh
+from ..tree.spec import block_index, format_mesh, split_sizes
 from .array import Array
 
 __all__ = ["Picture", "visualize"]
@@ -69,7 +69,7 @@ def visualize(a: Array, *, show: bool = True) -> Picture:
     ``"dist"`` the first process alone prints it (each process returns it).
 
     Each cell is one block; it lists the ranks that hold it and their coordinates (``*`` = every index of
-    that axis, i.e. replicated over it).
+    that axis, i.e. replicated over it). A dim split unevenly is noted in the header with its blocks' sizes.
 
     Raises:
         ShardingError: ``a`` is not an ``fs.Array``.
@@ -96,6 +96,10 @@ def visualize(a: Array, *, show: bool = True) -> Picture:
         header += (
             f"  (dims 0 and 1 shown; dims 2..{nd - 1} {'are sharded' if any(a.spec.dim_axes(nd)[2:]) else 'whole'})"
         )
+    for d, axes in enumerate(a.spec.dim_axes(nd)):
+        n = math.prod(mesh.shape[x] for x in axes)
+        if a.shape[d] % n:  # an uneven split: torch.tensor_split's blocks, the first ones one row longer
+            header += f"  (dim {d} split unevenly: blocks of {list(split_sizes(a.shape[d], n))})"
     lines = [header]
     hline = "─" * width
 

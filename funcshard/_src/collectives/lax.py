@@ -14,10 +14,20 @@ import optree
 import torch
 
 from ..errors import ConfigError, ShardingError
-from ..runtime.context import DeviceContext, axes_of, current, env, tracing, transforms_active
+from ..runtime.context import (
+    DeviceContext,
+    axes_of,
+    current,
+    env,
+    note_uneven,
+    tracing,
+    transforms_active,
+)
+from ..tree.spec import split_sizes
 from . import prims as _prims
 from . import prims_cast as _prims_cast
 from . import prims_ragged as _prims_ragged
+from .uneven import block_shapes, block_sizes, may_differ, pad_to
 from .vma import EMPTY, Audited, bind_operand, bind_result, bind_results, get_vma, known_vma, known_vmas, set_vma
 
 __all__ = [
@@ -334,9 +344,17 @@ def _dim(d: int, ndim: int, name: str, what: str, shape: Sequence[int]) -> int:
 
 
 def _gather(
-    x: PyTree, axis: _Axis, dim: int, tiled: bool, name: str, cast: tuple[torch.dtype, torch.dtype] | None = None
+    x: PyTree,
+    axis: _Axis,
+    dim: int,
+    tiled: bool,
+    name: str,
+    cast: tuple[torch.dtype, torch.dtype] | None = None,
+    *,
+    even: bool = False,
 ) -> PyTree:
-    """all_gather / all_gather_invariant / all_gather_cast: the same forward, different transposes and tags."""
+    """all_gather / all_gather_invariant / all_gather_cast: the same forward, different transposes and tags.
+    ``even``: the blocks are known to be of one size (no sizes to learn in a call with an uneven argument)."""
     ctx = current(name)
     axes = axes_of(axis, ctx.mesh, name)
     invariant = name == "all_gather_invariant"
@@ -351,6 +369,10 @@ def _gather(
                 f"tiled=False to stack the {_n(ctx, axes)} values in a new dim, or reshape it to [1] first."
             )
         d = _dim(dim, t.dim() + (0 if tiled else 1), name, "dim", t.shape)
+        if tiled and not even and may_differ(ctx):  # blocks may differ along d: learn their sizes
+            sizes = block_sizes(t.shape[d], axes)
+            if min(sizes) != max(sizes):
+                return _gather_uneven(t, axis, d, sizes, name, cast)
         with torch._C.DisableTorchFunction():
             t, have = bind_operand(prim, t, axes, ctx.device, ctx.check_vma, name)
             if invariant:
@@ -367,11 +389,31 @@ def _gather(
     return _tmap(one, x, name)
 
 
+def _gather_uneven(
+    t: torch.Tensor,
+    axis: _Axis,
+    d: int,
+    sizes: tuple[int, ...],
+    name: str,
+    cast: tuple[torch.dtype, torch.dtype] | None,
+) -> torch.Tensor:
+    """:func:`_gather` (tiled) of blocks whose sizes along ``d`` differ (``sizes``, in axis order): each padded
+    to the largest, gathered, the padding cut away; the backward (the gather's transpose, through the pad and the
+    cut) gives each device its own rows of the cotangent."""
+    m = max(sizes)
+    t = pad_to(t, [*t.shape[:d], m, *t.shape[d + 1 :]])  # [.., sizes[i], ..] -> [.., m, ..]
+    full = _gather(t, axis, d, True, name, cast, even=True)  # [.., m, ..] -> [.., n m, ..]
+    note_uneven()
+    return torch.cat([full.narrow(d, i * m, s) for i, s in enumerate(sizes)], dim=d)  # -> [.., sum(sizes), ..]
+
+
 def all_gather(x: PyTree, axis: _Axis, *, dim: int = 0, tiled: bool = False) -> PyTree:
     """Gather the shards of ``axis`` in axis order (forward); reduce-scatter (backward).
 
     ``tiled=True`` concatenates along ``dim``; ``tiled=False`` stacks the shards in a new dim at ``dim``.
-    The result varies over ``axis`` (as in JAX).
+    The result varies over ``axis`` (as in JAX). In a call with an unevenly split argument, tiled blocks may
+    differ in size along ``dim`` (``torch.tensor_split``'s blocks): the devices first learn the sizes
+    (:func:`block_sizes`), then each block is padded to the largest, gathered, and the padding cut away.
 
     Example:
         >>> # w_full = fs.all_gather(w, "fsdp", dim=0, tiled=True)  # [h/n, d] -> [h, d]
@@ -440,9 +482,10 @@ def all_gather_invariant(x: PyTree, axis: _Axis, *, dim: int = 0, tiled: bool = 
 
 
 def split_invariant(x: PyTree, axis: _Axis, *, dim: int = 0) -> PyTree:
-    """This device's block of ``dim`` (split into axis-size blocks) of a value invariant over ``axis``
-    (forward, no communication); all-gather of the cotangent blocks (backward). The transpose of
-    :func:`all_gather_invariant`; Megatron's "scatter to the sequence-parallel region".
+    """This device's block of ``dim`` (split into axis-size blocks, ``torch.tensor_split``'s where the axis size
+    does not divide it) of a value invariant over ``axis`` (forward, no communication); all-gather of the
+    cotangent blocks (backward). The transpose of :func:`all_gather_invariant`; Megatron's "scatter to the
+    sequence-parallel region".
 
     Under ``check_vma=True`` a value already varying over ``axis`` is sliced plainly (its cotangent is
     per device). Under ``check_vma=False`` the value is taken to be invariant.
@@ -457,11 +500,11 @@ def split_invariant(x: PyTree, axis: _Axis, *, dim: int = 0) -> PyTree:
 
     def one(t: torch.Tensor) -> torch.Tensor:
         d = _dim(dim, t.dim(), "split_invariant", "dim", t.shape)
-        if t.shape[d] % n:
-            raise ShardingError(
-                f"split_invariant: dim {d} of shape {tuple(t.shape)} has size {t.shape[d]}, not divisible by the "
-                f"size {n} of {axes}; pad it to a multiple of {n}."
-            )
+        if t.shape[d] % n:  # torch.tensor_split's blocks: each padded to the largest, split, cut
+            blocks = torch.tensor_split(t, n, dim=d)  # [.., s, ..] -> n x [.., sizes[i], ..]
+            y = split_invariant(torch.cat([pad_to(b, blocks[0].shape) for b in blocks], dim=d), axis, dim=d)
+            note_uneven()
+            return y.narrow(d, 0, blocks[axis_index_int(axes)].shape[d])  # [.., m, ..] -> [.., sizes[i], ..]
         # under check_vma=False the value is taken to be invariant over axes (its tag may say otherwise: an
         # argument); its other axes are kept where known
         have = get_vma(t) if ctx.check_vma else known_vma(t, False)
@@ -480,8 +523,9 @@ def split_invariant(x: PyTree, axis: _Axis, *, dim: int = 0) -> PyTree:
 def psum_scatter(x: PyTree, axis: _Axis, *, dim: int = 0, tiled: bool = False) -> PyTree:
     """Reduce-scatter over ``axis``: device i keeps block i of the sum (forward); all-gather (backward).
 
-    ``tiled=True`` splits ``dim`` into axis-size blocks; ``tiled=False`` needs ``x.shape[dim]`` equal to the
-    axis size and removes ``dim``.
+    ``tiled=True`` splits ``dim`` into axis-size blocks (``torch.tensor_split``'s, the first ones one row longer,
+    where the axis size does not divide it); ``tiled=False`` needs ``x.shape[dim]`` equal to the axis size and
+    removes ``dim``.
 
     Example:
         >>> # y = fs.psum_scatter(partial, "tp", dim=1, tiled=True)  # [b, s, d] -> [b, s/tp, d]
@@ -492,11 +536,6 @@ def psum_scatter(x: PyTree, axis: _Axis, *, dim: int = 0, tiled: bool = False) -
 
     def one(t: torch.Tensor) -> torch.Tensor:
         d = _dim(dim, t.dim(), "psum_scatter", "dim", t.shape)
-        if tiled and t.shape[d] % n:
-            raise ShardingError(
-                f"psum_scatter: dim {d} of shape {tuple(t.shape)} has size {t.shape[d]}, not divisible by the "
-                f"size {n} of {axes}; pad it to a multiple of {n}."
-            )
         if t.dtype == torch.bool:  # (psum counts Trues as int32; a blockwise count is that psum's block)
             raise ShardingError(
                 f"psum_scatter: a bool tensor of shape {tuple(t.shape)} has no sum (JAX refuses it too); cast it "
@@ -507,6 +546,8 @@ def psum_scatter(x: PyTree, axis: _Axis, *, dim: int = 0, tiled: bool = False) -
                 f"psum_scatter(tiled=False): dim {d} of shape {tuple(t.shape)} must equal the size {n} of {axes}; "
                 f"use tiled=True to split a longer dim into {n} blocks."
             )
+        if tiled and t.shape[d] % n:  # torch.tensor_split's blocks: each padded to the largest, scattered, cut
+            return _psum_scatter_uneven(t, axis, d, n)
         with torch._C.DisableTorchFunction():
             t, have = bind_operand(_prims.ReduceScatter, t, axes, ctx.device, ctx.check_vma, "psum_scatter")
             xs = t.unflatten(d, (n, -1)).movedim(d, 0) if tiled else t.movedim(d, 0)  # -> [n, ...]
@@ -516,9 +557,58 @@ def psum_scatter(x: PyTree, axis: _Axis, *, dim: int = 0, tiled: bool = False) -
     return _tmap(one, x, "psum_scatter")
 
 
+def _psum_scatter_uneven(t: torch.Tensor, axis: _Axis, d: int, n: int) -> torch.Tensor:
+    """:func:`psum_scatter` (tiled) of a dim ``n`` does not divide: device i keeps block i of
+    ``torch.tensor_split(sum, n, d)``; the backward (an all-gather, through the pad and the cut) likewise."""
+    blocks = torch.tensor_split(t, n, dim=d)  # [.., s, ..] -> n x [.., sizes[i], ..]
+    padded = [pad_to(b, blocks[0].shape) for b in blocks]  # each [.., m, ..]
+    y = psum_scatter(torch.cat(padded, dim=d), axis, dim=d, tiled=True)  # [.., n m, ..] -> [.., m, ..]
+    note_uneven()
+    i = axis_index_int(axis)
+    return y.narrow(d, 0, blocks[i].shape[d])  # [.., m, ..] -> [.., sizes[i], ..]
+
+
+def _all_to_all_uneven(
+    t: torch.Tensor,
+    sd: int,
+    cd: int,
+    shapes: list[tuple[int, ...]],
+    me: int,
+    even: Any,
+) -> torch.Tensor:
+    """:func:`all_to_all` (tiled) of chunks of different shapes: device i's ``split_dim`` (of ``shapes[i]``) is cut
+    as ``torch.tensor_split`` cuts it; every chunk is padded to the largest chunk, the even all-to-all
+    (``even(t, sd, cd)``) moves them, and each arrival is cut back to its own shape before they are concatenated
+    along ``concat_dim``. The backward (through the pad, the even all-to-all and the cut) is the reverse."""
+    n = len(shapes)
+    for sh in shapes:
+        if len(sh) != t.dim() or any(a != b for k, (a, b) in enumerate(zip(sh, shapes[0])) if k not in (sd, cd)):
+            raise ShardingError(
+                f"all_to_all: the devices' blocks have shapes {shapes}, which differ outside split_dim {sd} and "
+                f"concat_dim {cd}; blocks may differ only along those dims."
+            )
+    got = [split_sizes(sh[sd], n) for sh in shapes]  # per source: the sizes of its chunks
+    big = list(t.shape)
+    big[sd] = max(max(g) for g in got)
+    if cd != sd:
+        big[cd] = max(sh[cd] for sh in shapes)
+    chunks = torch.tensor_split(t, n, dim=sd)  # n x [.., sizes[j], ..]
+    y = even(torch.cat([pad_to(c, big) for c in chunks], dim=sd), sd, cd)  # [.., n big_sd, ..] -> [.., n big_cd, ..]
+    step = big[cd]
+    parts = []
+    for i, sh in enumerate(shapes):  # the chunk device i sent here, cut to its shape
+        part = y.narrow(cd, i * step, sh[cd] if cd != sd else got[i][me])
+        parts.append(part.narrow(sd, 0, got[i][me]) if cd != sd else part)
+    return torch.cat(parts, dim=cd)
+
+
 def all_to_all(x: PyTree, axis: _Axis, split_dim: int, concat_dim: int, *, tiled: bool = True) -> PyTree:
     """Split ``split_dim`` into axis-size chunks, send chunk j to device j, concatenate what arrives along
     ``concat_dim`` in source order (forward); the reverse all-to-all (backward).
+
+    Where the axis size does not divide ``split_dim``, or in a call whose blocks may differ in shape (an uneven
+    argument), the chunks are ``torch.tensor_split``'s and may differ between devices along ``split_dim`` and
+    ``concat_dim``: each is padded to the largest, moved, and cut back to its shape.
 
     With ``tiled=False`` ``x.shape[split_dim]`` must equal the axis size; that dim is removed and the
     arrivals are stacked in a new dim at ``concat_dim``.
@@ -533,13 +623,19 @@ def all_to_all(x: PyTree, axis: _Axis, split_dim: int, concat_dim: int, *, tiled
 
     def one(t: torch.Tensor) -> torch.Tensor:
         sd = _dim(split_dim, t.dim(), "all_to_all", "split_dim", t.shape)
-        if (tiled and t.shape[sd] % n) or (not tiled and t.shape[sd] != n):
-            need = f"a multiple of {n}" if tiled else f"equal to {n}"
+        if not tiled and t.shape[sd] != n:
             raise ShardingError(
                 f"all_to_all: split_dim {sd} of shape {tuple(t.shape)} has size {t.shape[sd]}, which must be "
-                f"{need} (the size of {axes})."
+                f"equal to {n} (the size of {axes})."
             )
         cd = _dim(concat_dim, t.dim(), "all_to_all", "concat_dim", t.shape)
+        if tiled and (t.shape[sd] % n or may_differ(ctx)):  # chunks of different sizes (tensor_split's)
+            shapes = block_shapes(t.shape, axes, ctx)
+            if t.shape[sd] % n or any(sh != shapes[0] for sh in shapes):
+                return _all_to_all_uneven(t, sd, cd, shapes, axis_index_int(axes), even)
+        return even(t, sd, cd)
+
+    def even(t: torch.Tensor, sd: int, cd: int) -> torch.Tensor:
         with torch._C.DisableTorchFunction():
             t, have = bind_operand(_prims.AllToAll, t, axes, ctx.device, ctx.check_vma, "all_to_all")
             xs = t.unflatten(sd, (n, -1)).movedim(sd, 0) if tiled else t.movedim(sd, 0)  # -> [n, ...]
@@ -646,7 +742,9 @@ def _sizes(v: _Sizes, n: int, what: str, axes: tuple[str, ...]) -> tuple[int, ..
 
 def ppermute(x: PyTree, axis: _Axis, perm: Sequence[tuple[int, int]]) -> PyTree:
     """Send this device's value to ``dst`` from ``src`` for each ``(src, dst)`` pair (indices on ``axis``);
-    devices that receive nothing get zeros (forward). The inverse permutation (backward).
+    devices that receive nothing get zeros (forward). The inverse permutation (backward). In a call whose blocks
+    may differ in shape (an uneven argument), a device receives a block of its sender's shape (zeros of its own
+    shape where nothing arrives).
 
     Example:
         >>> # ring shift: y = fs.ppermute(x, "cp", [(i, (i + 1) % n) for i in range(n)])  # [*s] -> [*s]
@@ -670,6 +768,20 @@ def ppermute(x: PyTree, axis: _Axis, perm: Sequence[tuple[int, int]]) -> PyTree:
         )
 
     def one(t: torch.Tensor) -> torch.Tensor:
+        if may_differ(ctx):  # the devices' blocks may differ in shape: each padded to the largest, moved, cut
+            shapes = block_shapes(t.shape, axes, ctx)
+            if any(sh != shapes[0] for sh in shapes):
+                big = [max(col) for col in zip(*shapes, strict=True)]
+                y = even(pad_to(t, big))  # [*s_i] -> [*big]
+                src = next((s for s, d in pairs if d == _index(ctx, axes)), None)
+                # what arrived, cut to its sender's shape; zeros of this device's own shape where nothing arrives
+                want = shapes[src] if src is not None else tuple(t.shape)
+                for d, size in enumerate(want):
+                    y = y.narrow(d, 0, size)
+                return y
+        return even(t)
+
+    def even(t: torch.Tensor) -> torch.Tensor:
         with torch._C.DisableTorchFunction():
             t, have = bind_operand(_prims.Ppermute, t, axes, ctx.device, ctx.check_vma, "ppermute")
             y = _prims.call(_prims.Ppermute, t, ctx.device, axes, pairs)  # [*s] -> [*s]

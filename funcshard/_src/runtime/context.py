@@ -26,6 +26,8 @@ __all__ = [
     "env",
     "is_donated",
     "maybe_current",
+    "note_uneven",
+    "noted_uneven",
     "observe_scope",
     "observer",
     "overlap_allowed",
@@ -35,6 +37,7 @@ __all__ = [
     "prefetching",
     "swap_context",
     "swap_overlap",
+    "take_uneven",
     "trace_scope",
     "tracing",
     "transforms_active",
@@ -53,6 +56,9 @@ class DeviceContext:
     device: Any  # a _backend.DeviceHandle
     check_vma: bool
     donated: frozenset[int] = frozenset()  # id() of the argument blocks donated to this call (written in place)
+    #: an argument of this call is split unevenly (torch.tensor_split's blocks): the devices' blocks may differ in
+    #: shape, so a collective that concatenates blocks first learns their sizes (even calls assume equal blocks)
+    uneven: bool = False
 
 
 def is_donated(*ts: Any) -> bool:
@@ -365,3 +371,29 @@ dynamo_tracing: Callable[[], bool] = getattr(torch.compiler, "is_compiling", lam
 #: buffer. Where a fast path has further conditions (:func:`tracing`, grad mode, an operand's flags) they are
 #: spelled beside it at the call site. torch's own function, bound once (no Python frame added).
 transforms_active: Callable[[], bool] = torch._C._are_functorch_transforms_active
+
+
+def note_uneven() -> None:
+    """Note that the device this thread runs made a value whose blocks differ in shape between devices (an uneven
+    ``psum_scatter``, a random draw of an uneven block): under ``"dist"``, where no process sees the others'
+    blocks, the call's outputs are then assembled from the exchanged shapes (every process makes the same
+    collectives and draws, so every process notes it)."""
+    _scope.uneven = True
+
+
+def noted_uneven() -> bool:
+    """Whether :func:`note_uneven` was called on this thread in the running call (the flag stays)."""
+    return getattr(_scope, "uneven", False)
+
+
+def take_uneven() -> bool:
+    """Whether :func:`note_uneven` was called on this thread since the last time this was asked (and forget it).
+
+    Example:
+        >>> take_uneven()
+        False
+    """
+    if getattr(_scope, "uneven", False):
+        _scope.uneven = False
+        return True
+    return False

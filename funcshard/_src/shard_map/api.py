@@ -23,7 +23,7 @@ import optree
 from ..arrays.array import Array, is_array
 from ..collectives.vma import clear_vma
 from ..errors import ShardingError
-from ..runtime.context import maybe_current, transforms_active
+from ..runtime.context import maybe_current, take_uneven, transforms_active
 from ..runtime.mesh import Mesh
 from ..tree.shapes import to_meta
 from .compile import CompiledBody, compile_options, eager_body, opaque_to_dynamo, warn_sim
@@ -204,6 +204,7 @@ def _run_local(
 
     body = DeviceBody(f, mesh, check_vma, None, device_plan, audit=False)  # type: ignore[arg-type]
     try:
+        take_uneven()  # (a note a call that raised left behind is not this call's)
         out_leaves, out_def = run_local(body, executor, sig, leaves, cache)
         try:
             found = body.out_plan  # (the plan the outputs' pvarys were made by, where they were)
@@ -213,7 +214,9 @@ def _run_local(
                 plan = cache.out_plan(name, mesh, out_specs, out_def, out_leaves)
             if not check_vma:  # the outputs called replicated are: once per output signature (see _replicas)
                 maybe_check_replicas(name, mesh, check_vma, plan, out_leaves, executor.device)
-            out = assemble_one(name, mesh, plan, check_vma, executor.coords[0], out_leaves)  # (tags cleared)
+            out = assemble_one(  # (tags cleared)
+                name, mesh, plan, check_vma, executor.coords[0], out_leaves, uneven=take_uneven() or sig.uneven
+            )
             return out_def.unflatten(out)  # (optree.tree_unflatten's own call)
         except BaseException:
             clear_vma(out_leaves)
@@ -256,12 +259,15 @@ def _run(
     body = DeviceBody(f, mesh, check_vma, inputs, device_plan)
     body.compiled = compiled
 
+    take_uneven()  # (a note a call that raised left behind is not this call's)
     results = executor.run(body, plan)
     try:
         out_plan = plan(results)
         if not check_vma and mesh.is_multiprocess:  # the outputs called replicated are (see _replicas)
             maybe_check_replicas(name, mesh, check_vma, out_plan, results[0][0], executor.device)
-        return assemble_outputs(name, mesh, out_plan, check_vma, executor.coords, results, executor.shards)
+        return assemble_outputs(
+            name, mesh, out_plan, check_vma, executor.coords, results, executor.shards, take_uneven() or inputs.uneven
+        )
     finally:  # tags are only meaningful during this call: none may leak into a later one
         clear_vma(body.tagged)
         for leaves, _ in results:  # (per device: no generator resumed once a leaf)

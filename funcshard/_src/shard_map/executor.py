@@ -175,9 +175,9 @@ class DeviceBody:
             args = [lv[0] if b else optree.tree_unflatten(td, lv) for td, lv, b in zip(inputs.treedefs, leaves, bare)]
         if donated is not None:
             mine = frozenset([id(t) for arg, ds in zip(leaves, donated) for t, d in zip(arg, ds) if d])
-            ctx = DeviceContext(self.mesh, dev, self.check_vma, mine)
+            ctx = DeviceContext(self.mesh, dev, self.check_vma, mine, inputs.uneven)
         else:
-            ctx = _context_of(self.mesh, dev, self.check_vma)
+            ctx = _context_of(self.mesh, dev, self.check_vma, inputs.uneven)
         return self.call(dev, ctx, args)
 
     def call(self, dev: Any, ctx: DeviceContext, args: list[Any]) -> Result:
@@ -264,26 +264,27 @@ def run_local(body: DeviceBody, executor: DistExecutor, sig: Any, leaves: list[A
             k += n
     dev = executor.device
     ctx = cache.context  # (the context of the last call, kept while its device is the executor's)
-    if ctx is None or ctx.device is not dev or ctx.check_vma is not body.check_vma:
-        ctx = cache.context = _context_of(mesh, dev, body.check_vma)
+    if ctx is None or ctx.device is not dev or ctx.check_vma is not body.check_vma or ctx.uneven is not sig.uneven:
+        ctx = cache.context = _context_of(mesh, dev, body.check_vma, sig.uneven)
     return body.call(dev, ctx, args)
 
 
-def _context_of(mesh: Mesh, dev: Any, check_vma: bool) -> DeviceContext:
+def _context_of(mesh: Mesh, dev: Any, check_vma: bool, uneven: bool = False) -> DeviceContext:
     """The context of a call without donation on ``dev``: made once per device and mode where the device lives
-    on (``"dist"``: the process's one device; a sim device lives for one call only)."""
+    on (``"dist"``: the process's one device; a sim device lives for one call only). ``uneven``: an argument is
+    split unevenly (``DeviceContext.uneven``)."""
     if not mesh.is_multiprocess:
-        return DeviceContext(mesh, dev, check_vma)
-    key = (id(dev), id(mesh), check_vma)
+        return DeviceContext(mesh, dev, check_vma, uneven=uneven)
+    key = (id(dev), id(mesh), check_vma, uneven)
     ctx = _CONTEXTS.get(key)
     if ctx is None:  # (the context holds its device and mesh: their ids are not reused while it is here)
         if len(_CONTEXTS) > 64:
             _CONTEXTS.clear()
-        ctx = _CONTEXTS[key] = DeviceContext(mesh, dev, check_vma)
+        ctx = _CONTEXTS[key] = DeviceContext(mesh, dev, check_vma, uneven=uneven)
     return ctx
 
 
-_CONTEXTS: dict[tuple[int, int, bool], DeviceContext] = {}
+_CONTEXTS: dict[tuple[int, int, bool, bool], DeviceContext] = {}
 atexit.register(_CONTEXTS.clear)  # no device (and its process groups) held into the interpreter's teardown
 
 
@@ -372,7 +373,8 @@ class ClassExecutor:
         names, sizes = mesh.axis_names, tuple(mesh.shape.values())
         world = mesh.backend_impl.world(mesh)
         done: dict[Coords, Result] = {}
-        read: set[str] = set()
+        # the axes along which an argument's blocks differ (an uneven split): its devices' programs may differ too
+        read = {names[p] for arg in body.inputs.blocks for b in arg if _uneven_classes(b) for p in b.positions}
         while True:
             todo = [c for c in _representatives(names, sizes, read) if c not in done]
             if not todo:
@@ -390,6 +392,11 @@ class ClassExecutor:
     def shards(self, blocks: dict[Coords, Any]) -> ClassShards:
         """An output's blocks, one per class (the representatives'), serving every device."""
         return ClassShards(self.positions, blocks)
+
+
+def _uneven_classes(blocks: Any) -> bool:
+    """Whether ``blocks`` (an argument's) are the classes of an uneven split: meta blocks of different shapes."""
+    return isinstance(blocks, ClassShards) and len({tuple(t.shape) for t in blocks.values()}) > 1
 
 
 def _run_observed(body: DeviceBody, dev: Any, leaves: list[list[Any]]) -> Result:

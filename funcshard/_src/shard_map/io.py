@@ -5,7 +5,7 @@ devices, below the transform); then check the devices' outputs and assemble them
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,7 +18,7 @@ from ..collectives.vma import EMPTY, get_vma, take_vmas
 from ..errors import ShardingError
 from ..runtime.mesh import Mesh
 from ..tree import pytree
-from ..tree.spec import P, check_spec, format_mesh, is_spec
+from ..tree.spec import P, block_index, check_spec, format_mesh, is_even, is_spec, split_sizes
 
 __all__ = ["InputCache", "Inputs", "OutPlan", "assemble_one", "assemble_outputs", "device_args", "donated_blocks"]
 
@@ -63,6 +63,7 @@ class Inputs:
     resharded: bool = False
     tags: list[list[frozenset[str]]] | None = None
     bare: list[bool] | None = None
+    uneven: bool = False
 
 
 @dataclass
@@ -82,6 +83,7 @@ class _InSig:
     flat_tags: list[frozenset[str]]  # per leaf: the axes its in_spec names
     all_bare: bool  # every argument is one leaf: the leaves are the arguments
     pins: tuple[Any, ...]  # the Arrays' spec objects, whose ids the signature's key holds (kept alive with it)
+    uneven: bool = False  # a leaf is split unevenly (by its layout or its in_spec): the devices' blocks differ
 
 
 ARRAY, WHOLE, CUT, VALUE = 0, 1, 2, 3
@@ -279,7 +281,9 @@ class InputCache:
                     whole = self.whole_blocks(mesh, leaf) if kind == WHOLE else None
                     blk.append(local_shards(leaf, mesh, s) if whole is None else whole)
             blocks.append(blk)
-        return Inputs(sig.treedefs, sig.specs, sig.layouts, sig.steps, blocks, None, sig.resharded, sig.tags, sig.bare)
+        return Inputs(
+            sig.treedefs, sig.specs, sig.layouts, sig.steps, blocks, None, sig.resharded, sig.tags, sig.bare, sig.uneven
+        )
 
     @staticmethod
     def _signature(
@@ -291,15 +295,19 @@ class InputCache:
         layouts: list[list[P]] = []
         steps: list[list[list[Step]]] = []
         kinds: list[int] = []
+        uneven = False
         it = iter(leaves)
         for specs in specs_all:
             lay: list[P] = []
             st: list[list[Step]] = []
             for s in specs:
                 leaf = next(it)
+                if isinstance(leaf, (Array, torch.Tensor)):
+                    uneven = uneven or not is_even(leaf.shape, s, mesh.shape)
                 if isinstance(leaf, Array):
+                    uneven = uneven or not is_even(leaf.shape, leaf.spec, mesh.shape)
                     lay.append(leaf.spec)
-                    st.append([] if leaf.spec == s else reshard_plan(leaf.spec, s, leaf.ndim))
+                    st.append([] if leaf.spec == s else reshard_plan(leaf.spec, s, leaf.ndim, leaf.shape, mesh.shape))
                     kinds.append(ARRAY)
                 else:
                     lay.append(s)
@@ -315,7 +323,19 @@ class InputCache:
         flat_tags = [t for arg in tags for t in arg]
         pins = tuple(leaf.spec for leaf in leaves if type(leaf) is Array)
         return _InSig(
-            treedefs, specs_all, layouts, steps, resharded, kinds, tags, bare, flat_specs, flat_tags, all(bare), pins
+            treedefs,
+            specs_all,
+            layouts,
+            steps,
+            resharded,
+            kinds,
+            tags,
+            bare,
+            flat_specs,
+            flat_tags,
+            all(bare),
+            pins,
+            uneven,
         )
 
     def local_device(self, mesh: Mesh) -> tuple[Coords, torch.device | None]:
@@ -444,13 +464,16 @@ def assemble_outputs(
     all_coords: list[Coords],
     results: list[Any],
     shards: Any = None,
+    uneven: bool = False,
 ) -> Any:
     """The devices' outputs (``(leaves, treedef)`` per device, in ``all_coords`` order) checked against
     ``plan`` and assembled into ``fs.Array``s; ``shards`` makes an Array's dict of blocks from the devices' (the
-    executor's ``shards``; None: a plain dict)."""
+    executor's ``shards``; None: a plain dict). Blocks may differ in shape along the dims their spec shards, as
+    ``torch.tensor_split``'s blocks do: the global shape is their sum. ``uneven``: an input was split unevenly,
+    so under ``"dist"`` the processes exchange their blocks' shapes (see :func:`assemble_one`)."""
     out_def = results[0][1]
     if len(results) == 1:
-        leaves = assemble_one(name, mesh, plan, check_vma, all_coords[0], results[0][0], False, shards)
+        leaves = assemble_one(name, mesh, plan, check_vma, all_coords[0], results[0][0], False, shards, uneven)
         return optree.tree_unflatten(out_def, leaves)
     out = []
     seen: set[int] = set()  # storages of the blocks assembled so far
@@ -476,16 +499,16 @@ def assemble_outputs(
             out.append(v0)
             continue
         allowed = plan.allowed[k]
+        shape0 = v0.shape
+        if any(v.shape != shape0 for v in vals):  # uneven blocks (tensor_split's): the global shape is their sum
+            by = dict(zip(all_coords, vals, strict=True))
+            found = by if shards is None else shards(by)
+            gshape = blocks_shape(name, path, spec, mesh, lambda c, f=found: tuple(f[c].shape), all_coords)
         for c, v in zip(all_coords, vals, strict=True):
             if v.dtype != v0.dtype:
                 raise ShardingError(
                     f"{name} at '{path}': device {c} returned dtype {v.dtype} but device {all_coords[0]} returned "
                     f"{v0.dtype}; every device must return blocks of the same dtype."
-                )
-            if tuple(v.shape) != tuple(v0.shape):
-                raise ShardingError(
-                    f"{name} at '{path}': device {c} returned shape {tuple(v.shape)} but device {all_coords[0]} "
-                    f"returned {tuple(v0.shape)}; every device must return blocks of the same shape."
                 )
             if check_vma:
                 extra = sorted(get_vma(v) - allowed)
@@ -516,18 +539,27 @@ def assemble_one(
     leaves: list[Any],
     clear: bool = True,
     shards: Any = None,
+    uneven: bool = False,
 ) -> list[Any]:
     """:func:`assemble_outputs` of one device (``"dist"``, or a mesh of one): nothing to compare between devices;
     the leaf kinds and shapes are the plan's (its key), so only the vma tags and storages are read. ``clear``: it
     also clears each block's own vma tag as it reads it (``clear_vma`` of the outputs, in the same pass; where it
-    raises, the caller clears the rest); ``shards`` as in :func:`assemble_outputs`."""
+    raises, the caller clears the rest); ``shards`` as in :func:`assemble_outputs`.
+
+    ``uneven`` (an input was split unevenly, which every process knows from the call's signature): under
+    ``"dist"`` the processes exchange their blocks' shapes (one small exchange, every such call), and the global
+    shape of an output whose blocks differ is their sum. Otherwise a block is taken to be an even split of its
+    output (its shape times its axes' sizes), as no process sees the others' blocks."""
     out: list[Any] = []
     seen: set[int] = set()  # storages of the blocks assembled so far
     tags = take_vmas(leaves) if clear else [None] * len(leaves)
-    for v, (path, spec, gshape), allowed, tag in zip(leaves, plan, plan.allowed, tags, strict=True):
+    gshapes = _exchanged_shapes(name, mesh, plan, leaves) if uneven and mesh.is_multiprocess else None
+    for k, (v, (path, spec, gshape), allowed, tag) in enumerate(zip(leaves, plan, plan.allowed, tags, strict=True)):
         if gshape is None:  # a non-tensor leaf (its spec checked P() with the plan): as it is
             out.append(v)
             continue
+        if gshapes is not None:
+            gshape = gshapes[k]
         if check_vma:
             vma = get_vma(v) if tag is None else tag  # (its own tag, else a view's base's or a wrapper's)
             if not vma <= allowed:
@@ -546,6 +578,72 @@ def assemble_one(
             owned = False
         out.append(Array(mesh, spec, gshape, v.dtype, {coords: v} if shards is None else shards({coords: v}), owned))
     return out
+
+
+def _exchanged_shapes(name: str, mesh: Mesh, plan: OutPlan, leaves: list[Any]) -> list[Any]:
+    """Under ``"dist"``: the global shape of each output leaf from every process's block shape (exchanged)."""
+    mine = [tuple(v.shape) if g is not None else None for v, (_, _, g) in zip(leaves, plan, strict=True)]
+    every = mesh.all_gather_object(mine)  # per process (= device rank): its blocks' shapes
+    coords = [tuple(c.values()) for c in mesh.device_coords()]
+    by = dict(zip(coords, every, strict=True))
+    out: list[Any] = []
+    for k, (path, spec, gshape) in enumerate(plan):
+        if gshape is None or all(s[k] == mine[k] for s in every):
+            out.append(gshape)
+        else:
+            out.append(blocks_shape(name, path, spec, mesh, lambda c, k=k: by[c][k], coords))
+    return out
+
+
+def _coords_at(mesh: Mesh, axes: tuple[str, ...], index: int) -> Coords:
+    """The device whose block index over ``axes`` is ``index`` (major first), at 0 on every other axis."""
+    at = dict.fromkeys(mesh.axis_names, 0)
+    for a in reversed(axes):
+        index, at[a] = divmod(index, mesh.shape[a])
+    return tuple(at.values())
+
+
+def blocks_shape(
+    name: str, path: str, spec: P, mesh: Mesh, shape_of: Callable[[Coords], tuple[int, ...]], coords: list[Coords]
+) -> tuple[int, ...]:
+    """The global shape of an output whose devices' blocks differ in shape: along each dim its spec shards, the
+    sum of its blocks, which must be ``torch.tensor_split``'s blocks of that sum; along any other dim, the
+    blocks' common size. ``shape_of(c)``: the shape of the block of the device at ``c`` (any device);
+    ``coords``: the devices whose blocks are checked.
+
+    Raises:
+        ShardingError: blocks that differ along a dim the spec does not shard, or that are not tensor_split's.
+
+    Example:
+        >>> # blocks of 3, 3, 2, 2 rows on dp=4 with spec P("dp"): a global dim of 10
+    """
+    names = mesh.axis_names
+    first = shape_of(coords[0])
+    out: list[int] = []
+    for d, axes in enumerate(spec.dim_axes(len(first))):
+        n = math.prod(mesh.shape[a] for a in axes)
+        sizes = [shape_of(_coords_at(mesh, axes, i))[d] for i in range(n)] if axes else [first[d]]
+        size = sum(sizes) if axes else first[d]
+        if axes and tuple(sizes) != split_sizes(size, n):
+            c = next(c for c in coords if shape_of(c) != first)
+            raise ShardingError(
+                f"{name} at '{path}': device {c} returned shape {shape_of(c)} but device {coords[0]} returned "
+                f"{first}, and out_specs gives {spec!r}: the devices' blocks along dim {d} have sizes {sizes} over "
+                f"{axes}, which are not torch.tensor_split's blocks of a dim of {size} "
+                f"({list(split_sizes(size, n))}); return blocks of one shape, or tensor_split's (the first ones "
+                f"one row longer)."
+            )
+        for c in coords:
+            want = sizes[block_index(axes, dict(zip(names, c, strict=True)), mesh.shape)[0]] if axes else size
+            got = shape_of(c)
+            if len(got) != len(first) or got[d] != want:
+                raise ShardingError(
+                    f"{name} at '{path}': device {c} returned shape {got} but device {coords[0]} returned "
+                    f"{first}; blocks may differ only along the dims out_specs {spec!r} shards, as "
+                    f"torch.tensor_split's blocks of the global dim do."
+                )
+        out.append(size)
+    return tuple(out)
 
 
 def _vma_error(name: str, path: str, spec: P, extra: list[str]) -> None:

@@ -154,7 +154,7 @@ class SimState:
             ins = self.grad_inputs[dev.rank]
             if not outs or not ins:
                 return [None] * len(ins)
-            with enter(DeviceContext(self.mesh, dev, self.body.check_vma)):
+            with enter(DeviceContext(self.mesh, dev, self.body.check_vma, uneven=self.body.inputs.uneven)):
                 return list(torch.autograd.grad(outs, ins, gs, allow_unused=True, retain_graph=True))
 
         res = self.world.run(back, grad=False)

@@ -19,7 +19,18 @@ from typing import Any
 
 from ..errors import ShardingError
 
-__all__ = ["Entry", "P", "block_index", "check_spec", "format_mesh", "shard_shape", "shard_slices"]
+__all__ = [
+    "Entry",
+    "P",
+    "block_index",
+    "check_spec",
+    "format_mesh",
+    "is_even",
+    "shard_shape",
+    "shard_slices",
+    "split_sizes",
+    "uneven_axes",
+]
 
 Entry = str | tuple[str, ...] | None
 
@@ -121,7 +132,8 @@ def check_spec(spec: Any, shape: Sequence[int], mesh: Any, *, path: str = "", fn
 
     Raises:
         ShardingError: naming the function, the pytree path, spec, shape and mesh, for an unknown axis, an
-            axis used twice, more entries than dims, or a dim not divisible by its axes' total size.
+            axis used twice, or more entries than dims. A dim its axes do not divide is valid: it is split
+            unevenly, as ``torch.tensor_split`` splits it (:func:`split_sizes`).
 
     Example:
         >>> class M: axis_names = ("tp",); shape = {"tp": 2}
@@ -141,7 +153,7 @@ def check_spec(spec: Any, shape: Sequence[int], mesh: Any, *, path: str = "", fn
             f"give at most one entry per dim."
         )
     seen: set[str] = set()
-    for d, axes in enumerate(spec.dim_axes(len(shape))):
+    for axes in spec.dim_axes(len(shape)):
         for a in axes:
             if a not in mesh.shape:
                 raise ShardingError(
@@ -151,26 +163,80 @@ def check_spec(spec: Any, shape: Sequence[int], mesh: Any, *, path: str = "", fn
             if a in seen:
                 raise ShardingError(f"{where}: {ctx} uses axis '{a}' twice; an axis may shard at most one dim, once.")
             seen.add(a)
-        n = math.prod(mesh.shape[a] for a in axes)
-        if shape[d] % n:
-            raise ShardingError(
-                f"{where}: {ctx}: dim {d} of size {shape[d]} is sharded over {axes} of total size {n}, and "
-                f"{shape[d]} is not divisible by {n}; pad dim {d} to a multiple of {n} or shard it over "
-                f"fewer axes."
-            )
     return spec
 
 
-def shard_shape(shape: Sequence[int], spec: P, mesh_shape: Mapping[str, int]) -> tuple[int, ...]:
-    """The shape of one device's block.
+def split_sizes(size: int, count: int) -> tuple[int, ...]:
+    """The block sizes of a dim of ``size`` split over ``count`` devices, as ``torch.tensor_split`` splits it:
+    the first ``size % count`` blocks are one row longer (some are empty when ``size < count``).
+
+    Example:
+        >>> split_sizes(10, 4)
+        (3, 3, 2, 2)
+        >>> split_sizes(2, 4)
+        (1, 1, 0, 0)
+    """
+    q, r = divmod(size, count)
+    return tuple(q + 1 if i < r else q for i in range(count))
+
+
+def _block(size: int, index: int, count: int) -> tuple[int, int]:
+    """``(start, length)`` of block ``index`` of ``count`` of a dim of ``size`` (``torch.tensor_split``'s)."""
+    q, r = divmod(size, count)
+    return index * q + min(index, r), q + (1 if index < r else 0)
+
+
+def is_even(shape: Sequence[int], spec: P, mesh_shape: Mapping[str, int]) -> bool:
+    """Whether every dim of ``shape`` is divided evenly by its axes' total size (every block the same shape).
+
+    Example:
+        >>> is_even((8, 6), P("dp", "tp"), {"dp": 2, "tp": 3}), is_even((10,), P("dp"), {"dp": 4})
+        (True, False)
+    """
+    for s, axes in zip(shape, spec.dim_axes(len(shape)), strict=True):
+        if axes and s % math.prod(mesh_shape[a] for a in axes):
+            return False
+    return True
+
+
+def uneven_axes(shape: Sequence[int], spec: P, mesh_shape: Mapping[str, int]) -> tuple[str, ...]:
+    """The axes of the dims of ``shape`` that their axes do not divide (the devices' blocks differ along them).
+
+    Example:
+        >>> uneven_axes((10, 6), P("dp", "tp"), {"dp": 4, "tp": 3})
+        ('dp',)
+    """
+    out: list[str] = []
+    for s, axes in zip(shape, spec.dim_axes(len(shape)), strict=True):
+        if axes and s % math.prod(mesh_shape[a] for a in axes):
+            out.extend(axes)
+    return tuple(out)
+
+
+def shard_shape(
+    shape: Sequence[int], spec: P, mesh_shape: Mapping[str, int], coords: Mapping[str, int] | None = None
+) -> tuple[int, ...]:
+    """The shape of one device's block: the device at ``coords``, or (``coords=None``) the first device, whose
+    block is the largest where a dim is split unevenly (``torch.tensor_split``'s blocks).
 
     Example:
         >>> shard_shape((8, 6), P("dp", "tp"), {"dp": 2, "tp": 3})
         (4, 2)
+        >>> shard_shape((10, 6), P("dp"), {"dp": 4}, {"dp": 3})
+        (2, 6)
     """
-    return tuple(
-        s // math.prod(mesh_shape[a] for a in axes) for s, axes in zip(shape, spec.dim_axes(len(shape)), strict=True)
-    )
+    out = []
+    for s, axes in zip(shape, spec.dim_axes(len(shape)), strict=True):
+        if not axes:
+            out.append(s)
+            continue
+        i, n = block_index(axes, coords, mesh_shape) if coords is not None else (0, _count(axes, mesh_shape))
+        out.append(_block(s, i, n)[1])
+    return tuple(out)
+
+
+def _count(axes: Iterable[str], mesh_shape: Mapping[str, int]) -> int:
+    return math.prod(mesh_shape[a] for a in axes)
 
 
 def block_index(axes: Iterable[str], coords: Mapping[str, int], mesh_shape: Mapping[str, int]) -> tuple[int, int]:
@@ -190,15 +256,18 @@ def block_index(axes: Iterable[str], coords: Mapping[str, int], mesh_shape: Mapp
 def shard_slices(
     shape: Sequence[int], spec: P, mesh_shape: Mapping[str, int], coords: Mapping[str, int]
 ) -> tuple[slice, ...]:
-    """The slices of the global value that the device at ``coords`` holds.
+    """The slices of the global value that the device at ``coords`` holds (``torch.tensor_split``'s blocks
+    where a dim is split unevenly).
 
     Example:
         >>> shard_slices((8, 6), P("dp", "tp"), {"dp": 2, "tp": 3}, {"dp": 1, "tp": 2})
         (slice(4, 8, None), slice(4, 6, None))
+        >>> shard_slices((10,), P("dp"), {"dp": 4}, {"dp": 2})
+        (slice(6, 8, None),)
     """
     out = []
     for s, axes in zip(shape, spec.dim_axes(len(shape)), strict=True):
         i, n = block_index(axes, coords, mesh_shape)
-        size = s // n
-        out.append(slice(i * size, (i + 1) * size))
+        start, length = _block(s, i, n)
+        out.append(slice(start, start + length))
     return tuple(out)

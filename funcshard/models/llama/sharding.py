@@ -123,10 +123,10 @@ def _check_sizes(cfg: Config, plan: ParallelPlan) -> None:
     """ShardingError when the tp or fsdp size does not divide the model's sizes."""
     tp, fsdp = plan.size("tp"), plan.size("fsdp")
     tp_name = "tp" if plan.tp in (None, "tp") else f"tp (axis {plan.tp!r})"
+    # (a vocabulary tp does not divide is split unevenly, as torch.tensor_split splits it)
     for what, n in (
         ("n_heads", cfg.n_heads),
         ("n_kv_heads", cfg.n_kv_heads),
-        ("vocab_size", cfg.vocab_size),
         ("ffn_dim", cfg.ffn_dim),
     ):
         if n % tp:
@@ -190,12 +190,14 @@ def pipeline_schedule(cfg: Config, plan: ParallelPlan) -> Schedule:
     stages and ``cfg.microbatches(pp)`` microbatches, checked against the number of layers.
 
     Layers stay stacked in natural order, sharded ``P("pp", ...)`` on the layer dim, so stage ``r`` holds
-    layers ``[r L/p, (r+1) L/p)``; a schedule with ``v`` chunks per stage needs ``n_layers`` divisible by
-    ``p v`` (:func:`funcshard.pipeline.to_chunks` gives each stage its chunks).
+    layers ``[r L/p, (r+1) L/p)``: with one chunk per stage, a layer count ``p`` does not divide is split as
+    ``torch.tensor_split`` splits it (earlier stages take one layer more); a schedule with ``v > 1`` chunks per
+    stage needs ``n_layers`` divisible by ``p v`` (:func:`funcshard.pipeline.to_chunks` gives each stage its
+    chunks).
 
     Raises:
-        ConfigError: ``n_layers`` not divisible by ``pp * n_virtual``, or a microbatch count the schedule
-            cannot run.
+        ConfigError: a schedule with several chunks per stage and ``n_layers`` not divisible by
+            ``pp * n_virtual``, or a microbatch count the schedule cannot run.
 
     Example:
         >>> import funcshard as fs
@@ -213,7 +215,7 @@ def pipeline_schedule(cfg: Config, plan: ParallelPlan) -> Schedule:
         raise ConfigError(
             f"llama: pp_schedule={cfg.pp_schedule!r} cannot run pp_microbatches={m} on pp={p}: {e}"
         ) from None
-    if cfg.n_layers % (p * sched.n_virtual):
+    if sched.n_virtual > 1 and cfg.n_layers % (p * sched.n_virtual):
         v = sched.n_virtual
         raise ConfigError(
             f"llama: n_layers={cfg.n_layers} is not divisible by pp={p} x {v} chunk(s) per stage of "
