@@ -20,7 +20,7 @@ UNEVEN_SHAPES = {"row": (7, 3), "both": (3,), "grid": (5, 7), "rep": (5,), "col"
 def _adamw_clip_body(mesh: fs.Mesh, check_vma: bool) -> str:
     params = _rand(UNEVEN_SHAPES, 0)
     grads_seq = [_rand(UNEVEN_SHAPES, k + 1, scale=0.1 * (k + 1)) for k in range(3)]  # clipped from step 2 on
-    opt = optim.chain(optim.clip_by_global_norm(2.0), optim.adamw(1e-2, weight_decay=0.1))
+    opt = optim.chain(optim.clip_by_global_norm(2.0), optim.adamw(1e-2, b2=0.95, weight_decay=0.1))
     sspecs = opt.state_specs(CLIP_SPECS)
     step = fs.shard_map(
         lambda p, g, s: opt.update(g, s, p),

@@ -215,6 +215,11 @@ def pipeline_schedule(cfg: Config, plan: ParallelPlan) -> Schedule:
         raise ConfigError(
             f"llama: pp_schedule={cfg.pp_schedule!r} cannot run pp_microbatches={m} on pp={p}: {e}"
         ) from None
+    if sched.n_virtual == 1 and cfg.n_layers < p:  # a stage with no layer (several chunks: divisible, below)
+        raise ConfigError(
+            f"llama: n_layers={cfg.n_layers} is fewer than the pp={p} stages: every stage needs a layer; use "
+            f"n_layers >= {p} or a smaller pp."
+        )
     if sched.n_virtual > 1 and cfg.n_layers % (p * sched.n_virtual):
         v = sched.n_virtual
         raise ConfigError(
