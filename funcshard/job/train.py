@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import csv
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -274,7 +275,7 @@ def _setup(args: argparse.Namespace, cfg: llama.Config, mesh_shape: dict[str, in
     abstract = lambda: _abstract_state(model.init, cfg, step, mesh)  # noqa: E731
     if bridge.wanted(args):  # a Hugging Face model that is not a Llama: its loss and weights through fs.nn
         eval_step, init = bridge.eval_and_init(args, mesh, specs, bs)  # (a resume loads its own over these)
-        abstract = lambda: (lambda p: (p, step.opt_init(p)))(init(None))  # noqa: E731 - the folder's weights
+        abstract = functools.partial(_loaded_state, init, step.opt_init)  # the folder's weights, loaded over
     return _Run(
         args,
         cfg,
@@ -302,6 +303,13 @@ def _abstract_state(init: Any, cfg: llama.Config, step: Any, mesh: fs.Mesh) -> t
         return optree.tree_map(lambda s: torch.empty(s.shape, dtype=s.dtype, device="meta"), tree)
 
     return fs.device_put(meta(shapes), mesh, step.specs), fs.device_put(meta(state_shapes), mesh, step.state_specs)
+
+
+def _loaded_state(init: Any, opt_init: Any) -> tuple[Any, Any]:
+    """The params ``init`` gives (a bridged model's folder weights) and their optimiser state: the layout a
+    resume loads into where the model has no ``init`` of shapes alone."""
+    params = init(None)
+    return params, opt_init(params)
 
 
 def _accumulating(step: Any, k: int) -> Any:

@@ -12,6 +12,7 @@ import json
 
 import pytest
 import torch
+from _moe_hf import check_sharded
 
 import funcshard as fs
 from funcshard import P
@@ -107,19 +108,8 @@ def _sharded_body(mesh: fs.Mesh, tmp: str, check_vma: bool) -> str:
     cfg, params = mixtral.from_hf(tmp)
     cfg = dataclasses.replace(cfg, pp_microbatches=1)  # with pp: one microbatch, HF's pooling of the whole batch
     tokens, labels, targets = _data()
-    ref_logits, ref_loss, ref_grads = _reference(model, tokens, labels)
-    specs, bs = mixtral.param_specs(cfg, mesh), mixtral.batch_spec(mesh)
-    kw = {"mesh": mesh, "check_vma": check_vma}
-    step = fs.shard_map(
-        lambda p, t, y: mixtral.value_and_grad(p, t, y, cfg), in_specs=(specs, bs, bs), out_specs=(P(), specs), **kw
-    )
-    sharded = fs.device_put(params, mesh, specs)
-    loss, grads = fs.device_get(step(sharded, tokens, targets))
-    _compare(loss, grads, ref_loss, ref_grads, str(mesh.shape))
-    vocab = P(*bs.entries, "tp" if "tp" in mesh.shape else None)  # [b, s, V/tp]
-    fwd = fs.shard_map(lambda p, t: mixtral.forward(p, t, cfg), in_specs=(specs, bs), out_specs=vocab, **kw)
-    torch.testing.assert_close(fs.device_get(fwd(sharded, tokens)), ref_logits, rtol=1e-4, atol=1e-5)
-    return "ok"
+    ref = _reference(model, tokens, labels)
+    return check_sharded(mesh, cfg, params, (tokens, targets), ref, _compare, check_vma)
 
 
 @pytest.mark.parametrize("check_vma", [True, False], ids=["vma", "no_vma"])
