@@ -87,7 +87,8 @@ def test_kv_replicated_tp4_on_four_gloo_processes() -> None:
 
 @pytest.mark.parametrize("check_vma", [True, False], ids=["vma", "novma"])
 def test_qwen3_moe_block_with_kv_replicated_on_ep2_tp4(check_vma: bool) -> None:
-    """The Mixtral / Qwen3-MoE layer shares the transformer block: 2 kv heads (with Qwen3's q/k norms) on tp=4."""
+    """The Mixtral / Qwen3-MoE layer shares the transformer block: 2 kv heads (with Qwen3's q/k norms) on tp=4;
+    loss, gradients and greedy generation equal single device."""
     cfg = mixtral.Config(
         vocab_size=96, dim=64, n_layers=2, n_heads=8, n_kv_heads=2, ffn_dim=32, max_seq_len=16, n_experts=4,
         head_size=8, qk_norm=True, router_aux_loss_coef=0.01,
@@ -105,9 +106,15 @@ def test_qwen3_moe_block_with_kv_replicated_on_ep2_tp4(check_vma: bool) -> None:
         out_specs=(P(), specs),
         check_vma=check_vma,
     )
-    loss, grads = f(fs.device_put(params, mesh, specs), tok, tgt)
+    placed = fs.device_put(params, mesh, specs)
+    loss, grads = f(placed, tok, tgt)
     torch.testing.assert_close(fs.device_get(loss), ref_loss, rtol=1e-5, atol=1e-6)
     _assert_trees_close(fs.device_get(grads), ref_grads)
+    prompts = [[3, 1, 4, 1, 5], [9, 2]]
+    gen = fs.shard_map(
+        lambda p: mixtral.generate(p, prompts, cfg, max_new_tokens=6), mesh=mesh, in_specs=(specs,), out_specs=P()
+    )
+    assert torch.equal(fs.device_get(gen(placed)), mixtral.generate(params, prompts, cfg, max_new_tokens=6))
 
 
 HF_SIZES = {
@@ -180,6 +187,31 @@ def test_greedy_generate_on_tp4_equals_single_device_and_transformers(hf: tuple[
         )
     assert torch.equal(single, ref)
     assert len(set(ref[:, 5:].flatten().tolist())) > 4  # not one token repeated
+
+
+def test_each_tp_device_caches_its_one_kv_head() -> None:
+    """The decoder on tp=4 with 2 kv heads: a cache of one kv head per device, and that head's keys (device 2 and 3
+    use kv head 1): the step's keys equal the unsharded projection's rows of that head."""
+    from funcshard.models.llama.generate import decoder
+    from funcshard.models.transformer import kv_weights
+
+    mesh = fs.make_mesh({"tp": 4}, backend="sim")
+    specs = llama.param_specs(CFG, mesh)
+    params = llama.init(fs.random.key(5), CFG)
+    plan = fs.models.plan_from_mesh(mesh)
+
+    def body(p: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        lay = {k: v[0] for k, v in p["layers"].items()}
+        wk, _ = kv_weights(lay["wk"], lay["wv"], plan, CFG.head_dim, kv_shared=2)  # [hd, d]
+        return torch.tensor([decoder(p, CFG, plan).kv_heads]), wk
+
+    heads, rows = fs.shard_map(body, mesh=mesh, in_specs=(specs,), out_specs=(P(), P("tp")))(
+        fs.device_put(params, mesh, specs)
+    )
+    assert fs.device_get(heads).tolist() == [1]
+    hd, wk = CFG.head_dim, params["layers"]["wk"][0]  # [2 hd, d]: kv heads 0 and 1
+    want = torch.cat([wk[:hd], wk[:hd], wk[hd:], wk[hd:]])  # devices 0, 1 -> head 0; devices 2, 3 -> head 1
+    assert torch.equal(fs.device_get(rows), want)
 
 
 def test_checkpoint_moves_between_replicated_and_split_kv_layouts(tmp_path: Path) -> None:
