@@ -1,10 +1,10 @@
 """KV heads replicated over ``tp`` where it exceeds ``n_kv_heads`` (issue #31, pretrained GQA models on wide tp):
 ``wk`` / ``wv`` held whole on every tp device, each device using the kv head its query heads group with
 (``axis_index(tp) // (tp / n_kv_heads)``, as torchtitan and Megatron replicate them). Loss and every gradient equal
-the single-device reference (sim, both vma modes, and one dist case), with fsdp and sequence parallelism too; the
-Mixtral / Qwen3-MoE block; a Hugging Face ``LlamaForCausalLM`` with 2 kv heads loaded sharded on tp=4; greedy
-generation; checkpoints between the replicated and the split layouts; the planner; and the head counts a tp size
-cannot split."""
+the single-device reference (sim, both vma modes, and one dist case), with dp, fsdp, sequence parallelism, pp and
+cp too; the Mixtral / Qwen3-MoE block; a Hugging Face ``LlamaForCausalLM`` with 2 kv heads loaded sharded on tp=4;
+greedy generation and the KV cache; checkpoints between the replicated and the split layouts; the planner; and the
+head counts a tp size cannot split."""
 
 from __future__ import annotations
 
@@ -27,6 +27,8 @@ CASES = {
     "tp2_kv1": ({"tp": 2}, 1, False),
     "fsdp2_tp4_sp_kv2": ({"fsdp": 2, "tp": 4}, 2, True),
     "fsdp2_tp4_kv1": ({"fsdp": 2, "tp": 4}, 1, False),
+    "pp2_tp4_kv2": ({"pp": 2, "tp": 4}, 2, False),
+    "cp2_tp4_kv2": ({"cp": 2, "tp": 4}, 2, False),
 }
 
 
@@ -55,7 +57,7 @@ def _llama_body(mesh: fs.Mesh, n_kv: int, sp: bool, check_vma: bool) -> str:
     assert "tp" in specs["layers"]["wq"].axes
 
     def step(p: dict, t: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, dict]:
-        return fs.value_and_grad(lambda p: llama.loss(p, t, y, cfg))(p)
+        return llama.value_and_grad(p, t, y, cfg)  # (with pp: the schedule; else fs.value_and_grad of llama.loss)
 
     f = fs.shard_map(step, mesh=mesh, in_specs=(specs, bs, bs), out_specs=(P(), specs), check_vma=check_vma)
     loss, grads = f(fs.device_put(params, mesh, specs), tok, tgt)
