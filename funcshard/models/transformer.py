@@ -227,6 +227,45 @@ def use_params(
     )
 
 
+def kv_weights(
+    wk: torch.Tensor, wv: torch.Tensor, plan: ParallelPlan, head_dim: int, kv_shared: int = 1
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """This device's key and value weights: ``wk`` and ``wv`` themselves (split by heads over ``plan.tp``), or,
+    with ``kv_shared > 1`` (``tp`` larger than the kv heads: ``wk`` / ``wv`` hold every kv head, replicated over
+    tp), the rows of kv head ``axis_index(tp) // kv_shared``, the head this device's query heads group with (as
+    torchtitan and Megatron replicate kv heads). The replicated weights are made varying over tp first
+    (``pvary``: identity forward, psum backward), so their gradient is the sum of every tp device's head
+    gradient, that of the unsharded model, with ``check_vma`` on or off.
+
+    Args:
+        wk: ``[kv_heads(/tp) * hd, d]`` local block of the key weight (``[n_kv_heads * hd, d]`` with ``kv_shared``).
+        wv: the value weight, as ``wk``.
+        plan: the parallel plan.
+        head_dim: the attention head size.
+        kv_shared: the tp devices that share each kv head (``llama.sharding.kv_shared``); 1: split by heads.
+
+    Returns:
+        ``(wk, wv)``, each ``[kv_heads/tp * hd, d]`` (``[hd, d]`` with ``kv_shared``), varying over tp.
+
+    Example:
+        >>> import funcshard as fs
+        >>> plan = ParallelPlan(tp="tp", mesh_shape=(("tp", 4),))
+        >>> w = torch.arange(8.0).reshape(8, 1)  # 2 kv heads of 4 rows, replicated over tp=4
+        >>> f = fs.shard_map(lambda w: kv_weights(w, w, plan, head_dim=4, kv_shared=2)[0],
+        ...                  mesh=fs.make_mesh({"tp": 4}, backend="sim"), in_specs=(fs.P(),), out_specs=fs.P("tp"))
+        >>> fs.device_get(f(w)).flatten().int().tolist()  # devices 0, 1: head 0; devices 2, 3: head 1
+        [0, 1, 2, 3, 0, 1, 2, 3, 4, 5, 6, 7, 4, 5, 6, 7]
+        >>> kv_weights(w, w, ParallelPlan(), head_dim=4)[0] is w  # split by heads (or unsharded): as they are
+        True
+    """
+    if kv_shared == 1 or plan.tp is None:
+        return wk, wv
+    wk, wv = lax.pvary([wk, wv], plan.tp)  # identity forward; backward: one all-reduce of both gradients over tp
+    g = lax.axis_index(plan.tp) // kv_shared  # [] varying over tp: this device's kv head
+    rows = g * head_dim + torch.arange(head_dim, device=wk.device)  # [hd]: the head's rows
+    return wk.index_select(0, rows), wv.index_select(0, rows)  # [n_kv * hd, d] -> [hd, d] each
+
+
 def _use_experts_apart(
     p: dict[str, Any],
     specs: dict[str, Any],
@@ -262,39 +301,6 @@ def _use_experts_apart(
 def _vary(x: torch.Tensor, axis: str | None) -> torch.Tensor:
     """``pvary`` over ``axis`` (identity forward, psum backward); ``x`` itself when ``axis`` is None."""
     return x if axis is None else lax.pvary(x, axis)
-
-
-def kv_weights(
-    wk: torch.Tensor, wv: torch.Tensor, plan: ParallelPlan, head_dim: int, kv_shared: int = 1
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """This device's key and value weights: ``wk`` and ``wv`` themselves (split by heads over ``plan.tp``), or,
-    with ``kv_shared > 1`` (``tp`` larger than the kv heads: ``wk`` / ``wv`` hold every kv head, replicated over
-    tp), the rows of kv head ``axis_index(tp) // kv_shared``, the head this device's query heads group with (as
-    torchtitan and Megatron replicate kv heads). The replicated weights are made varying over tp first
-    (``pvary``: identity forward, psum backward), so their gradient is the sum of every tp device's head
-    gradient, that of the unsharded model, with ``check_vma`` on or off.
-
-    Args:
-        wk: ``[kv_heads(/tp) * hd, d]`` local block of the key weight (``[n_kv_heads * hd, d]`` with ``kv_shared``).
-        wv: the value weight, as ``wk``.
-        plan: the parallel plan.
-        head_dim: the attention head size.
-        kv_shared: the tp devices that share each kv head (``llama.sharding.kv_shared``); 1: split by heads.
-
-    Returns:
-        ``(wk, wv)``, each ``[kv_heads/tp * hd, d]`` (``[hd, d]`` with ``kv_shared``), varying over tp.
-
-    Example:
-        >>> wk, wv = torch.randn(8, 16), torch.randn(8, 16)
-        >>> kv_weights(wk, wv, ParallelPlan(), head_dim=4)[0] is wk  # split by heads (or unsharded): as they are
-        True
-    """
-    if kv_shared == 1 or plan.tp is None:
-        return wk, wv
-    wk, wv = lax.pvary([wk, wv], plan.tp)  # identity forward; backward: one all-reduce of both gradients over tp
-    g = lax.axis_index(plan.tp) // kv_shared  # [] varying over tp: this device's kv head
-    rows = g * head_dim + torch.arange(head_dim, device=wk.device)  # [hd]: the head's rows
-    return wk.index_select(0, rows), wv.index_select(0, rows)  # [n_kv * hd, d] -> [hd, d] each
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: ParallelPlan) -> torch.Tensor:
