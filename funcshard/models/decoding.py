@@ -90,7 +90,8 @@ class Decoder:
         layers: one step function per layer (:data:`LayerStep`).
         head: ``x [b, d] -> logits [b, V]`` (``[b, V/tp]`` vocab-parallel).
         vocab: the full vocabulary size.
-        kv_heads: this device's kv heads (``n_kv_heads / tp``).
+        kv_heads: this device's kv heads (``n_kv_heads / tp``; 1 where tp exceeds ``n_kv_heads``: the kv heads
+            replicated, each device caching the one its query heads group with).
         head_dim: the attention head size.
         dtype: the compute dtype (the cache's).
         rope_theta: the RoPE base.

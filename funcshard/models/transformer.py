@@ -49,7 +49,17 @@ from ..ops import column_parallel_linear, fsdp_gather, ring_attention, row_paral
 from .plan import ParallelPlan
 from .rope_scaling import RopeScaling
 
-__all__ = ["MLPS", "REMAT", "FeedForward", "causal_attention", "rms_norm", "rope", "transformer_block", "use_params"]
+__all__ = [
+    "MLPS",
+    "REMAT",
+    "FeedForward",
+    "causal_attention",
+    "kv_weights",
+    "rms_norm",
+    "rope",
+    "transformer_block",
+    "use_params",
+]
 
 PyTree = Any
 
@@ -217,6 +227,45 @@ def use_params(
     )
 
 
+def kv_weights(
+    wk: torch.Tensor, wv: torch.Tensor, plan: ParallelPlan, head_dim: int, kv_shared: int = 1
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """This device's key and value weights: ``wk`` and ``wv`` themselves (split by heads over ``plan.tp``), or,
+    with ``kv_shared > 1`` (``tp`` larger than the kv heads: ``wk`` / ``wv`` hold every kv head, replicated over
+    tp), the rows of kv head ``axis_index(tp) // kv_shared``, the head this device's query heads group with (as
+    torchtitan and Megatron replicate kv heads). The replicated weights are made varying over tp first
+    (``pvary``: identity forward, psum backward), so their gradient is the sum of every tp device's head
+    gradient, that of the unsharded model, with ``check_vma`` on or off.
+
+    Args:
+        wk: ``[kv_heads(/tp) * hd, d]`` local block of the key weight (``[n_kv_heads * hd, d]`` with ``kv_shared``).
+        wv: the value weight, as ``wk``.
+        plan: the parallel plan.
+        head_dim: the attention head size.
+        kv_shared: the tp devices that share each kv head (``llama.sharding.kv_shared``); 1: split by heads.
+
+    Returns:
+        ``(wk, wv)``, each ``[kv_heads/tp * hd, d]`` (``[hd, d]`` with ``kv_shared``), varying over tp.
+
+    Example:
+        >>> import funcshard as fs
+        >>> plan = ParallelPlan(tp="tp", mesh_shape=(("tp", 4),))
+        >>> w = torch.arange(8.0).reshape(8, 1)  # 2 kv heads of 4 rows, replicated over tp=4
+        >>> f = fs.shard_map(lambda w: kv_weights(w, w, plan, head_dim=4, kv_shared=2)[0],
+        ...                  mesh=fs.make_mesh({"tp": 4}, backend="sim"), in_specs=(fs.P(),), out_specs=fs.P("tp"))
+        >>> fs.device_get(f(w)).flatten().int().tolist()  # devices 0, 1: head 0; devices 2, 3: head 1
+        [0, 1, 2, 3, 0, 1, 2, 3, 4, 5, 6, 7, 4, 5, 6, 7]
+        >>> kv_weights(w, w, ParallelPlan(), head_dim=4)[0] is w  # split by heads (or unsharded): as they are
+        True
+    """
+    if kv_shared == 1 or plan.tp is None:
+        return wk, wv
+    wk, wv = lax.pvary([wk, wv], plan.tp)  # identity forward; backward: one all-reduce of both gradients over tp
+    g = lax.axis_index(plan.tp) // kv_shared  # [] varying over tp: this device's kv head
+    rows = g * head_dim + torch.arange(head_dim, device=wk.device)  # [hd]: the head's rows
+    return wk.index_select(0, rows), wv.index_select(0, rows)  # [n_kv * hd, d] -> [hd, d] each
+
+
 def _use_experts_apart(
     p: dict[str, Any],
     specs: dict[str, Any],
@@ -279,6 +328,7 @@ def transformer_block(
     remat: str = "none",
     gather: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None = None,
     ffn: FeedForward | None = None,
+    kv_shared: int = 1,
 ) -> Any:
     """A pre-norm transformer block on its (gathered) parameters, for any plan.
 
@@ -304,6 +354,9 @@ def transformer_block(
         ffn: another feed-forward in place of the MLP (a mixture of experts): ``ffn(h, p, plan) -> (y, aux)`` on
             the normed hidden states ``h`` (``[b, s(/tp), d]``, as ``x``), ``y`` added to the residual; the
             block then returns ``(output, aux)``. ``p`` holds its weights beside the attention's.
+        kv_shared: the tp devices that share each kv head: 1 (``wk`` / ``wv`` split by heads over tp), or, where
+            tp exceeds the kv heads, ``tp // n_kv_heads`` (``wk`` / ``wv`` replicated over tp: see
+            :func:`kv_weights`).
 
     Returns:
         The block's output, the shape of ``x``; ``(output, aux)`` with ``ffn``.
@@ -323,7 +376,8 @@ def transformer_block(
         if gather is not None:
             p = gather(p)  # [.., s/fsdp, ..] -> [.., s, ..], again in the backward's recomputation
         rope_kw = {"rope_theta": rope_theta, "rope_scaling": rope_scaling}
-        return _block(x, p, plan, head_dim=head_dim, norm_eps=norm_eps, mlp=mlp, ffn=ffn, **rope_kw)
+        kw = {"mlp": mlp, "ffn": ffn, "kv_shared": kv_shared}
+        return _block(x, p, plan, head_dim=head_dim, norm_eps=norm_eps, **rope_kw, **kw)
 
     policy = REMAT[remat]
     if gather is not None and policy is None:
@@ -345,13 +399,15 @@ def _block(
     rope_scaling: RopeScaling | None,
     mlp: str,
     ffn: FeedForward | None = None,
+    kv_shared: int = 1,
 ) -> Any:
     up_names, act = MLPS[mlp]
     sp = 1 if plan.sp else None  # the sequence dim of x under sequence parallelism
     # replicated norm weights meet sequence shards under SP: their gradients are summed over tp
     attn_norm, mlp_norm = _vary(p["attn_norm"], plan.sp_axis), _vary(p["mlp_norm"], plan.sp_axis)
     h = rms_norm(x, attn_norm, norm_eps)  # [b, s(/tp), d]
-    qkv = column_parallel_linear(h, [p["wq"], p["wk"], p["wv"]], axis=plan.tp, gather_dim=sp)  # -> [b, s, h*hd(/tp)]
+    wk, wv = kv_weights(p["wk"], p["wv"], plan, head_dim, kv_shared)  # this device's kv heads
+    qkv = column_parallel_linear(h, [p["wq"], wk, wv], axis=plan.tp, gather_dim=sp)  # -> [b, s, h*hd(/tp)]
     b, s = qkv[0].shape[:2]
     # -> [b, s, heads(/tp), hd]: the view unflatten makes (without Tensor.unflatten's Python wrapper)
     q, k, v = (t.view(b, s, -1, head_dim) for t in qkv)

@@ -99,7 +99,7 @@ def test_layers_are_stacked() -> None:
     ("shape", "match"),
     [
         ({"tp": 3}, "n_heads=8 is not divisible by tp=3"),
-        ({"tp": 8}, "n_kv_heads=4 is not divisible by tp=8"),
+        ({"tp": 16}, "n_heads=8 is not divisible by tp=16"),  # (tp=8 > n_kv_heads=4: kv heads replicated)
         ({"fsdp": 3}, "dim=32 is not divisible by fsdp=3"),
         ({"mp": 2}, "axis 'mp' of size 2, which the Llama does not use"),  # (an ep axis is a data axis)
     ],

@@ -32,6 +32,7 @@ import sys
 from typing import Any
 
 import funcshard as fs
+from funcshard.models.llama import sharding as llama_sharding
 from funcshard.pipeline import by_name
 
 from ..cli import UsageError
@@ -52,7 +53,7 @@ def candidates(args: argparse.Namespace, n: int) -> list[dict[str, int]]:
         >>> from funcshard.job.cli import plan_parser
         >>> args = plan_parser().parse_args(["--preset", "debug", "--seq", "64", "--batch", "8"])
         >>> candidates(args, 4)
-        [{'fsdp': 4}, {'fsdp': 2, 'tp': 2}, {'pp': 2, 'fsdp': 2}, {'pp': 2, 'tp': 2}]
+        [{'fsdp': 4}, {'fsdp': 2, 'tp': 2}, {'tp': 4}, {'pp': 2, 'fsdp': 2}, {'pp': 2, 'tp': 2}]
     """
     cfg = plan_config(args)
     node = hardware(args.hardware).node_size
@@ -61,7 +62,7 @@ def candidates(args: argparse.Namespace, n: int) -> list[dict[str, int]]:
         if cfg.n_layers % pp or pp > 8:
             continue
         for tp in _powers(n // pp):
-            if tp > node or cfg.n_kv_heads % tp or cfg.n_heads % tp:
+            if tp > node or not llama_sharding.heads_fit(cfg, tp):  # (kv heads replicated where tp exceeds them)
                 continue
             for cp in _powers(n // (pp * tp)):
                 if cp > 1 and (args.seq < 16384 or args.seq % (2 * cp)):

@@ -4,7 +4,8 @@ The Llama supplies its embedding, one step per layer (attention with the cache, 
 the model-agnostic loop of :mod:`funcshard.models.decoding`; the weights are gathered over ``fsdp`` once, before
 the loop. Inside ``shard_map`` the prompts are split over the data axes (``dp``, ``fsdp``; uneven splits as
 ``torch.tensor_split``), the kv heads and the cache over ``tp`` (column/row-parallel linears, vocab-parallel
-embedding and head); the tokens are those of the unsharded model.
+embedding and head; where ``tp`` exceeds the kv heads, each device keeps the one kv head its query heads
+group with, and its cache holds that head only); the tokens are those of the unsharded model.
 
 Example:
     >>> import funcshard as fs
@@ -28,9 +29,10 @@ from ...ops import column_parallel_linear, row_parallel_linear, vocab_parallel_e
 from ..decoding import Decoder, block_step, check_prompts, decode, left_pad
 from ..plan import ParallelPlan
 from ..sampling import SamplingOptions
-from ..transformer import MLPS, rms_norm, use_params
+from ..transformer import MLPS, kv_weights, rms_norm, use_params
 from .config import Config
 from .model import layout
+from .sharding import kv_shared
 
 __all__ = ["decode_batch", "decoder", "generate", "swiglu_ffn"]
 
@@ -58,12 +60,14 @@ def decoder(params: PyTree, cfg: Config, plan: ParallelPlan, ffn: FFN = swiglu_f
     Example:
         >>> # model = decoder(use_params(params, specs, plan, cfg.precision), cfg, plan)
     """
-    tp = plan.tp
+    tp, shared = plan.tp, kv_shared(cfg, plan)
     layers = params["layers"]
     n = next(iter(layers.values())).shape[0]
     steps = []
     for i in range(n):  # each layer's weights indexed once, not per token
         p = {k: v[i] for k, v in layers.items()}
+        if shared > 1:  # wk / wv replicated over tp: this device's kv head, once (its cache holds that head only)
+            p["wk"], p["wv"] = kv_weights(p["wk"], p["wv"], plan, cfg.head_dim, shared)  # [n_kv*hd, d] -> [hd, d]
         steps.append(block_step(p, plan, ffn(p, plan), head_dim=cfg.head_dim, norm_eps=cfg.norm_eps))
     table = params["embed"]  # [V/tp, d]
     head = table if cfg.tie_embeddings else params["head"]  # [V/tp, d]
@@ -77,7 +81,7 @@ def decoder(params: PyTree, cfg: Config, plan: ParallelPlan, ffn: FFN = swiglu_f
         layers=steps,
         head=logits,
         vocab=cfg.vocab_size,
-        kv_heads=cfg.n_kv_heads // tp_size,
+        kv_heads=cfg.n_kv_heads // tp_size if shared == 1 else 1,  # this device's kv heads: its cache's
         head_dim=cfg.head_dim,
         dtype=layers["wk"].dtype,
         rope_theta=cfg.rope_theta,

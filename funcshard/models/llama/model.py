@@ -48,7 +48,7 @@ from ..plan import ParallelPlan
 from ..stacked import unstack
 from ..transformer import rms_norm, transformer_block, use_params
 from .config import Config
-from .sharding import model_plan, param_shapes, pipeline_schedule, specs_for
+from .sharding import kv_shared, model_plan, param_shapes, pipeline_schedule, specs_for
 
 __all__ = [
     "Layout",
@@ -166,6 +166,7 @@ def layer(
         rope_scaling=cfg.rope_scaling,
         remat=cfg.remat,
         gather=gather,
+        kv_shared=kv_shared(cfg, plan),
     )  # [b, s(/tp), d] -> [b, s(/tp), d]
 
 

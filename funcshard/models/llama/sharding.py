@@ -44,6 +44,9 @@ __all__ = [
     "RULES",
     "batch_spec",
     "check_mesh",
+    "heads_fit",
+    "kv_rules",
+    "kv_shared",
     "model_plan",
     "param_shapes",
     "param_specs",
@@ -72,6 +75,11 @@ INNER = {
     "head": P("tp", "fsdp"),
     "layers/(wq|wk|wv|w1|w3)": P("pp", "tp", "fsdp"),
 }
+# where tp exceeds n_kv_heads (``kv_shared``): wk and wv hold every kv head on each tp device (replicated over
+# tp, as torchtitan and Megatron do), their rows over fsdp (columns where fsdp does not divide the rows); in
+# front of RULES (the first match wins)
+KV_REPLICATED = [(r"layers/(wk|wv)", P("pp", "fsdp", None))]
+KV_REPLICATED_INNER = {r"layers/(wk|wv)": P("pp", None, "fsdp")}
 
 
 def param_shapes(cfg: Config) -> dict[str, Any]:
@@ -119,20 +127,81 @@ def _default_roles(mesh: Any) -> dict[str, str]:
     return {r: r for r in KNOWN_AXES if r in mesh.shape}
 
 
+def kv_shared(cfg: Config, plan: ParallelPlan) -> int:
+    """The tp devices that share each kv head: ``tp // n_kv_heads`` where the ``tp`` size exceeds ``n_kv_heads``
+    (then ``wk`` and ``wv`` are replicated over tp and device ``i`` uses kv head ``i // kv_shared``, the one its
+    query heads group with), else 1 (``wk`` and ``wv`` split by heads over tp).
+
+    Example:
+        >>> cfg = Config(dim=64, n_heads=8, n_kv_heads=2)
+        >>> kv_shared(cfg, ParallelPlan(tp="tp", mesh_shape=(("tp", 4),))), kv_shared(cfg, ParallelPlan())
+        (2, 1)
+    """
+    tp = plan.size("tp")
+    return tp // cfg.n_kv_heads if tp > cfg.n_kv_heads else 1
+
+
+def kv_rules(
+    cfg: Config, plan: ParallelPlan, rules: list[tuple[str, P]], inner: dict[str, P]
+) -> tuple[list[tuple[str, P]], dict[str, P]]:
+    """``rules`` and ``inner`` with the replicated kv weights' rule in front where ``kv_shared(cfg, plan) > 1``.
+
+    Example:
+        >>> cfg = Config(dim=64, n_heads=8, n_kv_heads=2)
+        >>> kv_rules(cfg, ParallelPlan(tp="tp", mesh_shape=(("tp", 4),)), RULES, INNER)[0][0]
+        ('layers/(wk|wv)', P('pp', 'fsdp', None))
+    """
+    if kv_shared(cfg, plan) == 1:
+        return rules, inner
+    return [*KV_REPLICATED, *rules], {**inner, **KV_REPLICATED_INNER}
+
+
+def heads_fit(cfg: Config, tp: int) -> bool:
+    """Whether a ``tp`` axis of size ``tp`` can split the heads: ``n_heads`` divisible by it, and ``n_kv_heads``
+    divisible by it or (kv heads replicated over tp) dividing it.
+
+    Example:
+        >>> cfg = Config(dim=64, n_heads=8, n_kv_heads=2)
+        >>> [tp for tp in (1, 2, 3, 4, 8, 16) if heads_fit(cfg, tp)]
+        [1, 2, 4, 8]
+    """
+    nh, nkv = cfg.n_heads, cfg.n_kv_heads
+    return nh % tp == 0 and (nkv % tp == 0 if tp <= nkv else tp % nkv == 0)
+
+
+def _check_heads(cfg: Config, tp: int, tp_name: str) -> None:
+    """ShardingError when the ``tp`` size cannot split the heads: ``n_heads`` not divisible by it, or
+    ``n_kv_heads`` neither divisible by it nor dividing it (kv heads replicated over groups of tp devices)."""
+    nh, nkv = cfg.n_heads, cfg.n_kv_heads
+    if nh % tp:
+        raise ShardingError(
+            f"llama: n_heads={nh} is not divisible by tp={tp}; choose {tp_name} dividing n_heads (or change n_heads; "
+            f"n_kv_heads={nkv} must then divide it or be a multiple of it)."
+        )
+    if tp <= nkv and nkv % tp:
+        raise ShardingError(
+            f"llama: n_kv_heads={nkv} is not divisible by tp={tp}; choose {tp_name} dividing n_kv_heads, or a "
+            f"multiple of it dividing n_heads={nh} (the kv heads are then replicated over tp)."
+        )
+    if tp > nkv and tp % nkv:
+        raise ShardingError(
+            f"llama: tp={tp} is more than n_kv_heads={nkv} but not a multiple of it (n_heads={nh}); each kv head "
+            f"serves a group of tp devices, so choose {tp_name} a multiple of n_kv_heads dividing n_heads, or one "
+            f"dividing n_kv_heads."
+        )
+
+
 def _check_sizes(cfg: Config, plan: ParallelPlan) -> None:
     """ShardingError when the tp or fsdp size does not divide the model's sizes."""
     tp, fsdp = plan.size("tp"), plan.size("fsdp")
     tp_name = "tp" if plan.tp in (None, "tp") else f"tp (axis {plan.tp!r})"
     # (a vocabulary tp does not divide is split unevenly, as torch.tensor_split splits it)
-    for what, n in (
-        ("n_heads", cfg.n_heads),
-        ("n_kv_heads", cfg.n_kv_heads),
-        ("ffn_dim", cfg.ffn_dim),
-    ):
-        if n % tp:
-            raise ShardingError(
-                f"llama: {what}={n} is not divisible by tp={tp}; choose {tp_name} dividing {what} (or change {what})."
-            )
+    _check_heads(cfg, tp, tp_name)
+    if cfg.ffn_dim % tp:
+        raise ShardingError(
+            f"llama: ffn_dim={cfg.ffn_dim} is not divisible by tp={tp}; choose {tp_name} dividing ffn_dim (or change "
+            f"ffn_dim)."
+        )
     if cfg.dim % fsdp:
         fsdp_name = "fsdp" if plan.fsdp == "fsdp" else f"fsdp (axis {plan.fsdp!r})"
         raise ShardingError(f"llama: dim={cfg.dim} is not divisible by fsdp={fsdp}; choose {fsdp_name} dividing dim.")
@@ -271,7 +340,7 @@ def specs_for(cfg: Config, plan: ParallelPlan, mesh: Any = None) -> dict[str, An
         >>> specs_for(cfg, ParallelPlan(fsdp="shard"))["layers"]["wo"]
         P(None, 'shard', None)
     """
-    return rule_specs(param_shapes(cfg), RULES, INNER, plan, mesh)
+    return rule_specs(param_shapes(cfg), *kv_rules(cfg, plan, RULES, INNER), plan, mesh)
 
 
 def rule_specs(

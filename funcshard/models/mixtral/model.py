@@ -38,6 +38,7 @@ from ...extend import value_and_grad as fs_value_and_grad
 from ...ops.moe import balancing_loss_from_stats, moe_ffn, router_stats
 from ..llama import model as llama_model
 from ..llama.pipelined import pipelined
+from ..llama.sharding import kv_shared
 from ..plan import ParallelPlan
 from ..transformer import transformer_block
 from .config import Config
@@ -142,6 +143,7 @@ def layer(
         rope_scaling=cfg.rope_scaling,
         remat=cfg.remat,
         gather=gather,
+        kv_shared=kv_shared(cfg, plan),
         ffn=functools.partial(moe, cfg=cfg),
     )  # [b, s, d] -> [b, s, d], [2 E + 1]
     return x, stats + st

@@ -118,7 +118,8 @@ def specs_for(cfg: Config, plan: ParallelPlan, mesh: Any = None) -> dict[str, An
         >>> specs_for(cfg, plan)["layers"]["w2"], specs_for(cfg, plan)["layers"]["router"]
         (P(None, 'ep', 'fsdp', None), P(None, 'fsdp', None))
     """
-    return llama_sharding.rule_specs(param_shapes(cfg), RULES, INNER, plan, mesh)
+    rules, inner = llama_sharding.kv_rules(cfg, plan, RULES, INNER)  # kv heads replicated where tp exceeds them
+    return llama_sharding.rule_specs(param_shapes(cfg), rules, inner, plan, mesh)
 
 
 def param_specs(cfg: Config, mesh: Any, plan: ParallelPlan | None = None) -> dict[str, Any]:
