@@ -13,7 +13,9 @@ import torch
 
 import funcshard as fs
 from funcshard import P
-from funcshard.models import llama
+from funcshard.models import llama, plan_from_mesh
+from funcshard.models.llama.sharding import pipeline_schedule
+from funcshard.pipeline import chunk_layers
 
 #: schedule, mesh, layers (7 layers: pp=2 x 2 chunks -> 2, 2, 2, 1; pp=4 x 2 chunks -> 1 x 7 and an empty one)
 CASES = {
@@ -78,3 +80,68 @@ def test_uneven_interleaved_dist() -> None:
     from _dist_pool import run_body
 
     assert set(run_body("dist", _body, {"pp": 2}, "interleaved", 7)) == {"ok"}
+
+
+def test_layer_split_and_fewer_layers_than_stages() -> None:
+    """The virtual stages' layer counts (tensor_split in virtual-stage order), and the one layout that stays a
+    ConfigError: fewer layers than physical stages."""
+    mesh2, mesh4 = fs.make_mesh({"pp": 2}, backend="sim"), fs.make_mesh({"pp": 4}, backend="sim")
+    sched = pipeline_schedule(_cfg("interleaved", 7), plan_from_mesh(mesh2))  # virtual stages 2, 2, 2, 1
+    assert chunk_layers(sched, 7) == ((2, 2), (2, 1))
+    sched = pipeline_schedule(_cfg("zbv", 7), plan_from_mesh(mesh4))  # V: stage 0 holds 0 and the empty 7
+    assert chunk_layers(sched, 7) == ((1, 0), (1, 1), (1, 1), (1, 1))
+    for schedule in ("interleaved", "zbv", "dualpipev"):
+        with pytest.raises(fs.ConfigError, match=r"n_layers=3 is fewer than the pp=4 stages: .* n_layers >= 4"):
+            llama.param_specs(_cfg(schedule, 3), mesh4)
+
+
+def test_abstract_plan_of_an_uneven_interleaved_layout_counts_what_sim_sends() -> None:
+    """``plan`` (the train step on an abstract mesh) of 7 layers on pp=2 x 2 chunks: the stages' blocks are the
+    tensor_split blocks, and the collectives it counts are those a sim step sends."""
+    from funcshard.job.cli import plan_parser
+    from funcshard.job.plan import estimate
+    from funcshard.job.plan.command import resolve_defaults
+    from funcshard.job.step import build_step
+
+    flags = "--dim 32 --layers 7 --heads 4 --kv-heads 2 --ffn 64 --seq 16 --batch 8 --mesh pp=2,fsdp=2"
+    args = resolve_defaults(plan_parser().parse_args([*flags.split(), "--schedule", "interleaved"]))
+    e = estimate(args)
+    assert e.cfg.n_layers == 7 and e.fits and e.memory["params"] > 0
+    mesh = fs.make_mesh({"pp": 2, "fsdp": 2}, backend="sim")
+    step = build_step(args, e.cfg, mesh)
+    params = fs.device_put(llama.init(fs.random.key(0), e.cfg), mesh, step.specs)
+    assert [params["layers"]["wq"].shards[(r, 0)].shape[0] for r in range(2)] == [4, 3]
+    x = fs.device_put(torch.randint(0, e.cfg.vocab_size, (8, 16)), mesh, step.batch_spec)
+    with fs.comm_stats() as stats:
+        step.step(params, step.opt_init(params), x, x)
+    assert e.comm_rows == stats.rows()
+
+
+def _mixtral_body(mesh: fs.Mesh) -> str:
+    """The Mixtral shares the Llama's pipeline: its router statistics ride with the activation through the empty
+    last virtual stage of 3 layers on pp=2 x 2 chunks (zbv: stage 0 holds virtual stages 0 and 3)."""
+    from funcshard.models import mixtral
+
+    cfg = mixtral.Config.preset("debug", pp_microbatches=1, n_layers=3, pp_schedule="zbv")  # one microbatch: HF's aux
+    params = mixtral.init(fs.random.key(0), cfg)
+    tok = torch.randint(0, cfg.vocab_size, (2, 8), generator=torch.Generator().manual_seed(0))
+    ref_loss, ref_grads = fs.value_and_grad(mixtral.loss)(params, tok, tok, cfg)
+    specs, bs = mixtral.param_specs(cfg, mesh), mixtral.batch_spec(mesh)
+
+    def step(p, t, y):
+        return mixtral.value_and_grad(p, t, y, cfg)
+
+    f = fs.shard_map(step, mesh=mesh, in_specs=(specs, bs, bs), out_specs=(P(), specs))
+    loss, grads = f(fs.device_put(params, mesh, specs), tok, tok)
+    torch.testing.assert_close(fs.device_get(loss), ref_loss, rtol=1e-5, atol=1e-6)
+    for (path, a), (_, r) in zip(
+        fs.pytree.leaves_with_path(fs.device_get(grads)), fs.pytree.leaves_with_path(ref_grads), strict=True
+    ):
+        torch.testing.assert_close(a, r, rtol=1e-5, atol=1e-6, msg=path)
+    return "ok"
+
+
+def test_mixtral_aux_through_an_empty_virtual_stage_sim() -> None:
+    from _dist_pool import run_body
+
+    assert run_body("sim", _mixtral_body, {"pp": 2}) == ["ok"]
