@@ -164,7 +164,7 @@ def _stacked(tree: PyTree, schedule: Schedule, axis: str, back: bool) -> PyTree:
 
     def rows(path: tuple[Any, ...], leaf: torch.Tensor) -> int:
         where = "/".join(map(str, path)) or "<root>"
-        if back and (leaf.dim() == 0 or leaf.shape[0] != v):
+        if back and (leaf.dim() < 2 or leaf.shape[0] != v):
             raise ShardingError(
                 f"pipeline.from_chunks: leaf {where} has local shape {tuple(leaf.shape)}; expected a leading dim "
                 f"of n_virtual={v} (to_chunks' output)."

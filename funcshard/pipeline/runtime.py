@@ -177,19 +177,18 @@ def _check(
     paths, leaves, _ = optree.tree_flatten_with_path(stage_params)
     if not leaves:
         raise ShardingError("pipeline.run: stage_params has no tensor leaves; pass the stage's parameters.")
-    want = schedule.n_virtual if n_layers is None else sum(chunk_layers(schedule, n_layers)[axis_index_int(axis)])
+    sizes = None if n_layers is None else chunk_layers(schedule, n_layers)[axis_index_int(axis)]
+    want = schedule.n_virtual if sizes is None else sum(sizes)
     for path, leaf in zip(paths, leaves, strict=True):
         where = "/".join(map(str, path)) or "<root>"
-        if n_layers is not None and (not isinstance(leaf, torch.Tensor) or leaf.dim() == 0 or leaf.shape[0] != want):
+        if not isinstance(leaf, torch.Tensor) or leaf.dim() == 0 or leaf.shape[0] != want:
             found = tuple(leaf.shape) if isinstance(leaf, torch.Tensor) else type(leaf).__name__
-            raise ShardingError(
-                f"pipeline.run: stage_params leaf {where} has local shape {found}; with n_layers={n_layers} "
-                f"expected a leading dim of {want}, the layers of this stage's chunks "
-                f"{chunk_layers(schedule, n_layers)[axis_index_int(axis)]} in chunk order (to_chunks(..., "
-                f"n_layers={n_layers})'s output)."
-            )
-        if n_layers is None and (not isinstance(leaf, torch.Tensor) or leaf.dim() == 0 or leaf.shape[0] != want):
-            found = tuple(leaf.shape) if isinstance(leaf, torch.Tensor) else type(leaf).__name__
+            if sizes is not None:
+                raise ShardingError(
+                    f"pipeline.run: stage_params leaf {where} has local shape {found}; with n_layers={n_layers} "
+                    f"expected a leading dim of {want}, the layers of this stage's chunks {sizes} in chunk order "
+                    f"(to_chunks(..., n_layers={n_layers})'s output)."
+                )
             raise ShardingError(
                 f"pipeline.run: stage_params leaf {where} has local shape {found}; expected a leading dim of "
                 f"n_virtual={schedule.n_virtual} (the chunks of this stage). Stack the parameters globally as "
@@ -269,12 +268,12 @@ def run(
     Raises:
         ScheduleError: the schedule does not validate (a missing action, a deadlock).
         ShardingError: the size of ``axis`` differs from ``n_stages``, a parameter leaf's leading dim from
-            ``n_virtual``, ``microbatches`` / ``targets``' leading dim from ``n_microbatches``,
-            ``stage_fn`` changes the activation's shape or dtype, a shared parameter varies over ``axis``,
-            ``input_grad`` with integer microbatches, an integer leaf in ``stage_params`` or
-            ``shared_params``, ``loss_fn`` returning no floating-point scalar, or ``run`` called under a
-            ``torch.func`` transform or its loss differentiated (its backward raises: ``run`` returns the
-            gradients itself). A chunk or loss with no gradient path to a parameter gives it zero gradients.
+            ``n_virtual`` (its chunks' layers with ``n_layers``), ``microbatches`` / ``targets``' leading dim from
+            ``n_microbatches``, ``stage_fn`` changes the activation's shape or dtype, a shared parameter varies over
+            ``axis``, ``input_grad`` with integer microbatches, an integer leaf in ``stage_params`` or
+            ``shared_params``, ``loss_fn`` returning no floating-point scalar, or ``run`` called under a ``torch.func``
+            transform or its loss differentiated (its backward raises: ``run`` returns the gradients itself). A
+            chunk or loss with no gradient path to a parameter gives it zero gradients.
 
     Example:
         >>> # W1 = torch.stack([w1s[i] for i in stage_order(sched)])  # layers in pipeline order, shard over pp
