@@ -128,14 +128,19 @@ def _move_leaf(leaf: torch.Tensor, plan: tuple[Any, Any], me: int, axis: str) ->
     return parts[0][1] if len(parts) == 1 else torch.cat([t for _, t in parts])  # -> [rows, ...]
 
 
+def _check_axis(schedule: Schedule, axis: str, fn: str) -> None:
+    """The pipeline axis has the schedule's number of stages."""
+    if lax.axis_size(axis) != schedule.n_stages:
+        raise ShardingError(
+            f"pipeline.{fn}: mesh axis '{axis}' has size {lax.axis_size(axis)} but the schedule {schedule!r} has "
+            f"n_stages={schedule.n_stages}; build the schedule for the mesh."
+        )
+
+
 def _move(tree: PyTree, schedule: Schedule, axis: str, back: bool, fn: str, n_layers: int) -> PyTree:
     """``tree``'s leaves moved from natural order to chunk order (or ``back``), ``n_layers`` in all."""
     p = schedule.n_stages
-    if lax.axis_size(axis) != p:
-        raise ShardingError(
-            f"pipeline.{fn}: mesh axis '{axis}' has size {lax.axis_size(axis)} but the schedule {schedule!r} has "
-            f"n_stages={p}; build the schedule for the mesh."
-        )
+    _check_axis(schedule, axis, fn)
     local, rounds = _plan(schedule.placement, n_layers)
     if back:  # the inverse: each run reversed
         local = tuple((r, b, q, a, n) for q, a, r, b, n in local)
@@ -161,6 +166,7 @@ def _stacked(tree: PyTree, schedule: Schedule, axis: str, back: bool) -> PyTree:
     """The stacked form (no ``n_layers``): every chunk ``L/(p v)`` layers, chunks on a leading dim."""
     v = schedule.n_virtual
     fn = "from_chunks" if back else "to_chunks"
+    _check_axis(schedule, axis, fn)
 
     def rows(path: tuple[Any, ...], leaf: torch.Tensor) -> int:
         where = "/".join(map(str, path)) or "<root>"

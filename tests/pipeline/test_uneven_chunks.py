@@ -131,3 +131,12 @@ def test_uneven_leading_dims_are_one_line_errors() -> None:
     g = fs.shard_map(bad_run, mesh=mesh, in_specs=(P("pp"), P()), out_specs=(P(), P("pp")))
     with pytest.raises(fs.ShardingError, match=r"with n_layers=7 expected a leading dim of 4, .* \(2, 2\)"):
         g(torch.zeros(6, 3, 3), torch.zeros(4, 2, 3))  # 3 rows a stage, where stage 0's chunks hold 2 + 2
+    for n_layers in (None, 7):  # both forms check the axis first, also with one chunk per stage
+        h = fs.shard_map(
+            lambda a, n=n_layers: to_chunks(a, one_f_one_b(4, 4), n_layers=n),
+            mesh=mesh,
+            in_specs=(P("pp"),),
+            out_specs=P("pp"),
+        )
+        with pytest.raises(fs.ShardingError, match=r"to_chunks: mesh axis 'pp' has size 2 .* n_stages=4; build"):
+            h(torch.zeros(8, 3))
