@@ -145,3 +145,35 @@ def test_mixtral_aux_through_an_empty_virtual_stage_sim() -> None:
     from _dist_pool import run_body
 
     assert run_body("sim", _mixtral_body, {"pp": 2}) == ["ok"]
+
+
+def _sharded_init_body(mesh: fs.Mesh, layers: int) -> str:
+    """``llama.init`` inside shard_map draws each stage's block of an uneven layer stack, unit norms included (a
+    stage holding fewer layers gets fewer norm rows): equal to the unsharded init."""
+    cfg = _cfg("interleaved", layers)
+    specs = llama.param_specs(cfg, mesh)
+    got = fs.shard_map(lambda k: llama.init(k, cfg), mesh=mesh, in_specs=(P(),), out_specs=specs)(fs.random.key(0))
+    ref = llama.init(fs.random.key(0), cfg)
+    for (path, a), (_, r) in zip(
+        fs.pytree.leaves_with_path(fs.device_get(got)), fs.pytree.leaves_with_path(ref), strict=True
+    ):
+        assert torch.equal(a, r), path
+    stage = mesh.axis_names.index("pp")
+    want = [t.shape[0] for t in torch.tensor_split(torch.empty(layers), mesh.shape["pp"])]
+    assert {c[stage]: b.shape[0] for c, b in got["layers"]["attn_norm"].shards.items()} == dict(enumerate(want))
+    return "ok"
+
+
+def test_sharded_init_of_an_uneven_layer_stack_sim() -> None:
+    from _dist_pool import run_body
+
+    assert run_body("sim", _sharded_init_body, {"pp": 4, "fsdp": 2}, 7) == ["ok"]
+
+
+def test_sharded_init_of_an_uneven_layer_stack_abstract() -> None:
+    cfg = _cfg("zbv", 7)
+    mesh = fs.make_mesh({"pp": 4}, backend="abstract")
+    specs = llama.param_specs(cfg, mesh)
+    got = fs.shard_map(lambda k: llama.init(k, cfg), mesh=mesh, in_specs=(P(),), out_specs=specs)(fs.random.key(0))
+    for name in ("attn_norm", "mlp_norm", "wq"):
+        assert [got["layers"][name].shards[(r,)].shape[0] for r in range(4)] == [2, 2, 2, 1], name
