@@ -12,6 +12,7 @@ Example:
     0.111
 """
 
+from .layout import chunk_layers as chunk_layers
 from .layout import from_chunks as from_chunks
 from .layout import to_chunks as to_chunks
 from .runtime import PipelineGrads as PipelineGrads
@@ -47,6 +48,7 @@ __all__ = [
     "Timeline",
     "Trace",
     "by_name",
+    "chunk_layers",
     "dualpipev",
     "from_chunks",
     "gpipe",

@@ -27,6 +27,15 @@ integers over the axis tells the other stages before they post any receive. Grad
 place by the autograd engine (``torch.autograd.backward(..., inputs=...)`` into the ``.grad`` of one detached
 leaf per parameter and chunk, as ``Tensor.backward`` does), no Python per gradient.
 
+Layer counts the virtual stages do not divide: with ``n_layers=L``, ``stage_params``' leaves hold a stack of
+``L`` layers split over the ``n_stages * n_virtual`` virtual stages as ``torch.tensor_split`` splits it (earlier
+virtual stages one layer more, as DTorch assigns them: :func:`~funcshard.pipeline.chunk_layers`), this stage's
+chunks concatenated in chunk order (leading dim: the sum of their layer counts; ``to_chunks(..., n_layers=L)``
+lays them out from the natural order). ``stage_fn`` then gets chunk ``c`` with its leading dim of
+``chunk_layers(schedule, L)[stage][c]`` kept (not indexed away), and a virtual stage with no layer (more virtual
+stages than layers) is the identity: ``stage_fn`` is not called on it, it still passes activations and
+gradients on. The stage gradients come back in the same form (``from_chunks(..., n_layers=L)`` takes them back).
+
 Under ``check_vma=True`` the vma mode's per-op dispatch is paid once per chunk and step: ``stage_fn``'s first
 microbatch on each chunk (and ``first_fn``'s and ``loss_fn``'s first) runs tracked, and when that run only
 tagged (no ``pvary`` inserted on the way to the parameters, no collective, no custom Function) the later
@@ -79,6 +88,7 @@ from ..extend import (
     tracing,
     transforms_active,
 )
+from .layout import chunk_layers
 from .messages import Send as Send
 from .messages import StagePlan, Step, plans
 from .schedules import Action, Schedule
@@ -151,6 +161,7 @@ def _check(
     targets: torch.Tensor | None,
     axis: str,
     input_grad: bool,
+    n_layers: int | None = None,
 ) -> None:
     """:func:`run`'s arguments checked, in order: no ``torch.func`` transform around, the axis' size, the
     parameters' leading dims, the microbatches' and targets', ``input_grad``'s dtype."""
@@ -166,10 +177,18 @@ def _check(
     paths, leaves, _ = optree.tree_flatten_with_path(stage_params)
     if not leaves:
         raise ShardingError("pipeline.run: stage_params has no tensor leaves; pass the stage's parameters.")
+    sizes = None if n_layers is None else chunk_layers(schedule, n_layers)[axis_index_int(axis)]
+    want = schedule.n_virtual if sizes is None else sum(sizes)
     for path, leaf in zip(paths, leaves, strict=True):
         where = "/".join(map(str, path)) or "<root>"
-        if not isinstance(leaf, torch.Tensor) or leaf.dim() == 0 or leaf.shape[0] != schedule.n_virtual:
+        if not isinstance(leaf, torch.Tensor) or leaf.dim() == 0 or leaf.shape[0] != want:
             found = tuple(leaf.shape) if isinstance(leaf, torch.Tensor) else type(leaf).__name__
+            if sizes is not None:
+                raise ShardingError(
+                    f"pipeline.run: stage_params leaf {where} has local shape {found}; with n_layers={n_layers} "
+                    f"expected a leading dim of {want}, the layers of this stage's chunks {sizes} in chunk order "
+                    f"(to_chunks(..., n_layers={n_layers})'s output)."
+                )
             raise ShardingError(
                 f"pipeline.run: stage_params leaf {where} has local shape {found}; expected a leading dim of "
                 f"n_virtual={schedule.n_virtual} (the chunks of this stage). Stack the parameters globally as "
@@ -199,6 +218,7 @@ def run(
     first_fn: Callable[..., torch.Tensor] | None = None,
     shared_params: PyTree = None,
     input_grad: bool = False,
+    n_layers: int | None = None,
 ) -> tuple[torch.Tensor, Any]:
     """Run one pipelined forward + backward step of ``schedule`` inside ``shard_map``; return loss and grads.
 
@@ -237,6 +257,7 @@ def run(
             on every stage (not sharded over ``axis``); their gradients are summed over ``axis``, so an
             embedding tied to the head gets both parts.
         input_grad: also return the gradient of ``microbatches`` (floating point only).
+        n_layers: ``stage_params`` hold this stage's chunks of ``n_layers`` layers (module docstring: "Layer counts").
 
     Returns:
         ``(loss, grads)``: the mean of ``loss_fn`` over microbatches, invariant over ``axis`` (a 0-dim
@@ -247,26 +268,24 @@ def run(
     Raises:
         ScheduleError: the schedule does not validate (a missing action, a deadlock).
         ShardingError: the size of ``axis`` differs from ``n_stages``, a parameter leaf's leading dim from
-            ``n_virtual``, ``microbatches`` / ``targets``' leading dim from ``n_microbatches``,
-            ``stage_fn`` changes the activation's shape or dtype, a shared parameter varies over ``axis``,
-            ``input_grad`` with integer microbatches, an integer leaf in ``stage_params`` or
-            ``shared_params``, ``loss_fn`` returning no floating-point scalar, or ``run`` called under a
-            ``torch.func`` transform or its loss differentiated (its backward raises: ``run`` returns the
-            gradients itself). A chunk or loss with no gradient path to a parameter gives it zero gradients.
+            ``n_virtual`` (its chunks' layers with ``n_layers``), ``microbatches`` / ``targets``' leading dim from
+            ``n_microbatches``, ``stage_fn`` changes the activation's shape or dtype, a shared parameter varies over
+            ``axis``, ``input_grad`` with integer microbatches, an integer leaf in ``stage_params`` or
+            ``shared_params``, ``loss_fn`` returning no floating-point scalar, or ``run`` called under a ``torch.func``
+            transform or its loss differentiated (its backward raises: ``run`` returns the gradients itself). A
+            chunk or loss with no gradient path to a parameter gives it zero gradients.
 
     Example:
-        >>> # layers[i] = (w1, w2): stack in pipeline order, shard over pp
-        >>> # W1 = torch.stack([w1s[i] for i in stage_order(sched)])
+        >>> # W1 = torch.stack([w1s[i] for i in stage_order(sched)])  # layers in pipeline order, shard over pp
         >>> # def step(params, shared, tokens, ts):  # params: ([v, d, h], [v, h, d]) per device
         >>> #     return run(sched, layer, params, tokens, targets=ts, loss_fn=head_loss,
         >>> #                first_fn=embed, shared_params=shared)
         >>> # loss, (g_stage, g_shared, _) = fs.shard_map(step, mesh=mesh, in_specs=(P("pp"), P(), P(), P()),
         >>> #                                             out_specs=(P(), (P("pp"), P(), None)))(...)
     """
-    _check(schedule, stage_params, microbatches, targets, axis, input_grad)
-    return _run_step(
-        schedule, stage_fn, stage_params, microbatches, targets, loss_fn, axis, first_fn, shared_params, input_grad
-    )
+    _check(schedule, stage_params, microbatches, targets, axis, input_grad, n_layers)
+    rest = (targets, loss_fn, axis, first_fn, shared_params, input_grad, n_layers)
+    return _run_step(schedule, stage_fn, stage_params, microbatches, *rest)
 
 
 def _run_step(
@@ -280,6 +299,7 @@ def _run_step(
     first_fn: Callable[..., torch.Tensor] | None,
     shared_params: PyTree,
     input_grad: bool,
+    n_layers: int | None = None,
 ) -> tuple[torch.Tensor, Any]:
     """:func:`run` on its checked arguments: this device's stage runs its plan, then hands back the loss (whose
     backward raises) and the gradients."""
@@ -289,7 +309,7 @@ def _run_step(
     # Python dispatch costs several microseconds per op); the runtime tags what it hands them itself.
     tf_on = torch._C._is_torch_function_enabled()
     with torch._C.DisableTorchFunction():
-        stage = _Stage(schedule, stage_fn, stage_params, microbatches, targets, loss_fn, axis)
+        stage = _Stage(schedule, stage_fn, stage_params, microbatches, targets, loss_fn, axis, n_layers)
         stage.first_fn, stage.input_grad, stage.tf_on = first_fn, input_grad, tf_on
         stage.set_shared(shared_params)
         stage.execute(plan[stage.me])
@@ -325,6 +345,7 @@ class _Stage:
         targets: torch.Tensor | None,
         loss_fn: Callable[..., torch.Tensor],
         axis: str,
+        n_layers: int | None = None,
     ) -> None:
         ctx = current("pipeline.run")
         self.vma, self.device, self.mesh = ctx.check_vma, ctx.device, ctx.mesh
@@ -354,9 +375,12 @@ class _Stage:
         self.leaves, self.treedef = optree.tree_flatten(stage_params)
         v = schedule.n_virtual
         self.leaf_axes = [get_vma(leaf) if self.vma else frozenset() for leaf in self.leaves]
+        # with n_layers, chunk c is its run of rows of the concatenated chunks (None: the stacked form, index c)
+        self.sizes = None if n_layers is None else chunk_layers(schedule, n_layers)[self.me]
+        rows = [c if self.sizes is None else slice(sum(self.sizes[:c]), sum(self.sizes[: c + 1])) for c in range(v)]
         self.chunk_leaves = [
-            [self.tagged(leaf.detach()[c], ax).requires_grad_(True) for leaf, ax in zip(self.leaves, self.leaf_axes)]
-            for c in range(v)
+            [self.tagged(leaf.detach()[r], ax).requires_grad_(True) for leaf, ax in zip(self.leaves, self.leaf_axes)]
+            for r in rows
         ]
         self.chunk_params = [optree.tree_unflatten(self.treedef, ls) for ls in self.chunk_leaves]
         self.received: dict[Send, torch.Tensor] = {}  # hand-offs within the stage (the turn of a V)
@@ -522,7 +546,10 @@ class _Stage:
             h = x
             if vs == 0 and self.first_fn is not None:
                 h = self.call_user("first_fn", ("first",), self.first_fn, *self.shared_args(), x)
-            y = self.call_user("stage_fn", ("stage", a.chunk), self.stage_fn, self.chunk_params[a.chunk], h)
+            if self.sizes is not None and self.sizes[a.chunk] == 0:  # a virtual stage with no layer: the identity
+                y = _identity(h)
+            else:
+                y = self.call_user("stage_fn", ("stage", a.chunk), self.stage_fn, self.chunk_params[a.chunk], h)
             y = self.checked(y, vs)
             if vs == self.last:
                 # varying over the axis, as the output it meets (no pvary inserted per microbatch: no gradient)
@@ -709,7 +736,9 @@ class _Stage:
                 torch.zeros_like(leaves[i]) if leaves[i].grad is None else leaves[i].grad
                 for leaves in self.chunk_leaves
             ]
-            if len(per_chunk) == 1:  # the accumulator (a fresh tensor) as the one chunk: no copy
+            if self.sizes is not None:  # the chunks' runs of rows, concatenated in chunk order
+                g = per_chunk[0] if len(per_chunk) == 1 else torch.cat(per_chunk)  # v x [n_c, *s] -> [sum n_c, *s]
+            elif len(per_chunk) == 1:  # the accumulator (a fresh tensor) as the one chunk: no copy
                 g = per_chunk[0].unsqueeze(0)  # [*s] -> [1, *s]
             else:
                 g = torch.stack(per_chunk)  # v x [*s] -> [v, *s]
@@ -803,6 +832,15 @@ def _detached(t: torch.Tensor) -> torch.Tensor:
     with torch._C.DisableTorchFunction():
         out = t.detach()
     axes = find_vma(t)
+    return out if axes is None else set_vma(out, axes)
+
+
+def _identity(h: torch.Tensor) -> torch.Tensor:
+    """A virtual stage with no layer: ``h`` itself, as a view (its own graph node, so the stage's backward takes
+    the gradient through it as through any chunk), with ``h``'s varying axes."""
+    with torch._C.DisableTorchFunction():
+        out = h.view_as(h)
+    axes = find_vma(h)
     return out if axes is None else set_vma(out, axes)
 
 

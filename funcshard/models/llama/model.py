@@ -437,6 +437,19 @@ def init(key: torch.Tensor, cfg: Config, plan: ParallelPlan | None = None) -> Py
     return draw_params(key, cfg, param_shapes(cfg), layout(cfg, plan))
 
 
+def _local_shape(shape: torch.Size, spec: P, lay: Layout) -> tuple[int, ...]:
+    """This device's block of ``shape`` laid out by ``spec`` inside ``shard_map``: ``torch.tensor_split``'s block
+    where an axis does not divide its dim (a layer stack on ``pp``), read from the device's index over that axis."""
+    mesh = lay.mesh.shape
+    dims = zip(shape, spec.dim_axes(len(shape)))
+    uneven = [a for s, axes in dims if s % math.prod(mesh[a] for a in axes) for a in axes]
+    ctx = maybe_current()
+    if not uneven or ctx is None:
+        return shard_shape(shape, spec, mesh)
+    coords = {a: ctx.device.index((a,)) if a in uneven else 0 for a in spec.axes}  # (abstract: noted as read)
+    return shard_shape(shape, spec, mesh, coords)  # an even dim's block has one size whatever the index
+
+
 def draw_params(key: torch.Tensor, cfg: Config, shapes: PyTree, lay: Layout) -> PyTree:
     """:func:`init`'s draw of a parameter tree of ``shapes`` (``torch.Size`` leaves) laid out by ``lay``: norms
     (leaves named ``*norm``) ones, the rest normal(0, ``init_std``), ``wo`` and ``w2`` scaled by
@@ -449,8 +462,7 @@ def draw_params(key: torch.Tensor, cfg: Config, shapes: PyTree, lay: Layout) -> 
     for i, (path, shape, spec) in enumerate(zip(paths, leaves, flat_specs, strict=True)):
         name = path[-1]
         if name.endswith("norm"):
-            local = shard_shape(shape, spec, lay.mesh.shape) if sharded else shape
-            out.append(torch.ones(local, dtype=dtype))
+            out.append(torch.ones(_local_shape(shape, spec, lay) if sharded else shape, dtype=dtype))
             continue
         std = cfg.init_std / (math.sqrt(2 * cfg.n_layers) if name in ("wo", "w2") else 1.0)
         # drawn in float32 (the stream of the unsharded init), then kept in the parameters' dtype

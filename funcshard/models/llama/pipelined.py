@@ -2,12 +2,13 @@
 
 On a mesh with a ``pp`` axis the local batch is cut into ``cfg.pp_microbatches`` microbatches and run by
 :func:`funcshard.pipeline.run` with ``cfg.pp_schedule``: the embedding is the first stage's ``first_fn``,
-the decoder layers are the stages (this stage's contiguous block of layers, cut into the schedule's chunks
-by :func:`funcshard.pipeline.to_chunks`), and the final norm, head and cross-entropy are the last stage's
-``loss_fn``. Embedding, norm and head are replicated over ``pp``; their gradients (zero on the stages that do
-not use them) are summed over ``pp``, so tied embeddings get the embedding's and the head's parts. dp, fsdp,
-tp (+SP) and cp work inside every stage as in :func:`~funcshard.models.llama.loss`. Without a ``pp`` axis
-this is ``fs.value_and_grad(llama.loss)``.
+the decoder layers are the stages (this stage's ``torch.tensor_split`` block of the layers, moved to the
+schedule's chunks by :func:`funcshard.pipeline.to_chunks`: the virtual stages split the layers as
+``torch.tensor_split`` does, earlier ones one layer more, any layer count from ``pp`` up), and the final
+norm, head and cross-entropy are the last stage's ``loss_fn``. Embedding, norm and head are replicated over
+``pp``; their gradients (zero on the stages that do not use them) are summed over ``pp``, so tied embeddings
+get the embedding's and the head's parts. dp, fsdp, tp (+SP) and cp work inside every stage as in
+:func:`~funcshard.models.llama.loss`. Without a ``pp`` axis this is ``fs.value_and_grad(llama.loss)``.
 
 Example:
     >>> import torch, funcshard as fs
@@ -129,9 +130,19 @@ def pipelined(
         return lm if lay.aux_loss is None else lm + lay.aux_loss(aux, plan_)  # this microbatch's aux term
 
     shared = {k: v for k, v in params.items() if k != "layers"}
-    stage = to_chunks(params["layers"], sched, pp)  # [L/p, ...] -> [v, L/(p v), ...]
+    n = cfg.n_layers
+    stage = to_chunks(params["layers"], sched, pp, n_layers=n)  # [L/p, ...] -> [this stage's chunks' layers, ...]
     value, grads = run(
-        sched, stage_fn, stage, toks, targets=tgts, loss_fn=loss_fn, first_fn=first_fn, shared_params=shared, axis=pp
+        sched,
+        stage_fn,
+        stage,
+        toks,
+        targets=tgts,
+        loss_fn=loss_fn,
+        first_fn=first_fn,
+        shared_params=shared,
+        axis=pp,
+        n_layers=n,
     )
-    layers = from_chunks(grads.stage, sched, pp)  # [v, L/(p v), ...] -> [L/p, ...]
+    layers = from_chunks(grads.stage, sched, pp, n_layers=n)  # [chunks' layers, ...] -> [L/p, ...]
     return value, {k: layers if k == "layers" else grads.shared[k] for k in params}

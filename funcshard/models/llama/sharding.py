@@ -259,14 +259,15 @@ def pipeline_schedule(cfg: Config, plan: ParallelPlan) -> Schedule:
     stages and ``cfg.microbatches(pp)`` microbatches, checked against the number of layers.
 
     Layers stay stacked in natural order, sharded ``P("pp", ...)`` on the layer dim, so stage ``r`` holds
-    layers ``[r L/p, (r+1) L/p)``: with one chunk per stage, a layer count ``p`` does not divide is split as
-    ``torch.tensor_split`` splits it (earlier stages take one layer more); a schedule with ``v > 1`` chunks per
-    stage needs ``n_layers`` divisible by ``p v`` (:func:`funcshard.pipeline.to_chunks` gives each stage its
-    chunks).
+    ``torch.tensor_split``'s block ``r`` of them (earlier stages take one layer more when ``p`` does not divide
+    ``n_layers``). The ``p v`` virtual stages of a schedule with ``v`` chunks per stage split the layers the
+    same way, in virtual-stage order (:func:`funcshard.pipeline.chunk_layers`; a virtual stage may hold no
+    layer when they outnumber the layers, and is then the identity), and
+    :func:`funcshard.pipeline.to_chunks` gives each stage its chunks.
 
     Raises:
-        ConfigError: a schedule with several chunks per stage and ``n_layers`` not divisible by
-            ``pp * n_virtual``, or a microbatch count the schedule cannot run.
+        ConfigError: fewer layers than ``pp`` stages (a physical stage with no layer), or a microbatch count
+            the schedule cannot run.
 
     Example:
         >>> import funcshard as fs
@@ -284,17 +285,10 @@ def pipeline_schedule(cfg: Config, plan: ParallelPlan) -> Schedule:
         raise ConfigError(
             f"llama: pp_schedule={cfg.pp_schedule!r} cannot run pp_microbatches={m} on pp={p}: {e}"
         ) from None
-    if sched.n_virtual == 1 and cfg.n_layers < p:  # a stage with no layer (several chunks: divisible, below)
+    if cfg.n_layers < p:  # a physical stage with no layer (virtual stages with none are the identity)
         raise ConfigError(
             f"llama: n_layers={cfg.n_layers} is fewer than the pp={p} stages: every stage needs a layer; use "
             f"n_layers >= {p} or a smaller pp."
-        )
-    if sched.n_virtual > 1 and cfg.n_layers % (p * sched.n_virtual):
-        v = sched.n_virtual
-        raise ConfigError(
-            f"llama: n_layers={cfg.n_layers} is not divisible by pp={p} x {v} chunk(s) per stage of "
-            f"pp_schedule={cfg.pp_schedule!r}; use n_layers a multiple of {p * v}"
-            + (", or a schedule with one chunk per stage (1f1b, gpipe, zb)." if v > 1 else ", or another pp size.")
         )
     return sched
 
