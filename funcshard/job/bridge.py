@@ -50,9 +50,9 @@ def _hf_config(folder: str | Path) -> dict[str, Any]:
 
 def wanted(args: argparse.Namespace) -> bool:
     """Whether ``args`` train a Hugging Face folder through the bridge: ``--init-from`` a folder whose
-    ``config.json`` names a model type other than ``llama``."""
+    ``config.json`` names a model type other than ``llama`` (and not ``--model mixtral``: funcshard's own MoE)."""
     folder = getattr(args, "init_from", None)
-    if not folder:
+    if not folder or getattr(args, "model", "llama") == "mixtral":
         return False
     model_type = _hf_config(folder).get("model_type")
     return model_type is not None and model_type != "llama"
