@@ -28,6 +28,7 @@ Example:
 from __future__ import annotations
 
 import itertools
+import json
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -35,12 +36,61 @@ from typing import Any
 import torch
 
 from ..extend import Array, ConfigError, P, check_spec, shard_slices
-from .safetensors import DTYPES, read_block
+from .safetensors import DTYPES, read_block, read_header
 
-__all__ = ["Headers", "Locate", "read_array", "spec_at"]
+__all__ = ["Headers", "Locate", "read_array", "read_headers", "spec_at"]
 
 Headers = dict[Path, tuple[dict[str, Any], int]]  # file -> (its header entries, where its data starts)
 Locate = Callable[[tuple[int, ...]], tuple[str, tuple[int, ...]]]  # stacked index -> (tensor name, offsets)
+
+
+def _weight_files(folder: Path, fn: str) -> dict[str, Path]:
+    """Tensor name -> the safetensors file that holds it, from the index or the single file."""
+    index = folder / "model.safetensors.index.json"
+    single = folder / "model.safetensors"
+    if index.is_file():
+        try:
+            data = json.loads(index.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, ValueError) as e:
+            raise ConfigError(f"{fn}: '{index}' is not readable JSON ({e}).") from None
+        wm = data.get("weight_map") if isinstance(data, dict) else None
+        if not isinstance(wm, dict) or not all(isinstance(v, str) for v in wm.values()):
+            raise ConfigError(f"{fn}: '{index}' has no 'weight_map' of tensor names to file names.")
+        return {name: folder / fname for name, fname in wm.items()}
+    if single.is_file():
+        return {name: single for name in read_header(single)[0]}
+    others = sorted(p.name for p in folder.glob("*.bin")) + sorted(p.name for p in folder.glob("*.pth"))
+    hint = (
+        f" (found {others[0]}: funcshard reads safetensors only; re-save with save_pretrained(safe_serialization=True))"
+        if others
+        else ""
+    )
+    raise ConfigError(
+        f"{fn}: '{folder}' has no model.safetensors or model.safetensors.index.json{hint}; "
+        f"give a folder written by save_pretrained or to_hf."
+    )
+
+
+def read_headers(folder: Path, fn: str = "from_hf") -> tuple[dict[str, Path], Headers]:
+    """``(where, headers)`` of a Hugging Face folder's safetensors weights: tensor name -> its file, file -> its
+    header (``model.safetensors``, or the files ``model.safetensors.index.json`` names).
+
+    Raises:
+        ConfigError: no weights, a file the index names missing, a corrupt header.
+
+    Example:
+        >>> read_headers(Path("/no/such/folder"))  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        funcshard._src.errors.ConfigError: from_hf: '/no/such/folder' has no model.safetensors ...
+    """
+    where = _weight_files(folder, fn)
+    headers: Headers = {}
+    for file in sorted(set(where.values())):
+        if not file.is_file():
+            raise ConfigError(f"{fn}: '{file}' is missing (named by the index of '{folder}').")
+        headers[file] = read_header(file)
+    return where, headers
 
 
 def spec_at(specs: Any, path: tuple[str, ...], fn: str = "from_hf") -> P:
