@@ -103,6 +103,8 @@ def _run(args: argparse.Namespace) -> None:
     mesh = fs.make_mesh({"fsdp": 4})
     size = _folder_bytes(folder)
     sharded_load, whole_load, probe = _loaders(args.model, folder, mesh)
+    if args.model == "bridge":  # transformers and the model's classes imported before either load is measured
+        fs.nn.empty_pretrained(folder)
     sharded, arrays = _peak_growth(sharded_load)
     block = probe(arrays).clone()  # (a collective: every rank)
     del arrays
