@@ -32,11 +32,12 @@ import torch
 
 import funcshard as fs
 from funcshard import P, optim
+from funcshard.checkpoint.sharded_read import read_headers
 from funcshard.models import llama
 
 from .cli import UsageError
 
-__all__ = ["build_step", "eval_and_init", "load_model", "read_config", "save_hf", "wanted"]
+__all__ = ["build_step", "eval_and_init", "load_model", "load_weights", "read_config", "save_hf", "wanted"]
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
@@ -160,14 +161,37 @@ def eval_and_init(args: argparse.Namespace, mesh: fs.Mesh, specs: Any, batch_spe
 
     kw = {"mesh": mesh, "check_vma": args.check_vma}
     eval_step = fs.shard_map(eval_fn, in_specs=(specs, batch_spec, batch_spec), out_specs=P(), **kw)
-    return eval_step, lambda key: _load(folder, mesh, specs)
+    return eval_step, lambda key: load_weights(folder, mesh, specs)
 
 
-def _load(folder: str, mesh: fs.Mesh, specs: dict[str, P]) -> dict[str, fs.Array]:
+def load_weights(folder: str, mesh: fs.Mesh, specs: dict[str, P]) -> dict[str, fs.Array]:
+    """The folder's parameters (those ``specs`` names) as ``fs.Array``s over ``mesh``: each process reading only its
+    own shards (``fs.nn.load_pretrained``), or, for a folder whose tensors transformers renames as it loads them (a
+    Mixtral's per-expert tensors into its fused ``experts.gate_up_proj``), read whole by transformers and laid out.
+
+    Raises:
+        UsageError: weights that cannot be read or do not fit the model.
+    """
+    module = load_model(folder)
     try:
-        return fs.nn.load_pretrained(folder, load_model(folder), mesh, specs)
+        if not _renamed(folder, module):
+            return fs.nn.load_pretrained(folder, module, mesh, specs)
+        import transformers
+
+        whole = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+        state = dict(whole.named_parameters())
+        return fs.device_put({n: state[n].detach() for n in specs}, mesh, specs)
     except fs.FuncshardError as e:
         raise UsageError(f"--init-from: {e}") from None
+
+
+def _renamed(folder: str, module: torch.nn.Module) -> bool:
+    """Whether some parameter of ``module`` is under none of its names (a tied one has several) in the folder."""
+    stored = set(read_headers(Path(folder))[0])
+    groups: dict[int, list[str]] = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        groups.setdefault(id(p), []).append(name)
+    return any(not any(n in stored for n in names) for names in groups.values())
 
 
 def save_hf(params: Any, args: argparse.Namespace, out: Path) -> Path:

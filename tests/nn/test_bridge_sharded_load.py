@@ -153,3 +153,27 @@ def test_each_process_reads_only_its_own_blocks(run, backend: str, tmp_path: Pat
         assert sorted(loaded) == sorted(want)
         for name, got in loaded.items():
             assert torch.equal(got, want[name]), name
+
+
+@pytest.mark.parametrize("kind", ["mistral", "mixtral"])
+def test_the_train_jobs_bridge_loads_sharded_or_through_transformers_renames(tmp_path: Path, kind: str) -> None:
+    """The job's bridge (``train --init-from`` a non-Llama folder) reads a folder by shards; a Mixtral folder, whose
+    per-expert tensors transformers fuses as it loads them, is read whole by transformers: the values either way."""
+    transformers = pytest.importorskip("transformers")
+    from funcshard.job import bridge
+
+    if kind == "mixtral":
+        conf = transformers.MixtralConfig(**SIZES, num_local_experts=4)
+        torch.manual_seed(0)
+        transformers.MixtralForCausalLM(conf).save_pretrained(tmp_path / kind)
+        folder = tmp_path / kind
+    else:
+        folder = _folder(tmp_path, kind)
+    want = dict(transformers.AutoModelForCausalLM.from_pretrained(folder).named_parameters())
+    mesh = fs.make_mesh({"fsdp": 2, "tp": 2}, backend="sim")
+    _, specs, _ = fs.nn.parallelize(bridge.load_model(str(folder)), mesh)
+    specs = {n: specs[n] for n in want}
+    got = bridge.load_weights(str(folder), mesh, specs)
+    assert sorted(got) == sorted(want)
+    for name, a in got.items():
+        assert a.spec == specs[name] and torch.equal(fs.device_get(a), want[name].detach()), name
