@@ -89,10 +89,15 @@ def _loaders(model: str, folder: Path, mesh: fs.Mesh) -> tuple[Any, Any, Any]:
 
         name = "model.layers.0.self_attn.q_proj.weight"
         return (lambda: fs.nn.from_pretrained(folder, mesh)[0]), whole, lambda t: fs.device_get(t[name])[:2, :4]
-    family, cfg = (mixtral, MOE) if model == "mixtral" else (llama, CFG)
+    family = mixtral if model == "mixtral" else llama
+
+    def whole_native() -> dict:
+        cfg, params = family.from_hf(folder)  # (the folder's own shape: --folder may hold another)
+        return fs.device_put(params, mesh, family.param_specs(cfg, mesh))
+
     return (
         lambda: family.from_hf(folder, mesh=mesh)[1],
-        lambda: fs.device_put(family.from_hf(folder)[1], mesh, family.param_specs(cfg, mesh)),
+        whole_native,
         lambda t: fs.device_get(t["layers"]["wq"])[0, :2, :4],
     )
 

@@ -123,3 +123,46 @@ def test_each_process_reads_only_its_own_experts(run, backend: str, tmp_path: Pa
     for loaded in run(_load_body, DIST_MESH, folders):
         for got, want in zip(optree.tree_leaves(loaded), optree.tree_leaves(params), strict=True):
             assert torch.equal(got, want)
+
+
+MEM_CFG = mixtral.Config(
+    vocab_size=4000, dim=256, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=768, max_seq_len=64, n_experts=8
+)  # 11.9M parameters: 48 MB of float32
+
+
+def _status_bytes(field: str) -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field + ":"))
+
+
+def _peak_growth_body(mesh: fs.Mesh, folder: str) -> tuple[int, bool]:
+    """(this process's peak resident growth while loading, whether the values equal the folder's) on fsdp=4."""
+    import gc
+
+    mixtral.from_hf(folder, mesh=mesh)  # a first load: code paths and allocator arenas warmed, not measured
+    gc.collect()
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # reset VmHWM to the current resident size
+    before = _status_bytes("VmRSS")
+    _, arrays = mixtral.from_hf(folder, mesh=mesh)
+    growth = _status_bytes("VmHWM") - before
+    whole = mixtral.from_hf(folder)[1]  # (after the measurement)
+    equal = all(
+        torch.equal(fs.device_get(a), w)
+        for a, w in zip(optree.tree_leaves(arrays, is_leaf=_is_array), optree.tree_leaves(whole), strict=True)
+    )
+    return growth, equal
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+def test_each_rank_grows_by_less_than_0_4x_the_model_on_fsdp4(tmp_path: Path) -> None:
+    """Issue #31's bound: under 4 gloo processes on fsdp=4, each rank's peak memory growth while loading is below
+    0.4x the folder's size (its quarter of the experts and rows, and one tensor's mapped pages)."""
+    from _dist_pool import run_body
+
+    mixtral.to_hf(mixtral.init(fs.random.key(2), MEM_CFG), MEM_CFG, tmp_path, dtype=torch.float32)
+    size = sum(p.stat().st_size for p in tmp_path.glob("*.safetensors"))
+    for rank, (growth, equal) in enumerate(run_body("dist", _peak_growth_body, {"fsdp": 4}, str(tmp_path))):
+        assert equal, rank
+        assert growth < 0.4 * size, f"rank {rank}: {growth / size:.2f}x of {size / 1e6:.0f} MB"
