@@ -1,13 +1,14 @@
 """``train --init-from PATH`` on any Hugging Face causal LM whose config has a tensor-parallel plan (Qwen3, Mistral,
 ...): the model runs through ``fs.nn.parallelize`` instead of funcshard's own Llama.
 
-A Llama folder keeps the native path (``llama.from_hf``); any other ``...ForCausalLM`` folder is loaded with
-transformers (``AutoModelForCausalLM``), laid out by its own ``config.base_model_tp_plan`` over ``tp``, its batch
-over ``dp`` / ``fsdp`` and its parameters sharded over ``fsdp``, the head's vocabulary split over ``tp`` (the loss
-never gathers it). The step is the native one's: ``fs.value_and_grad`` of the global-batch mean token loss, then
-clipping and AdamW, in one ``shard_map``. The model's shape fields are read into a ``llama.Config`` for the job's
-reports (parameter count, FLOPs, checkpoints' metadata). At the end of a run the trained weights are written as
-a Hugging Face folder (``--out``/``hf``, with the tokenizer files of ``--init-from``) that
+A Llama folder keeps the native path (``llama.from_hf``); any other ``...ForCausalLM`` folder is built with
+transformers (``AutoModelForCausalLM``) on the meta device and its weights read shard by shard, each process only
+its own (``fs.nn.empty_pretrained`` / ``load_pretrained``), laid out by its own ``config.base_model_tp_plan`` over
+``tp``, its batch over ``dp`` / ``fsdp`` and its parameters sharded over ``fsdp``, the head's vocabulary split over
+``tp`` (the loss never gathers it). The step is the native one's: ``fs.value_and_grad`` of the global-batch mean
+token loss, then clipping and AdamW, in one ``shard_map``. The model's shape fields are read into a ``llama.Config``
+for the job's reports (parameter count, FLOPs, checkpoints' metadata). At the end of a run the trained weights are
+written as a Hugging Face folder (``--out``/``hf``, with the tokenizer files of ``--init-from``) that
 ``AutoModelForCausalLM.from_pretrained`` loads.
 
 Example:
@@ -31,11 +32,12 @@ import torch
 
 import funcshard as fs
 from funcshard import P, optim
+from funcshard.checkpoint.sharded_read import read_headers
 from funcshard.models import llama
 
 from .cli import UsageError
 
-__all__ = ["build_step", "eval_and_init", "load_model", "read_config", "save_hf", "wanted"]
+__all__ = ["build_step", "eval_and_init", "load_model", "load_weights", "read_config", "save_hf", "wanted"]
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
@@ -50,9 +52,9 @@ def _hf_config(folder: str | Path) -> dict[str, Any]:
 
 def wanted(args: argparse.Namespace) -> bool:
     """Whether ``args`` train a Hugging Face folder through the bridge: ``--init-from`` a folder whose
-    ``config.json`` names a model type other than ``llama``."""
+    ``config.json`` names a model type other than ``llama`` (and not ``--model mixtral``: funcshard's own MoE)."""
     folder = getattr(args, "init_from", None)
-    if not folder:
+    if not folder or getattr(args, "model", "llama") == "mixtral":
         return False
     model_type = _hf_config(folder).get("model_type")
     return model_type is not None and model_type != "llama"
@@ -92,22 +94,16 @@ def read_config(folder: str | Path) -> llama.Config:
 
 @functools.lru_cache(maxsize=2)
 def load_model(folder: str) -> torch.nn.Module:
-    """The folder's model, float32, in train mode (loaded once per folder).
+    """The folder's model, float32, in train mode, its parameters on the meta device (``fs.nn.empty_pretrained``:
+    no memory; the weights are read shard by shard by ``eval_and_init``'s init), built once per folder.
 
     Raises:
-        UsageError: transformers is missing or cannot load the folder.
+        UsageError: transformers is missing or cannot build the folder's model.
     """
     try:
-        import transformers
-    except ImportError:
-        raise UsageError(
-            f"--init-from '{folder}' is not a Llama: it needs transformers (pip install transformers)."
-        ) from None
-    try:
-        model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
-    except Exception as e:  # noqa: BLE001 (transformers raises many types for a folder it cannot read)
-        raise UsageError(f"--init-from '{folder}': transformers cannot load it ({type(e).__name__}: {e}).") from None
-    return model.train()
+        return fs.nn.empty_pretrained(folder, dtype=torch.float32)
+    except fs.FuncshardError as e:
+        raise UsageError(f"--init-from '{folder}' is not a Llama: {e}") from None
 
 
 def _parallelized(args: argparse.Namespace, mesh: fs.Mesh) -> tuple[dict, dict, Any, Any]:
@@ -154,8 +150,10 @@ def build_step(
 
 
 def eval_and_init(args: argparse.Namespace, mesh: fs.Mesh, specs: Any, batch_spec: P) -> tuple[Any, Any]:
-    """``(eval_step, init)``: the held-out loss of the bridged model, and its weights as ``fs.Array``s."""
-    params, _, _, loss = _parallelized(args, mesh)
+    """``(eval_step, init)``: the held-out loss of the bridged model, and its weights as ``fs.Array``s (each process
+    reading only its own shards: ``fs.nn.load_pretrained``)."""
+    _, _, _, loss = _parallelized(args, mesh)
+    folder = str(args.init_from)
 
     def eval_fn(p: Any, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         with torch.no_grad():
@@ -163,7 +161,37 @@ def eval_and_init(args: argparse.Namespace, mesh: fs.Mesh, specs: Any, batch_spe
 
     kw = {"mesh": mesh, "check_vma": args.check_vma}
     eval_step = fs.shard_map(eval_fn, in_specs=(specs, batch_spec, batch_spec), out_specs=P(), **kw)
-    return eval_step, lambda key: fs.device_put(params, mesh, specs)
+    return eval_step, lambda key: load_weights(folder, mesh, specs)
+
+
+def load_weights(folder: str, mesh: fs.Mesh, specs: dict[str, P]) -> dict[str, fs.Array]:
+    """The folder's parameters (those ``specs`` names) as ``fs.Array``s over ``mesh``: each process reading only its
+    own shards (``fs.nn.load_pretrained``), or, for a folder whose tensors transformers renames as it loads them (a
+    Mixtral's per-expert tensors into its fused ``experts.gate_up_proj``), read whole by transformers and laid out.
+
+    Raises:
+        UsageError: weights that cannot be read or do not fit the model.
+    """
+    module = load_model(folder)
+    try:
+        if not _renamed(folder, module):
+            return fs.nn.load_pretrained(folder, module, mesh, specs)
+        import transformers
+
+        whole = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+        state = dict(whole.named_parameters())
+        return fs.device_put({n: state[n].detach() for n in specs}, mesh, specs)
+    except fs.FuncshardError as e:
+        raise UsageError(f"--init-from: {e}") from None
+
+
+def _renamed(folder: str, module: torch.nn.Module) -> bool:
+    """Whether some parameter of ``module`` is under none of its names (a tied one has several) in the folder."""
+    stored = set(read_headers(Path(folder))[0])
+    groups: dict[int, list[str]] = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        groups.setdefault(id(p), []).append(name)
+    return any(not any(n in stored for n in names) for names in groups.values())
 
 
 def save_hf(params: Any, args: argparse.Namespace, out: Path) -> Path:
@@ -172,8 +200,9 @@ def save_hf(params: Any, args: argparse.Namespace, out: Path) -> Path:
     full = fs.device_get(params)  # every process gathers (a collective under torchrun)
     if int(os.environ.get("RANK", "0")) != 0:
         return out
-    trained = copy.deepcopy(load_model(str(args.init_from)))
-    trained.load_state_dict(full, strict=False)  # the parameters; the buffers are the folder's
+    trained = copy.deepcopy(load_model(str(args.init_from)))  # (its parameters meta: replaced, not copied into)
+    trained.load_state_dict(full, strict=False, assign=True)  # the parameters; the buffers are the folder's
+    trained.tie_weights()  # a tied head is the embedding again (assign replaced the embedding's tensor)
     trained.save_pretrained(out, safe_serialization=True)
     for name in _TOKENIZER_FILES:
         src = Path(args.init_from) / name

@@ -1,8 +1,10 @@
-"""``train --init-from PATH``: fine-tune a Hugging Face Llama folder instead of training from a random init.
+"""``train --init-from PATH``: fine-tune a Hugging Face Llama folder instead of training from a random init
+(with ``--model mixtral``, a Mixtral or Qwen3-MoE folder).
 
 The model's shape comes from the folder's ``config.json`` (a model-shape flag given with another value is an
-error), its parameters from the safetensors weights (``llama.from_hf``), laid out over the mesh with
-``fs.device_put``. When the folder has a ``tokenizer.json``, the corpus is tokenised with it through the
+error), its parameters from the safetensors weights (``llama.from_hf`` / ``mixtral.from_hf`` with the mesh: each
+process reads only the bytes of its own shards). When the folder has a ``tokenizer.json``, the corpus is tokenised
+with it through the
 ``tokenizers`` package (imported only then: ``pip install tokenizers``); otherwise the tokens are the bytes, as
 for a model trained here (the model's vocabulary must then hold the 256 byte values). ``generate`` encodes
 the prompt and decodes the sample with the tokenizer a run was trained with (its path is kept in the
@@ -25,8 +27,9 @@ from typing import Any
 import torch
 
 import funcshard as fs
-from funcshard.models import llama
-from funcshard.models.llama.hf.config import read_config
+from funcshard.models import llama, mixtral
+from funcshard.models.llama.hf.config import model_folder, read_config, read_json
+from funcshard.models.mixtral.hf import config_from_hf as moe_config_from_hf
 
 from . import bridge
 from .cli import UsageError, train_parser
@@ -70,6 +73,12 @@ MODEL_FIELDS = (
     "norm_eps",
     "tie_embeddings",
     "init_std",
+)
+# a Mixtral's (or Qwen3-MoE's) own model fields, and its flags that must agree with the folder
+MOE_FIELDS = ("n_experts", "experts_per_token", "router_aux_loss_coef", "norm_topk_prob", "head_size", "qk_norm")
+MOE_FLAGS = (
+    ("--experts", "experts", "n_experts", "num_local_experts / num_experts"),
+    ("--top-k", "top_k", "experts_per_token", "num_experts_per_tok"),
 )
 _CHUNK = 1 << 16  # characters tokenised per piece (tokenizers encodes a batch of pieces in parallel)
 
@@ -140,12 +149,14 @@ def model_config(args: argparse.Namespace, flags: llama.Config) -> llama.Config:
         ...
         funcshard.job.cli.UsageError: --init-from: from_hf: '/no/such/folder' does not exist; ...
     """
-    try:  # a non-Llama folder goes through fs.nn (funcshard.job.bridge)
-        cfg = bridge.read_config(args.init_from) if bridge.wanted(args) else read_config(args.init_from)
+    moe = getattr(args, "model", "llama") == "mixtral"
+    try:  # a non-Llama folder goes through fs.nn (funcshard.job.bridge); --model mixtral reads a Mixtral's
+        cfg = _folder_config(args.init_from) if moe else None
+        cfg = cfg or (bridge.read_config(args.init_from) if bridge.wanted(args) else read_config(args.init_from))
     except fs.FuncshardError as e:
         raise UsageError(f"--init-from: {e}") from None
     defaults = train_parser()
-    for flag, dest, field, hf_field in SHAPE_FLAGS:
+    for flag, dest, field, hf_field in SHAPE_FLAGS + (MOE_FLAGS if moe else ()):
         given, theirs = getattr(args, dest), getattr(cfg, field)
         if given != defaults.get_default(dest) and given != theirs:
             raise UsageError(
@@ -165,7 +176,14 @@ def model_config(args: argparse.Namespace, flags: llama.Config) -> llama.Config:
             f"--init-from '{args.init_from}': no tokenizer.json there, so the tokens are bytes, but the model's "
             f"vocab_size is {cfg.vocab_size} < 256; add the model's tokenizer.json to the folder."
         )
-    return dataclasses.replace(flags, **{f: getattr(cfg, f) for f in MODEL_FIELDS})
+    fields = MODEL_FIELDS + (MOE_FIELDS if moe else ())
+    return dataclasses.replace(flags, **{f: getattr(cfg, f) for f in fields})
+
+
+def _folder_config(folder: str | Path) -> mixtral.Config:
+    """The ``mixtral.Config`` of a Mixtral or Qwen3-MoE folder's ``config.json``."""
+    file = model_folder(folder, "from_hf") / "config.json"
+    return moe_config_from_hf(read_json(file, "from_hf"), f"'{file}'")
 
 
 def _encode_text(buf: torch.Tensor, tokenizer: Any) -> torch.Tensor:
@@ -208,9 +226,10 @@ def tokenize_corpus(corpus: Corpus, file: Path, *, vocab_size: int, seq: int) ->
     return dataclasses.replace(corpus, train=train, val=val, source=source)
 
 
-def load_params(folder: str | Path, mesh: fs.Mesh, specs: Any) -> Any:
+def load_params(folder: str | Path, mesh: fs.Mesh, specs: Any, model: Any = llama) -> Any:
     """The folder's weights as ``fs.Array``s laid out by ``specs`` over ``mesh``: each process reads only the bytes
-    of its own shards (``llama.from_hf(..., mesh=...)``).
+    of its own shards (``model.from_hf(..., mesh=...)``; ``model``: :mod:`~funcshard.models.llama` or
+    :mod:`~funcshard.models.mixtral`).
 
     Raises:
         UsageError: weights funcshard cannot read (missing, of the wrong shape, corrupt).
@@ -219,7 +238,7 @@ def load_params(folder: str | Path, mesh: fs.Mesh, specs: Any) -> Any:
         >>> # params = load_params("path/to/model", mesh, llama.param_specs(cfg, mesh))
     """
     try:
-        return llama.from_hf(folder, mesh=mesh, specs=specs)[1]
+        return model.from_hf(folder, mesh=mesh, specs=specs)[1]
     except fs.FuncshardError as e:
         raise UsageError(f"--init-from: {e}") from None
 

@@ -50,8 +50,6 @@ def model_config(args: argparse.Namespace) -> llama.Config:
         (256, 64, 2, 32, True)
     """
     moe = getattr(args, "model", "llama") == "mixtral"
-    if moe and getattr(args, "init_from", None):
-        raise UsageError("--init-from reads Llama folders; it does not go with --model mixtral yet.")
     family = mixtral.Config if moe else llama.Config
     extra = (
         {"n_experts": args.experts, "experts_per_token": args.top_k, "router_aux_loss_coef": args.aux_loss_coef}

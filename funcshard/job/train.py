@@ -270,7 +270,7 @@ def _setup(args: argparse.Namespace, cfg: llama.Config, mesh_shape: dict[str, in
     kw = {"mesh": mesh, "check_vma": args.check_vma}
     init = fs.shard_map(lambda k: model.init(k, cfg), in_specs=(P(),), out_specs=specs, **kw)
     if getattr(args, "init_from", None) and not resuming:  # the folder's weights (a resume loads its own)
-        init = lambda k: init_from.load_params(args.init_from, mesh, specs)  # noqa: E731
+        init = lambda k: init_from.load_params(args.init_from, mesh, specs, model)  # noqa: E731
     eval_step = fs.shard_map(eval_fn, in_specs=(specs, bs, bs), out_specs=P(), **kw)
     abstract = lambda: _abstract_state(model.init, cfg, step, mesh)  # noqa: E731
     if bridge.wanted(args):  # a Hugging Face model that is not a Llama: its loss and weights through fs.nn

@@ -8,7 +8,8 @@ over the mesh, and a function to call inside ``fs.shard_map``: Hugging Face's te
 
 Files: ``_instances.py`` (one working copy of the module per device, the state check), ``_functionalize.py``,
 ``_plan.py`` (plans: patterns, styles, specs), ``_styles.py`` (the styles' forwards), ``_parallelize.py`` (the
-sharded function, the FSDP gathers, the causal-LM loss).
+sharded function, the FSDP gathers, the causal-LM loss), ``_pretrained.py`` (``from_pretrained``: a Hugging Face
+folder's model on the meta device and its weights read shard by shard).
 
 Example:
     >>> import torch, funcshard as fs
@@ -24,5 +25,17 @@ from ._parallelize import Parallelized as Parallelized
 from ._parallelize import causal_lm_loss as causal_lm_loss
 from ._parallelize import parallelize as parallelize
 from ._plan import STYLES as STYLES
+from ._pretrained import empty_pretrained as empty_pretrained
+from ._pretrained import from_pretrained as from_pretrained
+from ._pretrained import load_pretrained as load_pretrained
 
-__all__ = ["STYLES", "Parallelized", "causal_lm_loss", "functionalize", "parallelize"]
+__all__ = [
+    "STYLES",
+    "Parallelized",
+    "causal_lm_loss",
+    "empty_pretrained",
+    "from_pretrained",
+    "functionalize",
+    "load_pretrained",
+    "parallelize",
+]

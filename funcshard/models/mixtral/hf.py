@@ -41,11 +41,12 @@ from typing import Any
 
 import torch
 
+from ...checkpoint.sharded_read import Headers, read_array, spec_at
 from ...extend import ConfigError, FuncshardError
 from ..llama.hf import config as llama_config
 from ..llama.hf import convert as llama_convert
 from .config import Config
-from .sharding import param_shapes
+from .sharding import param_shapes, param_specs
 
 __all__ = ["config_from_hf", "config_to_hf", "from_hf", "hf_names", "to_hf"]
 
@@ -251,25 +252,39 @@ def _shape(shapes: PyTree, leaf: str, index: tuple[int, ...] | None, fused: bool
     return torch.Size((shape[0], 2 * shape[1], shape[2])) if fused and leaf == "w1" else shape
 
 
-def from_hf(path: PathLike, *, dtype: torch.dtype | None = torch.float32) -> tuple[Config, PyTree]:
+def from_hf(
+    path: PathLike, *, dtype: torch.dtype | None = torch.float32, mesh: Any = None, specs: Any = None
+) -> tuple[Config, PyTree]:
     """Read a local Hugging Face Mixtral folder: ``config.json`` and safetensors weights (sharded or not), the
     experts one tensor each (the original checkpoints, ``save_pretrained``) or fused (transformers 5's names).
+
+    Without a mesh, tensors are read one at a time into the stacked tree of full tensors. With a ``mesh``, the
+    tree is of ``fs.Array``s laid out by ``specs`` (default ``mixtral.param_specs(cfg, mesh)``) and each process
+    reads only the bytes of its own devices' blocks, one tensor's slice at a time through a memory map, as
+    ``llama.from_hf(path, mesh=...)``: an expert leaf split over ``ep`` reads only this process's experts'
+    tensors, and of those only its rows / columns under ``fsdp`` / ``tp``. Every process of a ``"dist"`` mesh
+    calls it.
 
     Args:
         path: the folder.
         dtype: the parameters' dtype (default float32); ``None`` keeps the dtype on disk.
+        mesh: an ``fs.Mesh`` to lay the parameters out over (None: full tensors).
+        specs: their spec tree on ``mesh`` (a prefix is allowed); None: ``mixtral.param_specs(cfg, mesh)``.
 
     Returns:
-        ``(cfg, params)``: the :class:`Config` and the parameter tree of full tensors (:func:`init`'s layout).
+        ``(cfg, params)``: the :class:`Config` and the parameter tree (:func:`init`'s layout) of full tensors, or of
+        ``fs.Array``s with a mesh.
 
     Raises:
         ConfigError: no such folder, no ``config.json`` or weights, a model funcshard cannot represent, a tensor
             missing or of the wrong shape.
+        ShardingError: a spec the mesh cannot lay a parameter out by.
 
     Example:
         >>> cfg, params = from_hf("path/to/Mixtral-8x7B-v0.1")  # doctest: +SKIP
         >>> params["layers"]["w1"].shape  # doctest: +SKIP
         torch.Size([32, 8, 14336, 4096])
+        >>> cfg, params = from_hf("path/to/Mixtral-8x7B-v0.1", mesh=fs.make_mesh({"ep": 8}))  # doctest: +SKIP
     """
     folder = llama_config.model_folder(path, "from_hf")
     file = folder / "config.json"
@@ -282,6 +297,8 @@ def from_hf(path: PathLike, *, dtype: torch.dtype | None = torch.float32) -> tup
     wanted = {n: _shape(shapes, leaf, index, fused) for n, leaf, index in names}
     family = "Qwen3-MoE" if cfg.qk_norm else "Mixtral"
     llama_convert.check_tensors(wanted, where, headers, folder, family, spare)
+    if mesh is not None:  # each process reads its own blocks only
+        return cfg, _read_sharded(cfg, names, where, headers, mesh, specs, dtype)
     out: dict[str, Any] = {"layers": {}}
     spot = {n: (leaf, index) for n, leaf, index in names}
     llama_convert.read_tensors(spot, where, headers, _placer(out, spot, shapes, dtype, cfg.ffn_dim))
@@ -290,6 +307,39 @@ def from_hf(path: PathLike, *, dtype: torch.dtype | None = torch.float32) -> tup
     if not cfg.tie_embeddings:
         tree["head"] = out["head"]
     return cfg, tree
+
+
+def _read_sharded(
+    cfg: Config,
+    names: list[tuple[str, str, tuple[int, ...] | None]],
+    where: dict[str, Any],
+    headers: Headers,
+    mesh: Any,
+    specs: Any,
+    dtype: torch.dtype | None,
+) -> PyTree:
+    """The tree of ``fs.Array``s (``specs``, default ``param_specs(cfg, mesh)``), each leaf read block by block:
+    a stacked leaf's slice ``[i]`` or ``[i, j]`` from its layer's (expert's) tensor; ``w3`` of a fused
+    ``gate_up_proj`` from its rows ``ffn..2 ffn``."""
+    specs = param_specs(cfg, mesh) if specs is None else specs
+    shapes = param_shapes(cfg)
+    sources: dict[str, dict[tuple[int, ...], tuple[str, tuple[int, ...]]]] = {}
+    for name, leaf, index in names:
+        key = leaf if index is None else f"layers/{leaf}"
+        sources.setdefault(key, {})[index or ()] = (name, ())
+        if name.endswith("gate_up_proj"):  # [E, 2f, d]: w1 the first f rows, w3 the next
+            sources.setdefault("layers/w3", {})[index] = (name, (0, cfg.ffn_dim, 0))
+    out: dict[str, Any] = {"layers": {}}
+    for key, table in sources.items():
+        path = tuple(key.split("/"))
+        shape = tuple(shapes["layers"][path[1]] if len(path) == 2 else shapes[key])
+        depth = len(next(iter(table)))
+        array = read_array(mesh, spec_at(specs, path), shape, dtype, depth, table.__getitem__, where, headers, path=key)
+        (out["layers"] if len(path) == 2 else out)[path[-1]] = array
+    tree = {"embed": out["embed"], "layers": {k: out["layers"][k] for k in shapes["layers"]}, "norm": out["norm"]}
+    if not cfg.tie_embeddings:
+        tree["head"] = out["head"]
+    return tree
 
 
 def _placer(

@@ -40,11 +40,12 @@ from typing import Any
 
 import torch
 
+from ....checkpoint.sharded_read import read_headers
 from ....extend import Array, ConfigError, device_get, get_backend
 from ..config import Config
 from ..sharding import param_shapes
-from .config import config_to_hf, model_folder, read_config, read_json
-from .safetensors import read_header, read_tensor, write_file
+from .config import config_to_hf, model_folder, read_config
+from .safetensors import read_tensor, write_file
 from .sharded import read_sharded
 
 __all__ = ["check_tensors", "from_hf", "hf_names", "read_headers", "read_tensors", "to_hf", "write_folder"]
@@ -86,30 +87,6 @@ def hf_names(cfg: Config) -> list[tuple[str, str, int | None]]:
 
 
 # ---------------------------------------------------------------------------------------------- from_hf
-
-
-def _weight_files(folder: Path) -> dict[str, Path]:
-    """Tensor name -> the safetensors file that holds it, from the index or the single file."""
-    index = folder / "model.safetensors.index.json"
-    single = folder / "model.safetensors"
-    if index.is_file():
-        data = read_json(index, "from_hf")
-        wm = data.get("weight_map") if isinstance(data, dict) else None
-        if not isinstance(wm, dict) or not all(isinstance(v, str) for v in wm.values()):
-            raise ConfigError(f"from_hf: '{index}' has no 'weight_map' of tensor names to file names.")
-        return {name: folder / fname for name, fname in wm.items()}
-    if single.is_file():
-        return {name: single for name in read_header(single)[0]}
-    others = sorted(p.name for p in folder.glob("*.bin")) + sorted(p.name for p in folder.glob("*.pth"))
-    hint = (
-        f" (found {others[0]}: funcshard reads safetensors only; re-save with save_pretrained(safe_serialization=True))"
-        if others
-        else ""
-    )
-    raise ConfigError(
-        f"from_hf: '{folder}' has no model.safetensors or model.safetensors.index.json{hint}; "
-        f"give a folder written by save_pretrained or to_hf."
-    )
 
 
 def _check_tensors(cfg: Config, where: dict[str, Path], headers: dict[Path, Any], folder: Path) -> None:
@@ -162,27 +139,6 @@ def check_tensors(
             f"from_hf: '{folder}' holds {why} funcshard's {model} has no place for: '{extra[0]}' ({len(extra)} "
             f"such); config.json and the weights disagree, or the model is not a plain {model}."
         )
-
-
-def read_headers(folder: Path) -> tuple[dict[str, Path], dict[Path, tuple[dict[str, Any], int]]]:
-    """``(where, headers)`` of a folder's safetensors weights: tensor name -> its file, file -> its header.
-
-    Raises:
-        ConfigError: no weights, a file the index names missing, a corrupt header.
-
-    Example:
-        >>> read_headers(Path("/no/such/folder"))  # doctest: +ELLIPSIS
-        Traceback (most recent call last):
-        ...
-        funcshard._src.errors.ConfigError: from_hf: '/no/such/folder' has no model.safetensors ...
-    """
-    where = _weight_files(folder)
-    headers: dict[Path, tuple[dict[str, Any], int]] = {}
-    for file in sorted(set(where.values())):
-        if not file.is_file():
-            raise ConfigError(f"from_hf: '{file}' is missing (named by the index of '{folder}').")
-        headers[file] = read_header(file)
-    return where, headers
 
 
 def read_tensors(

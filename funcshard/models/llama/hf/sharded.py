@@ -3,7 +3,8 @@ the blocks its devices hold.
 
 For every parameter and every device this process runs, the device's block (``shard_slices`` of the spec) is read
 from the safetensors file through a memory map of that one tensor's bytes (``safetensors.read_block``), one HF
-tensor at a time; a block shared by several local devices (a replicated one, or under ``"sim"``) is read once.
+tensor at a time (:mod:`funcshard.checkpoint.sharded_read`, shared with the Mixtral and ``fs.nn``); a block
+shared by several local devices (a replicated one, or under ``"sim"``) is read once.
 A stacked layer parameter's block is read layer by layer (``model.layers.{i}...`` for each ``i`` of its layer
 range). So a process's memory grows by its own shards and one tensor's mapped pages, not the model.
 
@@ -21,34 +22,16 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from ....extend import Array, ConfigError, P, check_spec, shard_slices
+from ....checkpoint.sharded_read import Headers, read_array, spec_at
 from ..config import Config
 from ..sharding import param_shapes, param_specs
-from .safetensors import read_block
 
 __all__ = ["read_sharded"]
-
-Headers = dict[Path, tuple[dict[str, Any], int]]
-
-
-def _spec_at(specs: Any, path: tuple[str, ...]) -> P:
-    """The spec of the leaf at ``path`` in a spec tree that may be a prefix (one ``P`` for a whole subtree)."""
-    node = specs
-    for key in path:
-        if isinstance(node, P):
-            return node
-        if not isinstance(node, Mapping) or key not in node:
-            raise ConfigError(f"from_hf: the spec tree has no entry for '{'/'.join(path)}'; give one per parameter.")
-        node = node[key]
-    if not isinstance(node, P):
-        raise ConfigError(f"from_hf: the spec of '{'/'.join(path)}' is a {type(node).__name__}, not a P.")
-    return node
 
 
 def read_sharded(
@@ -73,6 +56,9 @@ def read_sharded(
 
     Returns:
         The tree of :func:`~funcshard.models.llama.init`'s structure, of ``fs.Array``s.
+
+    Example:
+        >>> # read_sharded(cfg, {"embed": [("model.embed_tokens.weight", None)], ...}, where, headers, mesh, None, None)
     """
     specs = param_specs(cfg, mesh) if specs is None else specs
     shapes = param_shapes(cfg)
@@ -80,68 +66,21 @@ def read_sharded(
     for leaf, tensors in names.items():
         path = tuple(leaf.split("/"))
         shape = tuple(shapes["layers"][path[1]] if path[0] == "layers" else shapes[leaf])
-        spec = _spec_at(specs, path)
-        check_spec(spec, shape, mesh, path=leaf, fn="from_hf")
-        array = _read_array(leaf, tensors, where, headers, mesh, spec, shape, dtype)
+        by_layer = {layer: name for name, layer in tensors}
+        stacked = tensors[0][1] is not None
+        array = read_array(
+            mesh,
+            spec_at(specs, path),
+            shape,
+            dtype,
+            1 if stacked else 0,
+            lambda lead, by_layer=by_layer: (by_layer[lead[0] if lead else None], ()),
+            where,
+            headers,
+            path=leaf,
+        )
         if path[0] == "layers":
             out["layers"][path[1]] = array
         else:
             out[leaf] = array
-    return out
-
-
-def _read_array(
-    leaf: str,
-    tensors: list[tuple[str, int | None]],
-    where: dict[str, Path],
-    headers: Headers,
-    mesh: Any,
-    spec: P,
-    shape: tuple[int, ...],
-    dtype: torch.dtype | None,
-) -> Array:
-    """One parameter as an ``fs.Array``: this process's blocks, each read once."""
-    first = tensors[0][0]
-    entries, _ = headers[where[first]]
-    disk = _disk_dtype(entries[first]["dtype"])
-    dtype = dtype or disk
-    device = mesh.local_device()
-    blocks: dict[tuple[tuple[int, int], ...], torch.Tensor] = {}
-    shards = {}
-    for coords in mesh.local_device_coords():
-        index = shard_slices(shape, spec, mesh.shape, coords)
-        key = tuple((s.start, s.stop) for s in index)
-        if key not in blocks:
-            block = _read_block(tensors, where, headers, index, dtype)
-            blocks[key] = block if device is None else block.to(device)
-        t = blocks[key]
-        shards[tuple(coords.values())] = t.view(t.shape)  # one tensor object per device, as device_put gives
-    return Array(mesh, spec, shape, dtype, shards)
-
-
-def _disk_dtype(name: str) -> torch.dtype:
-    from .safetensors import DTYPES
-
-    return DTYPES.get(name, torch.float32)  # (an unknown one is refused by read_block, naming the tensor)
-
-
-def _read_block(
-    tensors: list[tuple[str, int | None]],
-    where: dict[str, Path],
-    headers: Headers,
-    index: tuple[slice, ...],
-    dtype: torch.dtype,
-) -> torch.Tensor:
-    """The block ``index`` of a parameter: of its one HF tensor, or layer by layer of a stacked one."""
-    name, layer = tensors[0]
-    if layer is None:
-        entries, start = headers[where[name]]
-        return read_block(where[name], name, entries[name], start, index).to(dtype)
-    by_layer = {lay: n for n, lay in tensors}
-    rows = range(index[0].start, index[0].stop)
-    out = torch.empty((len(rows), *(s.stop - s.start for s in index[1:])), dtype=dtype)
-    for j, i in enumerate(rows):  # [L/pp, ...]: one layer's block at a time
-        n = by_layer[i]
-        entries, start = headers[where[n]]
-        out[j].copy_(read_block(where[n], n, entries[n], start, index[1:]))
     return out
