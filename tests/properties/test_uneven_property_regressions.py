@@ -1,0 +1,41 @@
+"""Regressions found by the uneven-dim properties (``tests/properties``), each named for its case, under ``sim``
+and ``dist`` with the same body."""
+
+from __future__ import annotations
+
+import torch
+
+import funcshard as fs
+from funcshard import P
+
+
+def _psum_scatter_of_blocks_split_over_its_axis_body(mesh: fs.Mesh) -> str:
+    x = torch.arange(3.0).reshape(1, 1, 3)  # dim 2 split over dp: blocks of 2 and 1 columns
+    for tiled, dim in ((True, -1), (True, 0), (False, 1)):
+        f = fs.shard_map(
+            lambda t, tiled=tiled, dim=dim: fs.psum_scatter(t, "dp", dim=dim, tiled=tiled),
+            mesh=mesh,
+            in_specs=(P(None, None, "dp"),),
+            out_specs=P("dp"),
+        )
+        try:
+            f(x)
+        except fs.ShardingError as e:  # was: the blocks padded to one size and summed, a silent wrong answer
+            assert "psum_scatter" in str(e) and "[(1, 1, 2), (1, 1, 1)]" in str(e), str(e)
+        else:
+            raise AssertionError(f"psum_scatter(tiled={tiled}, dim={dim}) of blocks of 2 and 1 columns: no error")
+    # blocks that differ only across the groups (split over fsdp) still reduce-scatter over dp
+    g = torch.arange(15.0).reshape(5, 3)  # blocks of [5, 2] and [5, 1] over fsdp, the same on both dp devices
+    got = fs.shard_map(
+        # [5, 3/fsdp] -> [5/dp, 3/fsdp] (the sum of the 2 dp replicas) -> [5/dp, 3]
+        lambda t: fs.lax.all_gather_invariant(fs.psum_scatter(t, "dp", dim=0, tiled=True), "fsdp", dim=1, tiled=True),
+        mesh=mesh,
+        in_specs=(P(None, "fsdp"),),
+        out_specs=P("dp"),
+    )(g)
+    torch.testing.assert_close(fs.device_get(got), g * 2)
+    return "ok"
+
+
+def test_psum_scatter_of_blocks_split_over_its_axis_is_refused(run) -> None:
+    assert set(run(_psum_scatter_of_blocks_split_over_its_axis_body, {"dp": 2, "fsdp": 2})) == {"ok"}
