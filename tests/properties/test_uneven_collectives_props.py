@@ -27,7 +27,6 @@ from hypothesis import strategies as st
 import funcshard as fs
 from funcshard import P
 
-
 #: what a refusal says: the collective's own check, or the sim backend's check that a group's calls agree
 REFUSAL = r"collective mismatch|which differ|must (be )?equal"
 

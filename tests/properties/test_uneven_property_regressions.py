@@ -39,3 +39,30 @@ def _psum_scatter_of_blocks_split_over_its_axis_body(mesh: fs.Mesh) -> str:
 
 def test_psum_scatter_of_blocks_split_over_its_axis_is_refused(run) -> None:
     assert set(run(_psum_scatter_of_blocks_split_over_its_axis_body, {"dp": 2, "fsdp": 2})) == {"ok"}
+
+
+def _llama_batch_smaller_than_dp_body(mesh: fs.Mesh) -> str:
+    from funcshard.models import llama
+
+    cfg = llama.Config(vocab_size=5, dim=16, n_layers=1, n_heads=4, n_kv_heads=4, ffn_dim=24, max_seq_len=8)
+    params = llama.init(fs.random.key(5), cfg)
+    g = torch.Generator().manual_seed(12)
+    tok, tgt = torch.randint(0, 5, (1, 2), generator=g), torch.randint(0, 5, (1, 2), generator=g)
+    ref_loss, ref_grads = fs.value_and_grad(lambda p: llama.loss(p, tok, tgt, cfg))(params)
+    specs, bs = llama.param_specs(cfg, mesh), llama.batch_spec(mesh)
+
+    def step(p: dict, t: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, dict]:
+        # the devices of dp=1 hold a [0, 2] block of tokens (was: view(0, 2, -1, 4) raised on them)
+        return fs.value_and_grad(lambda p: llama.loss(p, t, y, cfg))(p)
+
+    f = fs.shard_map(step, mesh=mesh, in_specs=(specs, bs, bs), out_specs=(P(), specs))
+    loss, grads = f(fs.device_put(params, mesh, specs), tok, tgt)
+    torch.testing.assert_close(fs.device_get(loss), ref_loss, rtol=1e-5, atol=1e-6)
+    got = fs.pytree.leaves_with_path(fs.device_get(grads))
+    for (path, a), (_, b) in zip(got, fs.pytree.leaves_with_path(ref_grads), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=path)
+    return "ok"
+
+
+def test_llama_batch_smaller_than_dp(run) -> None:
+    assert set(run(_llama_batch_smaller_than_dp_body, {"dp": 2, "tp": 2})) == {"ok"}
