@@ -8,6 +8,7 @@ reference layout is ``torch.tensor_split``'s, computed here from the mesh coordi
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 from hypothesis import HealthCheck, settings
@@ -25,14 +26,20 @@ FIXED = {
 }
 
 
+#: ``FUNCSHARD_PROPS_SCALE=N`` (a bug hunt, not CI): N times the examples, drawn at random (not derandomized)
+SCALE = int(os.environ.get("FUNCSHARD_PROPS_SCALE", "0"))
+
+
 def fixed(max_examples: int) -> settings:
-    """The folder's settings with ``max_examples`` examples.
+    """The folder's settings with ``max_examples`` examples (``SCALE`` times as many, random ones, where set).
 
     Example:
         >>> @fixed(20)
         ... @given(meshes())
         ... def test_x(mesh_shape): ...
     """
+    if SCALE:
+        return settings(max_examples=max_examples * SCALE, **{**FIXED, "derandomize": False})
     return settings(max_examples=max_examples, **FIXED)
 
 

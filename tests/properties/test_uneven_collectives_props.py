@@ -187,7 +187,7 @@ def _psums(draw: st.DrawFn) -> Draw:
     return Draw(**{**d.__dict__, "shape": shape, "spec": spec})
 
 
-@fixed(30)
+@fixed(60)
 @given(_psums())
 def test_psum(d: Draw) -> None:
     _check(d, lambda t: fs.psum(t, d.axis), _psum_ref, invariant_out=True)
@@ -208,7 +208,7 @@ def _gather_ref(b: list[torch.Tensor], d: Draw) -> list[torch.Tensor]:
     return out
 
 
-@fixed(40)
+@fixed(80)
 @given(draws(_gather_args))
 def test_all_gather(d: Draw) -> None:
     _check(d, lambda t: fs.all_gather(t, d.axis, **d.kw), _gather_ref)
@@ -246,7 +246,7 @@ def _scatters(draw: st.DrawFn) -> Draw:
     return Draw(**{**d.__dict__, "shape": tuple(shape), "spec": P(*[e or None for e in entries])})
 
 
-@fixed(40)
+@fixed(80)
 @given(_scatters())
 def test_psum_scatter(d: Draw) -> None:
     _check(d, lambda t: fs.psum_scatter(t, d.axis, **d.kw), _scatter_ref)
@@ -268,7 +268,7 @@ def _a2a_ref(b: list[torch.Tensor], d: Draw) -> list[torch.Tensor]:
     return out
 
 
-@fixed(40)
+@fixed(80)
 @given(draws(_a2a_args))
 def test_all_to_all(d: Draw) -> None:
     _check(d, lambda t: fs.all_to_all(t, d.axis, d.kw["split_dim"], d.kw["concat_dim"], tiled=True), _a2a_ref)
@@ -292,7 +292,7 @@ def _ppermute_ref(b: list[torch.Tensor], d: Draw) -> list[torch.Tensor]:
     ]  # each device gets its sender's block, zeros of its own shape where nothing arrives
 
 
-@fixed(40)
+@fixed(60)
 @given(_perms())
 def test_ppermute(d: Draw) -> None:
     _check(d, lambda t: fs.ppermute(t, d.axis, d.kw["perm"]), _ppermute_ref)
@@ -302,7 +302,7 @@ def _index_ref(b: list[torch.Tensor], d: Draw) -> list[torch.Tensor]:
     return [b[r] * (i + 1) + i for r, (i, _) in enumerate(_groups(b, d))]
 
 
-@fixed(20)
+@fixed(30)
 @given(draws(lambda rank: st.just(({}, set(range(rank))))))
 def test_axis_index(d: Draw) -> None:
     def local(t: torch.Tensor) -> torch.Tensor:

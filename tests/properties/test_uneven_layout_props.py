@@ -33,7 +33,7 @@ def _check_blocks(a: fs.Array, x: torch.Tensor, spec: fs.P, mesh: fs.Mesh) -> No
         assert torch.equal(got, want), (spec, c)
 
 
-@fixed(60)
+@fixed(150)
 @given(layouts(), st.integers(0, 2**16))
 def test_put_get_reshard_round_trip(layout: tuple, seed: int) -> None:
     mesh_shape, shape, s1, s2 = layout
@@ -50,7 +50,7 @@ def test_put_get_reshard_round_trip(layout: tuple, seed: int) -> None:
     _check_blocks(fs.reshard(b, s1), x, s1, mesh)
 
 
-@fixed(25)
+@fixed(50)
 @given(layouts(), st.integers(0, 2**16))
 def test_shard_map_sees_each_block_and_assembles(layout: tuple, seed: int) -> None:
     mesh_shape, shape, s1, s2 = layout

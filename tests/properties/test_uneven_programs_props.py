@@ -44,13 +44,13 @@ def chains(draw: st.DrawFn) -> Chain:
     """A mesh, the axes of the batch and of the features (disjoint, either may be empty) and 2-3 layers that fit."""
     mesh_shape = draw(meshes())
     order = draw(st.permutations(tuple(mesh_shape)))
-    k = draw(st.integers(0, len(order)))
+    k = draw(st.sampled_from([n for n in (1, 2, 0, 3) if n <= len(order)]))  # mostly some tp axes
     tp, rest = tuple(order[:k]), order[k:]
-    batch_axes = tuple(rest[: draw(st.integers(0, len(rest)))])
+    batch_axes = tuple(rest[: draw(st.sampled_from([n for n in (1, 0, 2) if n <= len(rest)]))])
     split = split_in = draw(st.booleans())
     layers = []
     for _ in range(draw(st.integers(2, 3))):
-        kind = draw(st.sampled_from([k for k, s in TAKES_SPLIT.items() if s in (None, split)]))
+        kind = draw(st.sampled_from([k for k, s in TAKES_SPLIT.items() if s == split] + ["tanh"]))
         layers.append((kind, draw(st.integers(1, 9))))
         split = GIVES_SPLIT.get(kind, split)
     return Chain(
@@ -106,7 +106,7 @@ def _local(c: Chain, x: torch.Tensor, ws: list[torch.Tensor]) -> torch.Tensor:
     return x
 
 
-@fixed(40)
+@fixed(80)
 @given(chains())
 def test_random_chain_value_and_grad(c: Chain) -> None:
     mesh = fs.make_mesh(c.mesh_shape, backend="sim")
@@ -154,7 +154,7 @@ def draws(draw: st.DrawFn) -> tuple[dict[str, int], tuple[int, ...], P, str, int
     )
 
 
-@fixed(40)
+@fixed(60)
 @given(draws())
 def test_random_draws_equal_the_unsharded_draw(d: tuple) -> None:
     mesh_shape, shape, spec, kind, seed, dtype = d

@@ -66,3 +66,30 @@ def _llama_batch_smaller_than_dp_body(mesh: fs.Mesh) -> str:
 
 def test_llama_batch_smaller_than_dp(run) -> None:
     assert set(run(_llama_batch_smaller_than_dp_body, {"dp": 2, "tp": 2})) == {"ok"}
+
+
+def _all_to_all_of_blocks_that_differ_along_split_dim_body(mesh: fs.Mesh) -> str:
+    # columns split over dp: blocks of 2 and 1 columns, split along them, their chunks concatenated along the rows
+    f = fs.shard_map(lambda t: fs.all_to_all(t, "dp", 1, 0), mesh=mesh, in_specs=(P(None, "dp"),), out_specs=P("dp"))
+    try:
+        f(torch.ones(1, 3))
+    except fs.ShardingError as e:  # was torch.cat's RuntimeError "Sizes of tensors must match" on some devices
+        assert "all_to_all" in str(e) and "[(1, 2), (1, 1)]" in str(e) and "split_dim 1" in str(e), str(e)
+    else:
+        raise AssertionError("all_to_all of chunks that arrive in different sizes along split_dim: no error")
+    # blocks that differ along concat_dim == split_dim still move (tensor_split's chunks of each)
+    x = torch.arange(14.0).reshape(7, 2)  # rows split over dp: blocks of 4 and 3 rows
+    g = fs.shard_map(
+        lambda t: fs.lax.all_gather_invariant(fs.all_to_all(t, "dp", 0, 0), "dp", tiled=True),
+        mesh=mesh,
+        in_specs=(P("dp"),),
+        out_specs=P(),
+    )
+    chunks = [torch.tensor_split(blk, 2) for blk in torch.tensor_split(x, 2)]  # per source, its 2 chunks
+    want = torch.cat([chunks[src][dst] for dst in range(2) for src in range(2)])  # device dst: chunk dst of each source
+    torch.testing.assert_close(fs.device_get(g(x)), want)
+    return "ok"
+
+
+def test_all_to_all_of_blocks_that_differ_along_split_dim_is_refused(run) -> None:
+    assert set(run(_all_to_all_of_blocks_that_differ_along_split_dim_body, {"dp": 2})) == {"ok"}

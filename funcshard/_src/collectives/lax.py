@@ -593,11 +593,13 @@ def _all_to_all_uneven(
     (``even(t, sd, cd)``) moves them, and each arrival is cut back to its own shape before they are concatenated
     along ``concat_dim``. The backward (through the pad, the even all-to-all and the cut) is the reverse."""
     n = len(shapes)
-    for sh in shapes:
-        if len(sh) != t.dim() or any(a != b for k, (a, b) in enumerate(zip(sh, shapes[0])) if k not in (sd, cd)):
+    for sh in shapes:  # what arrives is concatenated along cd: the chunks must agree on every other dim, sd included
+        if len(sh) != t.dim() or any(a != b for k, (a, b) in enumerate(zip(sh, shapes[0])) if k != cd):
+            where = f"concat_dim {cd}" if sd == cd else f"concat_dim {cd} (not along split_dim {sd}: their chunks"
+            where += "" if sd == cd else " would arrive in different sizes along it)"
             raise ShardingError(
-                f"all_to_all: the devices' blocks have shapes {shapes}, which differ outside split_dim {sd} and "
-                f"concat_dim {cd}; blocks may differ only along those dims."
+                f"all_to_all: the devices' blocks have shapes {shapes}, which differ outside {where}; blocks may "
+                f"differ only along the concat_dim."
             )
     got = [split_sizes(sh[sd], n) for sh in shapes]  # per source: the sizes of its chunks
     big = list(t.shape)
