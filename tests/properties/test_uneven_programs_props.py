@@ -173,7 +173,7 @@ def llama_cases(draw: st.DrawFn) -> tuple[dict[str, int], int, int, int, bool]:
     dp = draw(st.sampled_from([d for d in (3, 2, 1) if d * tp <= 8]))
     names = draw(st.permutations(["dp", "tp"]))
     mesh_shape = {n: {"dp": dp, "tp": tp}[n] for n in names}
-    return mesh_shape, draw(st.integers(5, 40)), draw(st.integers(1, 5)), draw(st.integers(2, 7)), draw(st.booleans())
+    return mesh_shape, draw(st.integers(1, 40)), draw(st.integers(1, 5)), draw(st.integers(2, 7)), draw(st.booleans())
 
 
 @fixed(4)

@@ -41,18 +41,18 @@ def test_psum_scatter_of_blocks_split_over_its_axis_is_refused(run) -> None:
     assert set(run(_psum_scatter_of_blocks_split_over_its_axis_body, {"dp": 2, "fsdp": 2})) == {"ok"}
 
 
-def _llama_batch_smaller_than_dp_body(mesh: fs.Mesh) -> str:
+def _llama_body(mesh: fs.Mesh, vocab: int, batch: int) -> str:
+    """A one-layer Llama's loss and gradients on ``mesh`` against one device (a vocabulary and a batch of its own)."""
     from funcshard.models import llama
 
-    cfg = llama.Config(vocab_size=5, dim=16, n_layers=1, n_heads=4, n_kv_heads=4, ffn_dim=24, max_seq_len=8)
+    cfg = llama.Config(vocab_size=vocab, dim=16, n_layers=1, n_heads=4, n_kv_heads=4, ffn_dim=24, max_seq_len=8)
     params = llama.init(fs.random.key(5), cfg)
     g = torch.Generator().manual_seed(12)
-    tok, tgt = torch.randint(0, 5, (1, 2), generator=g), torch.randint(0, 5, (1, 2), generator=g)
+    tok, tgt = torch.randint(0, vocab, (batch, 3), generator=g), torch.randint(0, vocab, (batch, 3), generator=g)
     ref_loss, ref_grads = fs.value_and_grad(lambda p: llama.loss(p, tok, tgt, cfg))(params)
     specs, bs = llama.param_specs(cfg, mesh), llama.batch_spec(mesh)
 
     def step(p: dict, t: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, dict]:
-        # the devices of dp=1 hold a [0, 2] block of tokens (was: view(0, 2, -1, 4) raised on them)
         return fs.value_and_grad(lambda p: llama.loss(p, t, y, cfg))(p)
 
     f = fs.shard_map(step, mesh=mesh, in_specs=(specs, bs, bs), out_specs=(P(), specs))
@@ -65,7 +65,14 @@ def _llama_batch_smaller_than_dp_body(mesh: fs.Mesh) -> str:
 
 
 def test_llama_batch_smaller_than_dp(run) -> None:
-    assert set(run(_llama_batch_smaller_than_dp_body, {"dp": 2, "tp": 2})) == {"ok"}
+    # the devices of dp=1 hold a [0, 3] block of tokens (was: view(0, 3, -1, 4) raised on them)
+    assert set(run(_llama_body, {"dp": 2, "tp": 2}, 5, 1)) == {"ok"}
+
+
+def test_llama_vocab_smaller_than_tp(run) -> None:
+    # a vocabulary of 3 on tp=4: the last device holds no row of the embedding or the head (was: index_select's,
+    # amax's and reshape's errors on the empty blocks)
+    assert set(run(_llama_body, {"tp": 4}, 3, 2)) == {"ok"}
 
 
 def _all_to_all_of_blocks_that_differ_along_split_dim_body(mesh: fs.Mesh) -> str:
