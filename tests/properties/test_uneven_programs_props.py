@@ -5,8 +5,8 @@
   over others: the loss and the gradients of every input (``fs.value_and_grad`` inside shard_map) equal plain torch
   on the unsharded tensors.
 - ``fs.random`` draws on random uneven specs equal the same slices of the unsharded draw, bit for bit.
-- A tiny Llama with a random vocabulary, batch and sequence on a random dp x tp mesh: loss and gradients equal the
-  single-device ones (few examples: it is the slow one).
+- A tiny Llama with a random vocabulary, batch and sequence (sequence parallel or not) on a random dp (or fsdp) x
+  tp mesh: loss and gradients equal the single-device ones (few examples: it is the slow one).
 """
 
 from __future__ import annotations
@@ -167,21 +167,26 @@ def test_random_draws_equal_the_unsharded_draw(d: tuple) -> None:
 
 
 @st.composite
-def llama_cases(draw: st.DrawFn) -> tuple[dict[str, int], int, int, int, bool]:
-    """A dp x tp mesh (tp dividing the 4 heads), a vocabulary, a batch and a sequence the mesh rarely divides."""
+def llama_cases(draw: st.DrawFn) -> tuple[dict[str, int], int, int, int, bool, bool]:
+    """A dp (or fsdp) x tp mesh (tp dividing the 4 heads), a vocabulary, a batch and a sequence the mesh rarely
+    divides (smaller than the axes too), check_vma, and sequence parallelism."""
     tp = draw(st.sampled_from([2, 4, 1]))
-    dp = draw(st.sampled_from([d for d in (3, 2, 1) if d * tp <= 8]))
-    names = draw(st.permutations(["dp", "tp"]))
-    mesh_shape = {n: {"dp": dp, "tp": tp}[n] for n in names}
-    return mesh_shape, draw(st.integers(1, 40)), draw(st.integers(1, 5)), draw(st.integers(2, 7)), draw(st.booleans())
+    data = draw(st.sampled_from(["dp", "fsdp"]))  # (fsdp must divide the model dim, 16: a clear error otherwise)
+    dp = draw(st.sampled_from([d for d in ((3, 2, 1) if data == "dp" else (2, 4, 1)) if d * tp <= 8]))
+    names = draw(st.permutations([data, "tp"]))
+    mesh_shape = {n: {data: dp, "tp": tp}[n] for n in names}
+    sizes = [draw(st.integers(1, 40)), draw(st.integers(1, 5)), draw(st.integers(1, 7))]
+    return mesh_shape, *sizes, draw(st.booleans()), draw(st.booleans())
 
 
-@fixed(4)
+@fixed(5)
 @given(llama_cases())
 def test_tiny_llama_uneven_vs_single_device(case: tuple) -> None:
-    mesh_shape, vocab, batch, seq, check_vma = case
+    mesh_shape, vocab, batch, seq, check_vma, sp = case
     mesh = fs.make_mesh(mesh_shape, backend="sim")
-    cfg = llama.Config(vocab_size=vocab, dim=16, n_layers=1, n_heads=4, n_kv_heads=4, ffn_dim=24, max_seq_len=8)
+    cfg = llama.Config(
+        vocab_size=vocab, dim=16, n_layers=1, n_heads=4, n_kv_heads=4, ffn_dim=24, max_seq_len=8, sequence_parallel=sp
+    )
     params = llama.init(fs.random.key(vocab), cfg)
     g = torch.Generator().manual_seed(batch * 10 + seq)
     tok = torch.randint(0, vocab, (batch, seq), generator=g)
