@@ -190,7 +190,7 @@ def _psums(draw: st.DrawFn) -> Draw:
 @fixed(60)
 @given(_psums())
 def test_psum(d: Draw) -> None:
-    _check(d, lambda t: fs.psum(t, d.axis), _psum_ref, invariant_out=True)
+    _check(d, lambda t: fs.psum(t, d.axis), _psum_ref, invariant_out=True)  # [*s] -> [*s]
 
 
 def _gather_args(rank: int) -> st.SearchStrategy[tuple[dict, set[int]]]:
@@ -211,6 +211,7 @@ def _gather_ref(b: list[torch.Tensor], d: Draw) -> list[torch.Tensor]:
 @fixed(80)
 @given(draws(_gather_args))
 def test_all_gather(d: Draw) -> None:
+    # [.., s_i, ..] -> [.., sum s_i, ..] (tiled) or [.., n, .., s_i, ..] (stacked)
     _check(d, lambda t: fs.all_gather(t, d.axis, **d.kw), _gather_ref)
 
 
@@ -249,7 +250,7 @@ def _scatters(draw: st.DrawFn) -> Draw:
 @fixed(80)
 @given(_scatters())
 def test_psum_scatter(d: Draw) -> None:
-    _check(d, lambda t: fs.psum_scatter(t, d.axis, **d.kw), _scatter_ref)
+    _check(d, lambda t: fs.psum_scatter(t, d.axis, **d.kw), _scatter_ref)  # [.., s, ..] -> [.., s/n, ..] or [..]
 
 
 def _a2a_args(rank: int) -> st.SearchStrategy[tuple[dict, set[int]]]:
@@ -271,6 +272,7 @@ def _a2a_ref(b: list[torch.Tensor], d: Draw) -> list[torch.Tensor]:
 @fixed(80)
 @given(draws(_a2a_args))
 def test_all_to_all(d: Draw) -> None:
+    # [.., s_sd, .., s_cd, ..] -> [.., s_sd/n, .., sum of the arrivals' s_cd, ..]
     _check(d, lambda t: fs.all_to_all(t, d.axis, d.kw["split_dim"], d.kw["concat_dim"], tiled=True), _a2a_ref)
 
 
@@ -295,7 +297,7 @@ def _ppermute_ref(b: list[torch.Tensor], d: Draw) -> list[torch.Tensor]:
 @fixed(60)
 @given(_perms())
 def test_ppermute(d: Draw) -> None:
-    _check(d, lambda t: fs.ppermute(t, d.axis, d.kw["perm"]), _ppermute_ref)
+    _check(d, lambda t: fs.ppermute(t, d.axis, d.kw["perm"]), _ppermute_ref)  # [*s_i] -> [*s_src] (or zeros [*s_i])
 
 
 def _index_ref(b: list[torch.Tensor], d: Draw) -> list[torch.Tensor]:

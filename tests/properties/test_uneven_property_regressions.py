@@ -13,7 +13,7 @@ def _psum_scatter_of_blocks_split_over_its_axis_body(mesh: fs.Mesh) -> str:
     x = torch.arange(3.0).reshape(1, 1, 3)  # dim 2 split over dp: blocks of 2 and 1 columns
     for tiled, dim in ((True, -1), (True, 0), (False, 1)):
         f = fs.shard_map(
-            lambda t, tiled=tiled, dim=dim: fs.psum_scatter(t, "dp", dim=dim, tiled=tiled),
+            lambda t, tiled=tiled, dim=dim: fs.psum_scatter(t, "dp", dim=dim, tiled=tiled),  # [1, 1, 2 | 1] -> refused
             mesh=mesh,
             in_specs=(P(None, None, "dp"),),
             out_specs=P("dp"),
@@ -77,6 +77,7 @@ def test_llama_vocab_smaller_than_tp(run) -> None:
 
 def _all_to_all_of_blocks_that_differ_along_split_dim_body(mesh: fs.Mesh) -> str:
     # columns split over dp: blocks of 2 and 1 columns, split along them, their chunks concatenated along the rows
+    # [1, 2 | 1] -> refused
     f = fs.shard_map(lambda t: fs.all_to_all(t, "dp", 1, 0), mesh=mesh, in_specs=(P(None, "dp"),), out_specs=P("dp"))
     try:
         f(torch.ones(1, 3))
@@ -87,6 +88,7 @@ def _all_to_all_of_blocks_that_differ_along_split_dim_body(mesh: fs.Mesh) -> str
     # blocks that differ along concat_dim == split_dim still move (tensor_split's chunks of each)
     x = torch.arange(14.0).reshape(7, 2)  # rows split over dp: blocks of 4 and 3 rows
     g = fs.shard_map(
+        # [4 | 3, 2] -> [2 + 2 | 2 + 1, 2] -> [7, 2]
         lambda t: fs.lax.all_gather_invariant(fs.all_to_all(t, "dp", 0, 0), "dp", tiled=True),
         mesh=mesh,
         in_specs=(P("dp"),),
