@@ -218,12 +218,12 @@ def attention_step(
     """
     qkv = column_parallel_linear(h, [p["wq"], p["wk"], p["wv"]], axis=plan.tp)  # [b, s, d] -> 3 x [b, s, h*hd(/tp)]
     b, s = h.shape[:2]
-    q, k, v = (t.view(b, s, -1, head_dim) for t in qkv)  # -> [b, s, heads(/tp), hd]
+    q, k, v = (t.view(b, s, t.shape[-1] // head_dim, head_dim) for t in qkv)  # -> [b, s, heads(/tp), hd]
     if "q_norm" in p:  # Qwen3: each head's q and k RMSNormed before RoPE
         q, k = rms_norm(q, p["q_norm"], norm_eps), rms_norm(k, p["k_norm"], norm_eps)  # [b, s, heads(/tp), hd]
     q, k = rope_at(q, at.cos, at.sin), rope_at(k, at.cos, at.sin)
     o = _cached_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), kv, at)  # [b, h(/tp), s, hd]
-    o = o.transpose(1, 2).reshape(b, s, -1)  # -> [b, s, h*hd(/tp)]
+    o = o.transpose(1, 2).reshape(b, s, o.shape[1] * o.shape[3])  # -> [b, s, h*hd(/tp)] (b may be 0: no -1)
     return row_parallel_linear(o, p["wo"], axis=plan.tp)  # [b, s, h*hd/tp] @ [h*hd/tp, d] -> [b, s, d] (psum)
 
 

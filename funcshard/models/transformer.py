@@ -409,8 +409,9 @@ def _block(
     wk, wv = kv_weights(p["wk"], p["wv"], plan, head_dim, kv_shared)  # this device's kv heads
     qkv = column_parallel_linear(h, [p["wq"], wk, wv], axis=plan.tp, gather_dim=sp)  # -> [b, s, h*hd(/tp)]
     b, s = qkv[0].shape[:2]
-    # -> [b, s, heads(/tp), hd]: the view unflatten makes (without Tensor.unflatten's Python wrapper)
-    q, k, v = (t.view(b, s, -1, head_dim) for t in qkv)
+    # -> [b, s, heads(/tp), hd]: the view unflatten makes (without Tensor.unflatten's Python wrapper); the head
+    # count spelled out, not -1, which a device's empty block (a batch smaller than dp) leaves ambiguous
+    q, k, v = (t.view(b, s, t.shape[-1] // head_dim, head_dim) for t in qkv)
     if "q_norm" in p:  # Qwen3: RMSNorm of each head's q and k; the weights meet tp's heads (gradients summed)
         q = rms_norm(q, _vary(p["q_norm"], plan.tp), norm_eps)  # [b, s, heads(/tp), hd]
         k = rms_norm(k, _vary(p["k_norm"], plan.tp), norm_eps)  # [b, s, kv_heads(/tp), hd]
@@ -418,7 +419,7 @@ def _block(
         offset = 0 if plan.cp is None else lax.axis_index(plan.cp) * s  # this device's first position
         q, k = rope(q, rope_theta, offset, rope_scaling), rope(k, rope_theta, offset, rope_scaling)
     o = causal_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), plan)  # [b, heads(/tp), s, hd]
-    o = checkpoint_name(o.transpose(1, 2).reshape(b, s, -1), "attn_out")  # -> [b, s, heads(/tp)*hd]
+    o = checkpoint_name(o.transpose(1, 2).reshape(b, s, o.shape[1] * o.shape[3]), "attn_out")  # [b, s, h(/tp)*hd]
     x = x + row_parallel_linear(o, p["wo"], axis=plan.tp, scatter_dim=sp)  # [b, s, h*hd(/tp)] -> [b, s(/tp), d]
     h = rms_norm(x, mlp_norm, norm_eps)  # [b, s(/tp), d]
     if ffn is not None:  # the model's own feed-forward (a mixture of experts) and what it reports

@@ -136,7 +136,8 @@ class ColumnParallel(Op):
     def backward(ctx: object, *gs: torch.Tensor | None) -> tuple:  # type: ignore[override]
         x, *ws = ctx.saved_tensors  # type: ignore[attr-defined]
         x2 = x.reshape(-1, x.shape[-1])  # [n, in]
-        g2 = [None if g is None else g.reshape(-1, g.shape[-1]) for g in gs]  # [n, out_i/tp]
+        # [n, out_i/tp] (n spelled out: an empty block of the vocabulary, out_i/tp = 0, leaves -1 ambiguous)
+        g2 = [None if g is None else g.reshape(x2.shape[0], g.shape[-1]) for g in gs]
         dx = None
         for g, w in zip(reversed(g2), reversed(ws), strict=True):  # summed in the order autograd sums them
             if g is not None:
@@ -311,6 +312,9 @@ def _embedding_slice(ids: torch.Tensor, table: torch.Tensor, index: torch.Tensor
     rows = table.shape[0]
     local = ids - _block_start(index, q, r)
     mine = (local >= 0) & (local < rows)
+    if rows == 0:  # a vocabulary smaller than the axis: this block holds no row (zeros, still a function of table)
+        # [0, dim] -> [dim] (zeros) -> [..., dim]: a buffer of its own (an expanded view would reach the psum)
+        return table.new_zeros(*ids.shape, table.shape[1]) + table.sum(0)
     emb = _embedding(torch.where(mine, local, 0), table)  # [...] -> [..., dim]
     return emb * mine.unsqueeze(-1).to(emb.dtype)
 
@@ -395,6 +399,8 @@ def vocab_parallel_cross_entropy(
 def _float_and_max(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``logits`` in float32 (float64 stays float64) and its max over the last dim (no gradient)."""
     x = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    if x.shape[-1] == 0:  # a vocabulary smaller than the axis: no column here (amax of none is -inf, not an error)
+        return x, x.new_full(x.shape[:-1], float("-inf")).detach()  # [..., 0] -> [...]
     return x, x.detach().amax(-1)  # [..., V/n] -> [...]
 
 
@@ -406,6 +412,9 @@ def _exp_sum_and_target(
     another device's), for the vocabulary slice ``index`` of ``x``'s width (of ``q * n + r``, tensor_split's)."""
     v_local = x.shape[-1]
     shifted = x - gmax.unsqueeze(-1)  # [..., V/n]
+    if v_local == 0:  # a vocabulary smaller than the axis: no column, no target here (zeros, still of x)
+        zero = shifted.sum(-1)  # [..., 0] -> [...]
+        return torch.stack([zero, zero], dim=-1)  # [..., 2]
     local = labels - _block_start(index, q, r)
     mine = (local >= 0) & (local < v_local)
     picked = shifted.gather(-1, torch.where(mine, local, 0).unsqueeze(-1)).squeeze(-1)  # [..., V/n] -> [...]

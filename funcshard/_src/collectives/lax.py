@@ -541,6 +541,8 @@ def psum_scatter(x: PyTree, axis: _Axis, *, dim: int = 0, tiled: bool = False) -
                 f"psum_scatter: a bool tensor of shape {tuple(t.shape)} has no sum (JAX refuses it too); cast it "
                 f"first, e.g. fs.psum_scatter(x.to(torch.int32), {axis!r}, ...) to count the Trues."
             )
+        if may_differ(ctx):  # blocks of other shapes would be padded to one size and summed silently: refuse them
+            _same_block_shapes(block_shapes(t.shape, axes, ctx), axes, "psum_scatter")
         if not tiled and t.shape[d] != n:
             raise ShardingError(
                 f"psum_scatter(tiled=False): dim {d} of shape {tuple(t.shape)} must equal the size {n} of {axes}; "
@@ -555,6 +557,16 @@ def psum_scatter(x: PyTree, axis: _Axis, *, dim: int = 0, tiled: bool = False) -
         return bind_result(_prims.ReduceScatter, y, have, axes)
 
     return _tmap(one, x, "psum_scatter")
+
+
+def _same_block_shapes(shapes: list[tuple[int, ...]], axes: tuple[str, ...], name: str) -> None:
+    """Refuse a reduction over ``axes`` whose devices hold blocks of different ``shapes`` (in axis order)."""
+    if any(sh != shapes[0] for sh in shapes):
+        raise ShardingError(
+            f"{name}: the devices of {axes} hold blocks of shapes {shapes} (in axis order), which differ; a sum needs "
+            f"one shape on every device of the group. A dim split unevenly over {axes} cannot be summed over them: "
+            f"all_gather it first, or split it over other axes."
+        )
 
 
 def _psum_scatter_uneven(t: torch.Tensor, axis: _Axis, d: int, n: int) -> torch.Tensor:
@@ -581,11 +593,13 @@ def _all_to_all_uneven(
     (``even(t, sd, cd)``) moves them, and each arrival is cut back to its own shape before they are concatenated
     along ``concat_dim``. The backward (through the pad, the even all-to-all and the cut) is the reverse."""
     n = len(shapes)
-    for sh in shapes:
-        if len(sh) != t.dim() or any(a != b for k, (a, b) in enumerate(zip(sh, shapes[0])) if k not in (sd, cd)):
+    for sh in shapes:  # what arrives is concatenated along cd: the chunks must agree on every other dim, sd included
+        if len(sh) != t.dim() or any(a != b for k, (a, b) in enumerate(zip(sh, shapes[0])) if k != cd):
+            where = f"concat_dim {cd}" if sd == cd else f"concat_dim {cd} (not along split_dim {sd}: their chunks"
+            where += "" if sd == cd else " would arrive in different sizes along it)"
             raise ShardingError(
-                f"all_to_all: the devices' blocks have shapes {shapes}, which differ outside split_dim {sd} and "
-                f"concat_dim {cd}; blocks may differ only along those dims."
+                f"all_to_all: the devices' blocks have shapes {shapes}, which differ outside {where}; blocks may "
+                f"differ only along the concat_dim."
             )
     got = [split_sizes(sh[sd], n) for sh in shapes]  # per source: the sizes of its chunks
     big = list(t.shape)
