@@ -163,3 +163,42 @@ def test_llama_cp4_zigzag_uneven_work() -> None:
 def test_unknown_cp_layout() -> None:
     with pytest.raises(fs.ConfigError, match=r"unknown cp_layout 'striped'"):
         plan_from_mesh(fs.make_mesh({"cp": 2}, backend="sim"), cp_layout="striped")
+
+
+def _comm_rows(seq: int, layout: str, what: str) -> dict[tuple[str, str], tuple[int, int]]:
+    """Device 0's collectives (``fs.comm_stats``) in a loss-and-gradient step (``what="step"``) or a forward of the
+    Llama on cp=4, batch 2."""
+    mesh = fs.make_mesh({"cp": 4}, backend="sim")
+    tok, tgt = _data(2, seq)
+    plan = plan_from_mesh(mesh, cp_layout=layout)
+    specs, bs = llama.param_specs(CFG, mesh, plan), llama.batch_spec(mesh, plan)
+    params = fs.device_put(llama.init(fs.random.key(0), CFG), mesh, specs)
+    if what == "step":
+        f = fs.shard_map(
+            lambda p, t, y: fs.value_and_grad(lambda p: llama.loss(p, t, y, CFG, plan))(p),
+            mesh=mesh,
+            in_specs=(specs, bs, bs),
+            out_specs=(P(), specs),
+        )
+        args = (params, tok, tgt)
+    else:
+        f = fs.shard_map(lambda p, t: llama.forward(p, t, CFG, plan), mesh=mesh, in_specs=(specs, bs), out_specs=bs)
+        args = (params, tok)
+    with fs.comm_stats() as st:
+        f(*args)
+    return st.rows()
+
+
+@pytest.mark.parametrize("seq", [32, 30])
+def test_zigzag_costs_the_ids_gathers(seq: int) -> None:
+    """What zigzag adds to the contiguous layout's collectives: in a training step, two all-gathers over cp of
+    the int32 ids (tokens, targets: b x 8 positions x 4 bytes each from a device, the longest block); in a forward,
+    the tokens' and one of the final hidden states (b x 8 x dim float32) to put them back in order. The ring's
+    ppermutes and everything else are the same."""
+    b, longest = 2, 8
+    for what, extra in (("step", [b * longest * 4] * 2), ("forward", [b * longest * 4, b * longest * CFG.dim * 4])):
+        zig, con = _comm_rows(seq, "zigzag", what), _comm_rows(seq, "contiguous", what)
+        gathers = ("all_gather", "cp")
+        calls, nbytes = zig[gathers][0] - con.get(gathers, (0, 0))[0], zig[gathers][1] - con.get(gathers, (0, 0))[1]
+        assert (calls, nbytes) == (len(extra), sum(extra)), (what, zig, con)
+        assert {k: v for k, v in zig.items() if k != gathers} == {k: v for k, v in con.items() if k != gathers}

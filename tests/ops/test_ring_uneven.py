@@ -7,6 +7,8 @@ query row of the whole sequence for an uneven one, against the contiguous layout
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 import torch
 
@@ -200,3 +202,53 @@ def test_ring_sizes_checked() -> None:
             lambda q: ring_attention(q, q, q, sizes=[3, 3]), mesh=fs.make_mesh({"cp": 2}, backend="sim"),
             in_specs=(SPEC,), out_specs=SPEC,
         )(q)  # fmt: skip
+
+
+def _flash_body(mesh: fs.Mesh, seq: int) -> dict[str, int]:
+    """The ring with CPU among the flash devices (the Triton kernels, interpreted) on uneven blocks: loss and
+    q/k/v gradients against the unsharded attention; returns how often the block kernels ran here."""
+    import importlib
+
+    from funcshard.ops.attention import triton as flash
+
+    local = importlib.import_module("funcshard.ops.attention.local")
+    n = mesh.shape["cp"]
+    q, k, v = _rand(1, 4, seq, 16, seed=1), _rand(1, 2, seq, 16, seed=2), _rand(1, 2, seq, 16, seed=3)
+    r = _rand(1, 4, seq, 16, seed=4)
+    ref = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    (attention(*ref, causal=True) * r).sum().backward()
+    order, back = zigzag_indices(seq, n), zigzag_inverse_indices(seq, n)
+
+    def step(r, q, k, v):
+        return fs.value_and_grad(lambda q, k, v: fs.psum((ring_attention(q, k, v) * r).sum(), "cp"), argnums=(0, 1, 2))(
+            q, k, v
+        )
+
+    calls = {"fwd": 0, "bwd": 0}
+    forward, backward = flash._forward, flash._backward
+
+    def counted(name, fn):
+        return lambda *a, **kw: calls.__setitem__(name, calls[name] + 1) or fn(*a, **kw)
+
+    saved = local.FLASH_DEVICES
+    flash._forward, flash._backward = counted("fwd", forward), counted("bwd", backward)
+    local.FLASH_DEVICES = ("cuda", "cpu")
+    try:
+        f = fs.shard_map(step, mesh=mesh, in_specs=(SPEC,) * 4, out_specs=(P(), [SPEC] * 3))
+        _, grads = f(*(t.index_select(2, order) for t in (r, q, k, v)))
+    finally:
+        flash._forward, flash._backward = forward, backward
+        local.FLASH_DEVICES = saved
+    for g, a in zip(grads, ref, strict=True):
+        torch.testing.assert_close(fs.device_get(g).index_select(2, back), a.grad, rtol=1e-4, atol=1e-4)
+    return calls
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+def test_ring_uneven_runs_the_flash_kernels() -> None:
+    """Where the Triton kernels take the blocks (CUDA; CPU added here, interpreted), uneven zigzag blocks (15 on
+    cp=2: 8 and 7 positions, chunks 4 + 4 and 4 + 3) run through them too, forward and backward."""
+    from _dist_pool import run_body
+
+    (calls,) = run_body("sim", _flash_body, {"cp": 2}, 15)
+    assert calls["fwd"] == 4 and calls["bwd"] == 4  # n x n blocks (zigzag: every step computes something)
