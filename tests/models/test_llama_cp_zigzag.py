@@ -4,7 +4,8 @@ blocks over ``cp``; inside, device ``i`` of ``n`` holds chunks ``i`` and ``2n-1-
 
 Checked against the unsharded model: the loss and every gradient, and ``forward``'s logits, on cp=4 with
 sequences of 32 and 30, cp=2 x tp=2 with SP on 15, dp=2 x cp=2 on 15, the contiguous layout for contrast
-(sim, check_vma on and off), and one case under dist; the pipelined Llama (pp=2 x cp=2) on 15. The balance: each
+(sim, check_vma on and off), and one case under dist; the pipelined Llama (pp=2 x cp=2) on 15 and the Mixtral
+(cp=2 x ep=2) on 13. The balance: each
 device's attention matmul FLOPs, counted by ``torch.utils.flop_counter`` inside ``shard_map`` during the loss's
 forward, equal on every device for an even sequence on cp=4 under zigzag, follow ``ops.ring_work`` (the block
 plan's query-key pairs, plus the masked half of the diagonal block the kernel computes anyway), and climb in the
@@ -21,7 +22,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import funcshard as fs
 from funcshard import P
-from funcshard.models import llama, plan_from_mesh
+from funcshard.models import llama, mixtral, plan_from_mesh
 from funcshard.ops import ring_work
 
 CFG = llama.Config(vocab_size=250, dim=32, n_layers=2, n_heads=8, n_kv_heads=4, ffn_dim=64, max_seq_len=32)
@@ -107,6 +108,35 @@ def test_llama_pipelined_cp_uneven_sim() -> None:
     from _dist_pool import run_body
 
     assert run_body("sim", _pipelined_body, {"pp": 2, "cp": 2}, 15) == ["ok"]
+
+
+def _mixtral_body(mesh: fs.Mesh, seq: int) -> str:
+    """The Mixtral (the Llama's layers with a MoE feed-forward and its router statistics) on the same path:
+    loss with its load-balancing term, every gradient and the forward's logits."""
+    cfg = mixtral.Config(
+        vocab_size=250, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=48, max_seq_len=16, n_experts=4,
+        router_aux_loss_coef=0.3,
+    )  # fmt: skip
+    params = mixtral.init(fs.random.key(0), cfg)
+    tok, tgt = _data(2, seq)
+    ref_loss, ref_grads = fs.value_and_grad(lambda p: mixtral.loss(p, tok, tgt, cfg))(params)
+    specs, bs = mixtral.param_specs(cfg, mesh), mixtral.batch_spec(mesh)
+    placed = fs.device_put(params, mesh, specs)
+    step = lambda p, t, y: mixtral.value_and_grad(p, t, y, cfg)  # noqa: E731
+    loss, grads = fs.shard_map(step, mesh=mesh, in_specs=(specs, bs, bs), out_specs=(P(), specs))(placed, tok, tgt)
+    torch.testing.assert_close(fs.device_get(loss), ref_loss, rtol=1e-5, atol=1e-6)
+    got = fs.pytree.leaves_with_path(fs.device_get(grads))
+    for (path, a), (_, r) in zip(got, fs.pytree.leaves_with_path(ref_grads), strict=True):
+        torch.testing.assert_close(a, r, rtol=1e-4, atol=1e-6, msg=path)
+    fwd = fs.shard_map(lambda p, t: mixtral.forward(p, t, cfg), mesh=mesh, in_specs=(specs, bs), out_specs=bs)
+    torch.testing.assert_close(fs.device_get(fwd(placed, tok)), mixtral.forward(params, tok, cfg), rtol=1e-5, atol=1e-5)
+    return "ok"
+
+
+def test_mixtral_cp_uneven_sim() -> None:
+    from _dist_pool import run_body
+
+    assert run_body("sim", _mixtral_body, {"cp": 2, "ep": 2}, 13) == ["ok"]
 
 
 # --- the causal work per device ---------------------------------------------------------------------------------

@@ -252,3 +252,26 @@ def test_ring_uneven_runs_the_flash_kernels() -> None:
 
     (calls,) = run_body("sim", _flash_body, {"cp": 2}, 15)
     assert calls["fwd"] == 4 and calls["bwd"] == 4  # n x n blocks (zigzag: every step computes something)
+
+
+@pytest.mark.parametrize("check_vma", [True, False], ids=["vma", "novma"])
+def test_ring_uneven_cross_lengths(check_vma: bool) -> None:
+    """Not causal, k/v longer than q, both split unevenly (q 30 -> 8, 8, 7, 7; k/v 45 -> 12, 11, 11, 11): the
+    k/v blocks travel padded to their own longest, q's lengths play no part."""
+    mesh = fs.make_mesh({"cp": 4}, backend="sim")
+    q, k, v = _rand(B, 4, 30, D, seed=1), _rand(B, 2, 45, D, seed=2), _rand(B, 2, 45, D, seed=3)
+    r = _rand(B, 4, 30, D, seed=4)
+    ref = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    out_ref = attention(*ref, causal=False)
+    (out_ref * r).sum().backward()
+
+    def inner(r_l, q_l, k_l, v_l):
+        q_l, k_l, v_l = (t.detach().requires_grad_(True) for t in (q_l, k_l, v_l))
+        out = ring_attention(q_l, k_l, v_l, causal=False)
+        return out, list(torch.autograd.grad(fs.psum((out * r_l).sum(), "cp"), [q_l, k_l, v_l]))
+
+    f = fs.shard_map(inner, mesh=mesh, in_specs=(SPEC,) * 4, out_specs=(SPEC, [SPEC] * 3), check_vma=check_vma)
+    out, grads = f(r, q, k, v)
+    torch.testing.assert_close(fs.device_get(out), out_ref.detach(), rtol=1e-5, atol=1e-5)
+    for g, a in zip(grads, ref, strict=True):
+        torch.testing.assert_close(fs.device_get(g), a.grad, rtol=1e-5, atol=1e-5)

@@ -6,7 +6,8 @@ sharded model for the parallel plan (:class:`~funcshard.models.ParallelPlan`; by
 by the mesh axis of its own name, ``dp``, ``fsdp``, ``tp``, ``cp``): parameters are gathered layer by layer
 over ``fsdp`` (ZeRO-3), replicated ones are marked varying over ``dp`` and ``cp`` (their gradients are
 summed), the attention and MLP are Megatron column/row-parallel over ``tp`` (with sequence parallelism
-under ``plan.sp``), a ``cp`` axis splits the sequence (ring attention, RoPE at each block's positions),
+under ``plan.sp``), a ``cp`` axis splits the sequence (ring attention in the zigzag layout by default, the
+tokens and targets moved into it and ``forward``'s logits back; RoPE at each device's positions),
 logits stay vocab-parallel and the loss never gathers the vocabulary. Correct with ``check_vma`` on or off.
 
 The model is written once: each op takes its axis from the plan, ``None`` (the role is off) meaning plain

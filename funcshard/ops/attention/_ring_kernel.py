@@ -62,7 +62,7 @@ Triple = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 def block_plan(i: int, j: int, causal: bool, layout: str, sizes: Sequence[int]) -> Plan | None:
     """What device ``i`` computes against the k/v block of device ``j``: ``(query rows, key columns, causal
     within)``, or None for nothing (the block lies in the future of all its queries). ``sizes``: every device's
-    local length, in axis order.
+    local k/v length (q's too under ``causal``), in axis order.
 
     ``j == i``: causal attention on its own block (its positions increase, in either layout);
     ``"contiguous"``: ``j < i`` full, ``j > i`` nothing; ``"zigzag"`` (device ``j``'s first chunk
@@ -158,7 +158,7 @@ def _cols(cols: slice, size: int, padded: bool) -> slice:
 def _padded(kv: torch.Tensor, sizes: tuple[int, ...]) -> torch.Tensor:
     """``kv [.., b, hkv, L_i, d]`` padded with zeros to the longest local length along the sequence dim."""
     extra = max(sizes) - kv.shape[-2]
-    if not extra:
+    if extra <= 0:
         return kv
     return torch.cat((kv, kv.new_zeros((*kv.shape[:-2], extra, kv.shape[-1]))), dim=-2)  # -> [.., max L, d]
 
@@ -258,7 +258,7 @@ class RingAttention(Op):
         if dout is None:
             dout = torch.zeros_like(out)
         dev, axes, n, i, causal, scale, sizes = ctx.dev, ctx.axes, ctx.n, ctx.i, ctx.causal, ctx.scale, ctx.sizes
-        h, sq, hkv = q.shape[1], q.shape[2], k.shape[1]
+        h, sk, hkv = q.shape[1], k.shape[2], k.shape[1]
         g = h // hkv
         acc = torch.promote_types(q.dtype, torch.float32)
         padded = min(sizes) != max(sizes)
@@ -312,7 +312,7 @@ class RingAttention(Op):
             if n > 1:  # the block held now is device i+1's, complete: one more hop takes it home
                 dkv = call(Ppermute, dkv, dev, axes, _shift(n))  # [2,b,hkv,sk,d] -> [2,b,hkv,sk,d]
             if padded:
-                dkv = dkv[:, :, :, :sq]  # [2, b, hkv, max L, d] -> [2, b, hkv, L_i, d]: this block's own rows
+                dkv = dkv[:, :, :, :sk]  # [2, b, hkv, max L, d] -> [2, b, hkv, L_i, d]: this block's own rows
             dq_out = (dq if flash is not None else dq.flatten(1, 2)).to(q.dtype)  # -> [b, h, sq, d]
             return None, None, dq_out, dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None
 
@@ -366,7 +366,7 @@ def ring_through_autograd(
     n = lax.axis_size(axis)
     i = axis_index_int(axis)
     shift = list(_shift(n))
-    sizes = [q.shape[2]] * n if sizes is None else sizes  # (None: every device holds this one's length)
+    sizes = [k.shape[2]] * n if sizes is None else sizes  # (None: every device holds this one's length)
     kv = torch.stack((k, v))  # 2 x [b, hkv, s/n, d] -> [2, b, hkv, s/n, d]: one message per step
     o, lse = attention(q, k, v, causal=causal, return_lse=True, scale=scale)  # [b, h, s/n, d], [b, h, s/n]
     acc = torch.promote_types(q.dtype, torch.float32)

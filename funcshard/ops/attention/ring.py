@@ -11,9 +11,11 @@ Layouts of the sequence over the axis (``n`` devices):
   does ``n`` times the work of device ``0``.
 - ``"zigzag"`` (load-balanced, the default): the sequence is cut into ``2n`` chunks and device ``i`` holds
   chunks ``i`` and ``2n-1-i``, concatenated. Every off-diagonal step then costs exactly half a block on every
-  device. Lay data out with :func:`zigzag_split` inside ``shard_map`` (from a replicated value), or outside
-  with :func:`zigzag_indices` and an ordinary ``P(None, None, "cp")`` spec; undo it with
-  :func:`zigzag_merge` / :func:`zigzag_inverse_indices`. Give RoPE the positions of
+  device. Any length: device ``i`` keeps its ``torch.tensor_split`` length ``L_i``, its chunks ``ceil(L_i/2)``
+  and ``floor(L_i/2)`` long (:func:`zigzag_chunk_sizes`); the causal work per device (:func:`ring_work`) is then
+  equal up to one query row of the sequence. Lay data out with :func:`zigzag_split` inside ``shard_map``
+  (from a replicated value), or outside with :func:`zigzag_indices` and an ordinary ``P(None, None, "cp")``
+  spec; undo it with :func:`zigzag_merge` / :func:`zigzag_inverse_indices`. Give RoPE the positions of
   :func:`zigzag_positions`.
 
 The backward is hand-written (FlashAttention-2's, blockwise, as ring attention implementations do), so
@@ -121,22 +123,20 @@ def _check_zigzag(seq_len: int, n: int, fn: str) -> None:
 
 def _table(sizes: Sequence[int], layout: str) -> torch.Tensor:
     """``[n, max(sizes)]`` int64: row ``i`` the global positions device ``i`` holds under ``layout`` (devices
-    holding ``sizes`` positions), padded with -1."""
+    holding ``sizes`` positions), padded with -1. Made from Python lists in one op (it runs in every layer)."""
     n, m = len(sizes), max(sizes, default=0)
-    table = torch.full((n, m), -1, dtype=torch.int64)
     if layout == "contiguous":
-        start = 0
-        for i, s in enumerate(sizes):
-            table[i, :s] = torch.arange(start, start + s)
-            start += s
-        return table
-    chunks = _chunks_of(sizes)
-    starts = [sum(chunks[:c]) for c in range(2 * n)]
-    for i in range(n):
-        a, b = chunks[i], chunks[2 * n - 1 - i]
-        table[i, :a] = torch.arange(starts[i], starts[i] + a)  # chunk i
-        table[i, a : a + b] = torch.arange(starts[2 * n - 1 - i], starts[2 * n - 1 - i] + b)  # chunk 2n-1-i
-    return table
+        starts = [sum(sizes[:i]) for i in range(n)]
+        rows = [list(range(starts[i], starts[i] + sizes[i])) for i in range(n)]
+    else:
+        chunks = _chunks_of(sizes)
+        starts = [sum(chunks[:c]) for c in range(2 * n)]
+        rows = [
+            list(range(starts[i], starts[i] + chunks[i]))  # chunk i
+            + list(range(starts[2 * n - 1 - i], starts[2 * n - 1 - i] + chunks[2 * n - 1 - i]))  # chunk 2n-1-i
+            for i in range(n)
+        ]
+    return torch.tensor([r + [-1] * (m - len(r)) for r in rows], dtype=torch.int64).view(n, m)  # [n, m]
 
 
 def zigzag_indices(seq_len: int, n: int) -> torch.Tensor:
@@ -415,8 +415,9 @@ def ring_attention(
         layout: ``"zigzag"`` (device ``i`` holds chunks ``i`` and ``2n-1-i`` of ``2n``) or ``"contiguous"``
             (chunk ``i`` of ``n``).
         scale: score scale, default ``1/sqrt(d)``.
-        sizes: every device's local length ``L_j`` in axis order, if known; default: learnt with
-            :func:`funcshard.extend.block_sizes` (no communication unless the call has an uneven argument).
+        sizes: every device's local k/v length ``L_j`` (q's too under ``causal``) in axis order, if known;
+            default: learnt with :func:`funcshard.extend.block_sizes` (no communication unless the call has an
+            uneven argument).
 
     Returns:
         ``[b, h, L_i, d]`` this device's rows of the attention output, in ``q``'s dtype, varying over ``axis``.
@@ -434,7 +435,7 @@ def ring_attention(
     _check(q, k, v, causal, layout, "ring_attention")
     if axis is None:
         return attention(q, k, v, causal=causal, scale=scale)  # [b, h, s, d] x [b, hkv, s, d] -> [b, h, s, d]
-    lengths = _sizes(q, axis, sizes)
+    lengths = _sizes(k, axis, sizes)  # the k/v blocks' (under causal, q's too)
     if needs_autograd_ring(q, k, v):  # vmap / jvp / forward-mode AD: the Function has no rule for them
         return ring_through_autograd(q, k, v, axis, causal, layout, scale, lengths)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
@@ -446,10 +447,10 @@ def ring_attention(
     return ys[0]
 
 
-def _sizes(q: torch.Tensor, axis: str, sizes: Sequence[int] | None) -> tuple[int, ...]:
-    """Every device's local length on ``axis``: ``sizes`` checked against this device's, or learnt."""
+def _sizes(k: torch.Tensor, axis: str, sizes: Sequence[int] | None) -> tuple[int, ...]:
+    """Every device's local k/v length on ``axis``: ``sizes`` checked against this device's, or learnt."""
     with torch._C.DisableTorchFunction():
-        here = q.shape[2]
+        here = k.shape[2]
     if sizes is None:
         return tuple(block_sizes(here, axis))  # [L_0, ..., L_{n-1}] (no exchange in an even call)
     lengths = tuple(int(s) for s in sizes)
