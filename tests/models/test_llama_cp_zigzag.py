@@ -3,13 +3,13 @@ uneven sequences: the inputs (tokens, targets) and ``forward``'s logits keep the
 blocks over ``cp``; inside, device ``i`` of ``n`` holds chunks ``i`` and ``2n-1-i`` (RoPE at those positions).
 
 Checked against the unsharded model: the loss and every gradient, and ``forward``'s logits, on cp=4 with
-sequences of 32 and 30, cp=2 x tp=2 with SP on 15, dp=2 x cp=2 on 15, the contiguous layout for contrast
-(sim, check_vma on and off), and one case under dist; the pipelined Llama (pp=2 x cp=2) on 15 and the Mixtral
-(cp=2 x ep=2) on 13. The balance: each
-device's attention matmul FLOPs, counted by ``torch.utils.flop_counter`` inside ``shard_map`` during the loss's
-forward, equal on every device for an even sequence on cp=4 under zigzag, follow ``ops.ring_work`` (the block
-plan's query-key pairs, plus the masked half of the diagonal block the kernel computes anyway), and climb in the
-contiguous layout's 1 : 2 : 3 : 4 staircase.
+sequences of 32 and 30, cp=2 x tp=2 with SP on 15, dp=2 x cp=2 on 15, fsdp=2 x cp=2 on 13, the contiguous layout
+for contrast (sim, check_vma on and off), and one case under dist; the pipelined Llama (pp=2 x cp=2) on 15 and
+the Mixtral (cp=2 x ep=2) on 13. The balance: each device's attention matmul FLOPs, counted by
+``torch.utils.flop_counter`` inside ``shard_map`` during the loss's forward, equal on every device for an even
+sequence on cp=4 under zigzag, follow ``ops.ring_work`` (the block plan's query-key pairs, plus the masked half of
+the diagonal block the kernel computes anyway), and climb in the contiguous layout's 1 : 2 : 3 : 4 staircase. The
+cost: what zigzag adds to the collectives (the ids' all-gathers; ``forward``'s hidden states).
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ CASES = {
     "cp4_seq30_contiguous": ({"cp": 4}, 2, 30, False, "contiguous"),
     "cp2_tp2_sp_seq15": ({"cp": 2, "tp": 2}, 2, 15, True, "zigzag"),
     "dp2_cp2_seq15": ({"dp": 2, "cp": 2}, 3, 15, False, "zigzag"),
+    "fsdp2_cp2_seq13": ({"fsdp": 2, "cp": 2}, 2, 13, False, "zigzag"),
 }
 
 
@@ -96,11 +97,15 @@ def _pipelined_body(mesh: fs.Mesh, seq: int) -> str:
     f = fs.shard_map(
         lambda p, t, y: llama.value_and_grad(p, t, y, cfg), mesh=mesh, in_specs=(specs, bs, bs), out_specs=(P(), specs)
     )
-    loss, grads = f(fs.device_put(params, mesh, specs), tok, tgt)
+    placed = fs.device_put(params, mesh, specs)
+    loss, grads = f(placed, tok, tgt)
     torch.testing.assert_close(fs.device_get(loss), ref_loss, rtol=1e-5, atol=1e-6)
     got = fs.pytree.leaves_with_path(fs.device_get(grads))
     for (path, a), (_, r) in zip(got, fs.pytree.leaves_with_path(ref_grads), strict=True):
         torch.testing.assert_close(a, r, rtol=1e-5, atol=1e-6, msg=path)
+    # forward: the stages in turn, the hidden states back in contiguous blocks before the head
+    fwd = fs.shard_map(lambda p, t: llama.forward(p, t, cfg), mesh=mesh, in_specs=(specs, bs), out_specs=bs)
+    torch.testing.assert_close(fs.device_get(fwd(placed, tok)), llama.forward(params, tok, cfg), rtol=1e-5, atol=1e-5)
     return "ok"
 
 
