@@ -226,15 +226,20 @@ def layout_positions(sizes: Sequence[int], index: int | torch.Tensor, layout: st
     """
     if layout not in LAYOUTS:
         raise ShardingError(f"layout_positions: unknown layout {layout!r}; use one of {LAYOUTS}.")
-    n, i = len(sizes), int(index)
+    n = len(sizes)
+    table = _table(sizes, layout)  # [n, m]: row i, device i's positions
+    even = min(sizes, default=0) == max(sizes, default=0)
+    if isinstance(index, torch.Tensor) and even:  # no value read (a meta index of the abstract backend too)
+        # [n, m] -> [1, m] -> [m], selected by the tensor itself: its varying axes pass to the result
+        return table.to(index.device).index_select(0, index.reshape(1)).squeeze(0)
+    i = int(index)
     if not 0 <= i < n:
         raise ShardingError(
             f"zigzag_positions: device index {i} is outside [0, {n}) for n = {n} devices; pass "
             f"fs.axis_index(axis) of the context-parallel axis, and its size as n."
         )
-    table = _table(sizes, layout)  # [n, m]: row i, device i's positions
     if isinstance(index, torch.Tensor):  # indexed by the tensor itself: its varying axes pass to the result
-        return table[index.to(table.device)][: sizes[i]]  # [n, m] -> [m] -> [L_i]
+        return table.to(index.device)[index][: sizes[i]]  # [n, m] -> [m] -> [L_i]
     return table[i, : sizes[i]]  # [n, m] -> [L_i]
 
 
