@@ -40,6 +40,7 @@ from ..extend import ConfigError, logical_to_mesh
 __all__ = ["ROLES", "ParallelPlan", "plan_from_mesh"]
 
 ROLES = ("dp", "fsdp", "tp", "cp", "pp", "ep")
+CP_LAYOUTS = ("zigzag", "contiguous")  # ring attention's layouts (funcshard.ops.ring_attention)
 
 PyTree = Any
 
@@ -69,6 +70,9 @@ class ParallelPlan:
         ep: the expert-parallel axis (experts split over it; a data axis for everything else).
         sp: sequence parallelism over the ``tp`` axis between blocks.
         mesh_shape: ``((axis, size), ...)`` of the mesh the plan was built for.
+        cp_layout: how a model lays the sequence out over ``cp`` inside: ``"zigzag"`` (the default: device ``i``
+            holds chunks ``i`` and ``2n-1-i`` of ``2n``, the causal attention work balanced) or ``"contiguous"``
+            (chunk ``i`` of ``n``). Either way the model's inputs and outputs are split contiguously.
 
     Example:
         >>> plan = ParallelPlan(dp="data", tp="model", mesh_shape=(("data", 2), ("model", 2)))
@@ -86,6 +90,7 @@ class ParallelPlan:
     ep: str | None = None
     sp: bool = False
     mesh_shape: tuple[tuple[str, int], ...] = ()
+    cp_layout: str = "zigzag"
 
     @property
     def roles(self) -> dict[str, str]:
@@ -236,7 +241,11 @@ def _check_roles(roles: Any, shape: Mapping[str, int]) -> dict[str, str]:
 
 
 def plan_from_mesh(
-    mesh: Any, roles: Mapping[str, str | None] | None = None, *, sequence_parallel: bool = False
+    mesh: Any,
+    roles: Mapping[str, str | None] | None = None,
+    *,
+    sequence_parallel: bool = False,
+    cp_layout: str = "zigzag",
 ) -> ParallelPlan:
     """The parallel plan of ``mesh``: which axis plays each role, checked once.
 
@@ -246,19 +255,22 @@ def plan_from_mesh(
             ``pp``, ``ep``); roles left out, or mapped to ``None``, are off. Default: the default names, each role
             played by the mesh axis of the same name, if the mesh has one.
         sequence_parallel: split the sequence over the ``tp`` axis between blocks (Megatron's SP).
+        cp_layout: the sequence layout over ``cp`` inside the model (:attr:`ParallelPlan.cp_layout`):
+            ``"zigzag"`` (balanced causal work) or ``"contiguous"``.
 
     Returns:
         A validated :class:`ParallelPlan`.
 
     Raises:
         ConfigError: an unknown role, an axis the mesh lacks, one axis for two roles, a mesh axis of size
-            above 1 that no role uses (axes of size 1 may be left out), or ``sequence_parallel`` without a
-            ``tp`` role; each message names the role or axis and the fix.
+            above 1 that no role uses (axes of size 1 may be left out), ``sequence_parallel`` without a
+            ``tp`` role, or an unknown ``cp_layout``; each message names the role or axis and the fix.
 
     Example:
         >>> import funcshard as fs
-        >>> plan_from_mesh(fs.make_mesh({"dp": 2, "tp": 2}, backend="sim"), sequence_parallel=True)
-        ParallelPlan(dp='dp', fsdp=None, tp='tp', cp=None, pp=None, ep=None, sp=True, mesh_shape=(('dp', 2), ('tp', 2)))
+        >>> plan = plan_from_mesh(fs.make_mesh({"dp": 2, "tp": 2}, backend="sim"), sequence_parallel=True)
+        >>> plan.roles, plan.sp, plan.mesh_shape, plan.cp_layout
+        ({'dp': 'dp', 'tp': 'tp'}, True, (('dp', 2), ('tp', 2)), 'zigzag')
         >>> plan_from_mesh(fs.make_mesh({"data": 2, "model": 2}, backend="sim"), {"dp": "data"})
         Traceback (most recent call last):
         ...
@@ -278,4 +290,6 @@ def plan_from_mesh(
             "plan_from_mesh: sequence_parallel=True splits the sequence over the 'tp' axis, but no axis plays "
             "'tp'; map 'tp' to a mesh axis, or set sequence_parallel=False."
         )
-    return ParallelPlan(**used, sp=sequence_parallel, mesh_shape=tuple(shape.items()))
+    if cp_layout not in CP_LAYOUTS:
+        raise ConfigError(f"plan_from_mesh: unknown cp_layout {cp_layout!r}; use one of {CP_LAYOUTS}.")
+    return ParallelPlan(**used, sp=sequence_parallel, mesh_shape=tuple(shape.items()), cp_layout=cp_layout)

@@ -21,7 +21,7 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 import torch
@@ -32,11 +32,13 @@ from .. import lax
 from ..extend import (
     ConfigError,
     Precision,
+    block_sizes,
     checkpoint_name,
     find_vma,
     one_op,
     remat_policies,
     set_vma,
+    split_invariant,
     transforms_active,
 )
 from ..extend import (
@@ -45,7 +47,15 @@ from ..extend import (
 from ..extend import (
     tracing as _tracing,
 )
-from ..ops import column_parallel_linear, fsdp_gather, ring_attention, row_parallel_linear
+from ..ops import (
+    column_parallel_linear,
+    fsdp_gather,
+    layout_positions,
+    ring_attention,
+    row_parallel_linear,
+    zigzag_merge,
+    zigzag_split,
+)
 from .plan import ParallelPlan
 from .rope_scaling import RopeScaling
 
@@ -54,9 +64,13 @@ __all__ = [
     "REMAT",
     "FeedForward",
     "causal_attention",
+    "cp_positions",
+    "cp_sizes",
+    "from_cp_layout",
     "kv_weights",
     "rms_norm",
     "rope",
+    "to_cp_layout",
     "transformer_block",
     "use_params",
 ]
@@ -113,12 +127,15 @@ def _rope_table(
     device: torch.device,
     scaling: RopeScaling | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """RoPE's ``cos`` and ``sin`` at positions ``offset .. offset+s-1``: each ``[1, s, 1, hd/2]`` float32; the
-    frequencies scaled by ``scaling`` (Llama 3.1's) when given."""
+    """RoPE's ``cos`` and ``sin`` at positions ``offset .. offset+s-1`` (or at the ``[s]`` positions ``offset``):
+    each ``[1, s, 1, hd/2]`` float32; the frequencies scaled by ``scaling`` (Llama 3.1's) when given."""
     inv = 1.0 / theta ** (torch.arange(0, hd, 2, dtype=torch.float32, device=device) / hd)  # [hd/2]
     if scaling is not None:
         inv = scaling.inv_freq(inv)  # [hd/2]
-    pos = torch.arange(s, dtype=torch.float32, device=device) + offset  # [s]: this device's positions
+    if isinstance(offset, torch.Tensor) and offset.dim() == 1:  # [s]: the positions themselves (cp's zigzag)
+        pos = offset.to(device=device, dtype=torch.float32)
+    else:
+        pos = torch.arange(s, dtype=torch.float32, device=device) + offset  # [s]: this device's positions
     ang = pos[:, None] * inv  # [s, 1] * [hd/2] -> [s, hd/2]
     return ang.cos()[None, :, None, :], ang.sin()[None, :, None, :]  # [1, s, 1, hd/2]
 
@@ -169,8 +186,9 @@ def _rope_cached(
 def rope(
     x: torch.Tensor, theta: float, offset: int | torch.Tensor = 0, scaling: RopeScaling | None = None
 ) -> torch.Tensor:
-    """Rotary embedding of ``x [b, s, heads, hd]`` at positions ``offset .. offset+s-1`` (rotate-half form),
-    its frequencies scaled by ``scaling`` (Llama 3.1's, :class:`~funcshard.models.rope_scaling.RopeScaling`).
+    """Rotary embedding of ``x [b, s, heads, hd]`` at positions ``offset .. offset+s-1`` (rotate-half form), or
+    at the ``[s]`` positions of a 1-dim ``offset`` (a context-parallel device's, :func:`cp_positions`), its
+    frequencies scaled by ``scaling`` (Llama 3.1's, :class:`~funcshard.models.rope_scaling.RopeScaling`).
     The angle tables are computed once per shape and kept (see :func:`_rope_cached`); the numbers are those of
     computing them at each call.
 
@@ -303,16 +321,91 @@ def _vary(x: torch.Tensor, axis: str | None) -> torch.Tensor:
     return x if axis is None else lax.pvary(x, axis)
 
 
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: ParallelPlan) -> torch.Tensor:
-    """Causal grouped-query attention on ``[b, heads, s, hd]``; with a ``cp`` axis the sequence is split in
-    contiguous blocks over it and k/v go around the ring. The one place the block calls attention.
+def causal_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: ParallelPlan, sizes: Sequence[int] | None = None
+) -> torch.Tensor:
+    """Causal grouped-query attention on ``[b, heads, s, hd]``; with a ``cp`` axis the sequence is split over
+    it in ``plan.cp_layout`` (zigzag by default: chunks ``i`` and ``2n-1-i`` of ``2n`` on device ``i``, the
+    causal work balanced) and k/v go around the ring. The one place the block calls attention.
+
+    Args:
+        q: ``[b, heads, s(/cp), hd]`` queries (``s/cp``: this device's positions in ``plan.cp_layout``).
+        k: ``[b, kv_heads, s(/cp), hd]`` keys.
+        v: ``[b, kv_heads, s(/cp), hd]`` values.
+        plan: the parallel plan.
+        sizes: every cp device's local length, if known (:func:`cp_sizes`); default learnt by the ring.
+
+    Returns:
+        ``[b, heads, s(/cp), hd]``.
 
     Example:
         >>> q, kv = torch.randn(2, 4, 8, 16), torch.randn(2, 2, 8, 16)
         >>> causal_attention(q, kv, kv, ParallelPlan()).shape
         torch.Size([2, 4, 8, 16])
     """
-    return ring_attention(q, k, v, axis=plan.cp, causal=True, layout="contiguous")  # [b, h, s(/cp), hd]
+    # [b, h, s(/cp), hd] x 2 x [b, hkv, s(/cp), hd] -> [b, h, s(/cp), hd]
+    return ring_attention(q, k, v, axis=plan.cp, causal=True, layout=plan.cp_layout, sizes=sizes)
+
+
+def cp_sizes(s: int, plan: ParallelPlan) -> tuple[int, ...] | None:
+    """Every ``cp`` device's local sequence length (``torch.tensor_split``'s blocks; this device's is ``s``),
+    learnt from the devices only in a call with an uneven argument; None without ``cp``.
+
+    Example:
+        >>> cp_sizes(8, ParallelPlan()) is None
+        True
+    """
+    return None if plan.cp is None else tuple(block_sizes(s, plan.cp))
+
+
+def cp_positions(sizes: Sequence[int] | None, plan: ParallelPlan) -> int | torch.Tensor:
+    """This device's global sequence positions, ``[L_i]`` int64 varying over ``cp``, where the devices hold
+    ``sizes`` positions laid out by ``plan.cp_layout`` (:func:`funcshard.ops.layout_positions`); 0 (the
+    offset of the whole sequence) without ``cp``. What RoPE is given.
+
+    Example:
+        >>> cp_positions(None, ParallelPlan())
+        0
+    """
+    if plan.cp is None or sizes is None:
+        return 0
+    return layout_positions(sizes, lax.axis_index(plan.cp), plan.cp_layout)  # [L_i]: chunks i and 2n-1-i (zigzag)
+
+
+def to_cp_layout(x: torch.Tensor, plan: ParallelPlan, dim: int = 1) -> torch.Tensor:
+    """This device's block of ``x`` along ``dim`` in ``plan.cp_layout``, from its contiguous block
+    (``torch.tensor_split``'s): token ids and targets entering a model. Zigzag: the ids all-gathered over ``cp``
+    (``[b, L_i] -> [b, s]``, int32 on the wire: ``4 b s (n-1)/n`` bytes received per device), then this device's
+    chunks ``i`` and ``2n-1-i`` sliced (no communication); the same length ``L_i``, so no padding. Contiguous,
+    or no ``cp``: ``x`` itself.
+
+    Example:
+        >>> t = torch.arange(8).view(1, 8)
+        >>> to_cp_layout(t, ParallelPlan()) is t
+        True
+    """
+    if plan.cp is None or plan.cp_layout == "contiguous":
+        return x
+    wire = x.to(torch.int32) if x.dtype == torch.int64 else x  # ids: half the bytes of int64
+    full = lax.all_gather_invariant(wire, plan.cp, dim=dim, tiled=True)  # [.., L_i, ..] -> [.., s, ..]
+    return zigzag_split(full, plan.cp, dim=dim).to(x.dtype)  # [.., s, ..] -> [.., L_i, ..]: chunks i, 2n-1-i
+
+
+def from_cp_layout(x: torch.Tensor, plan: ParallelPlan, dim: int = 1) -> torch.Tensor:
+    """The inverse of :func:`to_cp_layout` for values (hidden states, logits): this device's contiguous block
+    along ``dim`` from its block in ``plan.cp_layout``. Zigzag: an all-gather over ``cp`` put in order
+    (``[b, L_i, f] -> [b, s, f]``: ``b s f (n-1)/n`` elements received per device), then this device's
+    ``torch.tensor_split`` block (backward: an all-gather of the cotangent blocks, then this device's chunks).
+
+    Example:
+        >>> h = torch.randn(1, 8, 4)
+        >>> from_cp_layout(h, ParallelPlan()) is h
+        True
+    """
+    if plan.cp is None or plan.cp_layout == "contiguous":
+        return x
+    full = zigzag_merge(x, plan.cp, dim=dim)  # [.., L_i, ..] -> [.., s, ..] in order, invariant over cp
+    return split_invariant(full, plan.cp, dim=dim)  # [.., s, ..] -> [.., L_i, ..]: the contiguous block
 
 
 def transformer_block(
@@ -415,10 +508,11 @@ def _block(
     if "q_norm" in p:  # Qwen3: RMSNorm of each head's q and k; the weights meet tp's heads (gradients summed)
         q = rms_norm(q, _vary(p["q_norm"], plan.tp), norm_eps)  # [b, s, heads(/tp), hd]
         k = rms_norm(k, _vary(p["k_norm"], plan.tp), norm_eps)  # [b, s, kv_heads(/tp), hd]
+    sizes = cp_sizes(s, plan)  # every cp device's length (exchanged only when the sequence is split unevenly)
     if rope_theta is not None:
-        offset = 0 if plan.cp is None else lax.axis_index(plan.cp) * s  # this device's first position
-        q, k = rope(q, rope_theta, offset, rope_scaling), rope(k, rope_theta, offset, rope_scaling)
-    o = causal_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), plan)  # [b, heads(/tp), s, hd]
+        pos = cp_positions(sizes, plan)  # this device's positions: 0 .. s-1, or its cp chunks'
+        q, k = rope(q, rope_theta, pos, rope_scaling), rope(k, rope_theta, pos, rope_scaling)
+    o = causal_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), plan, sizes)  # [b,h(/tp),s,hd]
     o = checkpoint_name(o.transpose(1, 2).reshape(b, s, o.shape[1] * o.shape[3]), "attn_out")  # [b, s, h(/tp)*hd]
     x = x + row_parallel_linear(o, p["wo"], axis=plan.tp, scatter_dim=sp)  # [b, s, h*hd(/tp)] -> [b, s(/tp), d]
     h = rms_norm(x, mlp_norm, norm_eps)  # [b, s(/tp), d]

@@ -15,8 +15,11 @@ Example:
 from . import moe as moe  # funcshard.ops.moe: routing, grouped experts, the MoE layer
 from . import triton as triton  # funcshard.ops.triton.flash_attention; imports no Triton until it runs
 from .attention import attention as attention
+from .attention import layout_positions as layout_positions
 from .attention import ring_attention as ring_attention
+from .attention import ring_work as ring_work
 from .attention import ulysses_attention as ulysses_attention
+from .attention import zigzag_chunk_sizes as zigzag_chunk_sizes
 from .attention import zigzag_indices as zigzag_indices
 from .attention import zigzag_inverse_indices as zigzag_inverse_indices
 from .attention import zigzag_merge as zigzag_merge
@@ -36,13 +39,16 @@ __all__ = [
     "column_parallel_linear",
     "fsdp_gather",
     "fsdp_unsharded_specs",
+    "layout_positions",
     "ring_attention",
+    "ring_work",
     "row_parallel_linear",
     "sequence_gather",
     "sequence_scatter",
     "ulysses_attention",
     "vocab_parallel_cross_entropy",
     "vocab_parallel_embedding",
+    "zigzag_chunk_sizes",
     "zigzag_indices",
     "zigzag_inverse_indices",
     "zigzag_merge",

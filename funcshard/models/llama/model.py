@@ -6,7 +6,8 @@ sharded model for the parallel plan (:class:`~funcshard.models.ParallelPlan`; by
 by the mesh axis of its own name, ``dp``, ``fsdp``, ``tp``, ``cp``): parameters are gathered layer by layer
 over ``fsdp`` (ZeRO-3), replicated ones are marked varying over ``dp`` and ``cp`` (their gradients are
 summed), the attention and MLP are Megatron column/row-parallel over ``tp`` (with sequence parallelism
-under ``plan.sp``), a ``cp`` axis splits the sequence (ring attention, RoPE at each block's positions),
+under ``plan.sp``), a ``cp`` axis splits the sequence (ring attention in the zigzag layout by default, the
+tokens and targets moved into it and ``forward``'s logits back; RoPE at each device's positions),
 logits stay vocab-parallel and the loss never gathers the vocabulary. Correct with ``check_vma`` on or off.
 
 The model is written once: each op takes its axis from the plan, ``None`` (the role is off) meaning plain
@@ -46,7 +47,7 @@ from ...ops.fsdp import reshard_after_forward
 from ...pipeline import Schedule
 from ..plan import ParallelPlan
 from ..stacked import unstack
-from ..transformer import rms_norm, transformer_block, use_params
+from ..transformer import from_cp_layout, rms_norm, to_cp_layout, transformer_block, use_params
 from .config import Config
 from .sharding import kv_shared, model_plan, param_shapes, pipeline_schedule, specs_for
 
@@ -172,8 +173,11 @@ def layer(
 
 def embed_tokens(table: torch.Tensor, tokens: torch.Tensor, lay: Layout) -> torch.Tensor:
     """The hidden states of ``tokens [b, s]``: ``[b, s(/tp), d]`` (split by sequence under SP), from the
-    embedding ``table`` as :func:`~funcshard.models.transformer.use_params` gives it (``[V/tp, d]``)."""
+    embedding ``table`` as :func:`~funcshard.models.transformer.use_params` gives it (``[V/tp, d]``). With a
+    ``cp`` axis the tokens come in contiguous blocks and the hidden states leave in the plan's ``cp_layout``
+    (zigzag by default: :func:`~funcshard.models.transformer.to_cp_layout`)."""
     plan = lay.plan
+    tokens = to_cp_layout(tokens, plan)  # [b, s/cp] contiguous -> [b, s/cp] zigzag (all-gathered ids, sliced)
     return vocab_parallel_embedding(tokens, table, axis=plan.tp, scatter_dim=1 if plan.sp else None)
 
 
@@ -281,13 +285,27 @@ def _done(logits: torch.Tensor, carry: Any, lay: Layout) -> Any:
     return logits if lay.aux_init is None else (logits, carry[1])
 
 
-def _hidden(carry: Any, lay: Layout) -> torch.Tensor:
-    """The hidden states of the layers' carry."""
-    return carry if lay.aux_init is None else carry[0]
+def _hidden(carry: Any, lay: Layout, ordered: bool = False) -> torch.Tensor:
+    """The hidden states of the layers' carry; ``ordered``: back in contiguous blocks over ``cp`` (from the plan's
+    ``cp_layout``; under SP, where they are split over ``tp`` too, the logits are put back instead)."""
+    h = carry if lay.aux_init is None else carry[0]
+    return from_cp_layout(h, lay.plan) if ordered and not lay.plan.sp else h  # [b, s/cp, d] -> [b, s/cp, d]
 
 
-def _forward(params: PyTree, tokens: torch.Tensor, cfg: Config, lay: Layout) -> Any:
-    """The logits of ``tokens``; ``(logits, aux)`` when the layout's layers carry an ``aux`` (``lay.aux_init``)."""
+def _forward(params: PyTree, tokens: torch.Tensor, cfg: Config, lay: Layout, ordered: bool = True) -> Any:
+    """The logits of ``tokens``; ``(logits, aux)`` when the layout's layers carry an ``aux`` (``lay.aux_init``).
+    ``ordered``: the logits in the tokens' contiguous blocks over ``cp`` (else in the plan's ``cp_layout``, the
+    targets' of :func:`lm_loss`)."""
+    out = _forward_in_layout(params, tokens, cfg, lay, ordered)
+    if not (ordered and lay.plan.sp):
+        return out
+    logits, rest = (out, None) if lay.aux_init is None else out
+    logits = from_cp_layout(logits, lay.plan)  # [b, s/cp, V/tp] -> [b, s/cp, V/tp] (SP: not the hidden states)
+    return logits if lay.aux_init is None else (logits, rest)
+
+
+def _forward_in_layout(params: PyTree, tokens: torch.Tensor, cfg: Config, lay: Layout, ordered: bool) -> Any:
+    """:func:`_forward`'s body: the logits, the hidden states put back in order before the head (``ordered``)."""
     plan = lay.plan
     if plan.pp is None and plan.fsdp is None:
         # nothing to gather: embed, norm and head are only made varying over the replica axes, in ONE bucket
@@ -298,13 +316,13 @@ def _forward(params: PyTree, tokens: torch.Tensor, cfg: Config, lay: Layout) -> 
         x = embed_tokens(top["embed"], tokens, lay)  # [b, s] -> [b, s(/tp), d]
         c = run_layers(_carry(x, lay), params["layers"], cfg, lay)
         tied = top["embed"] if cfg.tie_embeddings else None
-        return _done(head_logits(top, _hidden(c, lay), cfg, lay, tied, ready=True), c, lay)  # -> [b, s, V/tp]
+        return _done(head_logits(top, _hidden(c, lay, ordered), cfg, lay, tied, ready=True), c, lay)  # [b,s,V/tp]
     table = use_params(params["embed"], lay.specs["embed"], plan, cfg.precision)  # [V/tp, d/fsdp] -> [V/tp, d]
     if plan.pp is not None:
         x = embed_tokens(table, tokens, lay)  # [b, s] -> [b, s(/tp), d]
         c = _stages_in_turn(params, _carry(x, lay), cfg, lay)
         tied = table if cfg.tie_embeddings else None
-        return _done(head_logits(params, _hidden(c, lay), cfg, lay, tied), c, lay)  # -> [b, s, V/tp]
+        return _done(head_logits(params, _hidden(c, lay, ordered), cfg, lay, tied), c, lay)  # -> [b, s, V/tp]
     # fsdp: the norm and the head in ONE gather, at the start beside the embedding's (not waited for after the
     # layers): one all-gather and one reduce-scatter for both, the reduce-scatter issued as soon as the head's
     # backward is done (FSDP2's root group would add the embedding, whose gradient is the backward's last: the
@@ -314,7 +332,7 @@ def _forward(params: PyTree, tokens: torch.Tensor, cfg: Config, lay: Layout) -> 
     x = embed_tokens(table, tokens, lay)  # [b, s] -> [b, s(/tp), d]
     c, last = _run_layers(_carry(x, lay), params["layers"], cfg, lay)
     tied = table if cfg.tie_embeddings else None
-    logits = head_logits(top, _hidden(c, lay), cfg, lay, tied, ready=True)  # [b, s(/tp), d] -> [b, s, V/tp]
+    logits = head_logits(top, _hidden(c, lay, ordered), cfg, lay, tied, ready=True)  # [b, s(/tp), d] -> [b, s, V/tp]
     # the last layer's regather issued as the backward starts: it travels during the head's backward
     return _done(logits if last is None else last.regather_at(logits), c, lay)
 
@@ -393,10 +411,11 @@ def lm_loss(params: PyTree, tokens: torch.Tensor, targets: torch.Tensor, cfg: Co
     """:func:`loss` on a layout: ``(mean cross-entropy, aux)``, ``aux`` what the layers carry besides the hidden
     states (``lay.aux_init``; None for the Llama)."""
     data = lay.plan.data_axes
+    targets = to_cp_layout(targets, lay.plan)  # [b, s/cp]: in the layout the logits come in (zigzag: permuted)
     count = (targets != -100).sum().to(torch.float32)  # [] (local tokens; the cross-entropy is float32)
     if data:  # the global count depends on the targets only: summed while the forward computes (dist)
         count = psum_pending(count, data)  # [] -> [], over the data-parallel shards
-    out = _forward(params, tokens, cfg, lay)  # [b, s(/cp), V/tp] (and the layers' aux)
+    out = _forward(params, tokens, cfg, lay, ordered=False)  # [b, s(/cp), V/tp] in cp_layout (and the layers' aux)
     logits, aux = (out, None) if lay.aux_init is None else out
     total = vocab_parallel_cross_entropy(logits, targets, axis=lay.plan.tp, reduction="sum")  # [] (local tokens)
     if data:  # the pending count waited for here, with no dispatch through it

@@ -38,7 +38,7 @@ from ...extend import value_and_grad as _value_and_grad
 from ...ops import vocab_parallel_cross_entropy
 from ...pipeline import from_chunks, run, to_chunks
 from ..plan import ParallelPlan
-from ..transformer import use_params
+from ..transformer import to_cp_layout, use_params
 from .config import Config
 from .model import Layout, embed_tokens, head_logits, layout, loss, run_layers
 
@@ -98,6 +98,7 @@ def pipelined(
             f"axes {list(plan_.batch_axes)}) is not divisible by pp_microbatches={m}; use a global batch that "
             f"is a multiple of {m} x the data-parallel size, or set pp_microbatches to a divisor of {b}."
         )
+    targets = to_cp_layout(targets, plan_)  # [b, s/cp]: the layout embed_tokens gives the tokens (zigzag: permuted)
     toks = tokens.reshape(m, b // m, *tokens.shape[1:])  # [b, s] -> [m, b/m, s]
     tgts = targets.reshape(m, b // m, *targets.shape[1:])
     count = (targets != -100).sum()

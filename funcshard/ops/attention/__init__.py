@@ -17,7 +17,10 @@ Example:
 
 from . import triton as triton  # funcshard.ops.triton.flash_attention; imports no Triton until it runs
 from .local import attention as attention
+from .ring import layout_positions as layout_positions
 from .ring import ring_attention as ring_attention
+from .ring import ring_work as ring_work
+from .ring import zigzag_chunk_sizes as zigzag_chunk_sizes
 from .ring import zigzag_indices as zigzag_indices
 from .ring import zigzag_inverse_indices as zigzag_inverse_indices
 from .ring import zigzag_merge as zigzag_merge

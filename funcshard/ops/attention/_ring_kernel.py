@@ -28,14 +28,19 @@ of the forward, so the backward needs no running ``shard_map`` context.
 differentiates through the ring (keeping every received block and the per-step scores). It serves where the
 Function has no rule: under ``torch.vmap`` / ``jvp`` / forward-mode AD.
 
+Uneven sequences (devices of different local lengths): the k/v block travels padded to the longest (zeros
+at its end) and each step reads only the held block's own columns (:func:`_cols`); where all lengths agree
+nothing is padded, the even path's messages unchanged.
+
 Example:
-    >>> block_plan(i=1, j=0, causal=True, layout="zigzag", c=2)  # all queries, the block's first chunk
+    >>> block_plan(i=1, j=0, causal=True, layout="zigzag", sizes=(4, 4))  # all queries, the block's first chunk
     (slice(None, None, None), slice(0, 2, None), False)
 """
 
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Sequence
 from types import ModuleType
 from typing import Any
 
@@ -54,16 +59,18 @@ Pair = tuple[torch.Tensor, torch.Tensor]
 Triple = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 
-def block_plan(i: int, j: int, causal: bool, layout: str, c: int) -> Plan | None:
+def block_plan(i: int, j: int, causal: bool, layout: str, sizes: Sequence[int]) -> Plan | None:
     """What device ``i`` computes against the k/v block of device ``j``: ``(query rows, key columns, causal
-    within)``, or None for nothing (the block lies in the future of all its queries).
+    within)``, or None for nothing (the block lies in the future of all its queries). ``sizes``: every device's
+    local k/v length (q's too under ``causal``), in axis order.
 
     ``j == i``: causal attention on its own block (its positions increase, in either layout);
-    ``"contiguous"``: ``j < i`` full, ``j > i`` nothing; ``"zigzag"`` (chunks of length ``c``): ``j < i`` all
-    queries against the block's first chunk, ``j > i`` the second query chunk against the whole block.
+    ``"contiguous"``: ``j < i`` full, ``j > i`` nothing; ``"zigzag"`` (device ``j``'s first chunk
+    ``ceil(sizes[j] / 2)`` long, its second the rest): ``j < i`` all queries against the block's first chunk,
+    ``j > i`` the second query chunk against the whole block. By chunk order alone, so any chunk lengths.
 
     Example:
-        >>> block_plan(i=0, j=1, causal=True, layout="contiguous", c=2) is None
+        >>> block_plan(i=0, j=1, causal=True, layout="contiguous", sizes=(4, 4)) is None
         True
     """
     if j == i:
@@ -73,8 +80,8 @@ def block_plan(i: int, j: int, causal: bool, layout: str, c: int) -> Plan | None
     if layout == "contiguous":
         return (_ALL, _ALL, False) if j < i else None
     if j < i:
-        return _ALL, slice(0, c), False
-    return slice(c, None), _ALL, False
+        return _ALL, slice(0, (sizes[j] + 1) // 2), False
+    return slice((sizes[i] + 1) // 2, None), _ALL, False
 
 
 # --- one block, in the accumulation dtype, heads grouped ``[b, hkv, g, s, d]`` (g query heads per kv head) -------
@@ -142,6 +149,20 @@ def _place(dev: Any, axes: tuple[str, ...]) -> tuple[int, int]:
     return n, i
 
 
+def _cols(cols: slice, size: int, padded: bool) -> slice:
+    """A plan's key columns of a held block ``size`` long: all of them means its first ``size`` where the
+    block travels padded."""
+    return slice(0, size) if padded and cols == _ALL else cols
+
+
+def _padded(kv: torch.Tensor, sizes: tuple[int, ...]) -> torch.Tensor:
+    """``kv [.., b, hkv, L_i, d]`` padded with zeros to the longest local length along the sequence dim."""
+    extra = max(sizes) - kv.shape[-2]
+    if extra <= 0:
+        return kv
+    return torch.cat((kv, kv.new_zeros((*kv.shape[:-2], extra, kv.shape[-1]))), dim=-2)  # -> [.., max L, d]
+
+
 def _shift(n: int) -> tuple[tuple[int, int], ...]:
     return tuple((src, (src + 1) % n) for src in range(n))  # device src sends to src + 1
 
@@ -184,11 +205,12 @@ class RingAttention(Op):
         causal: bool,
         layout: str,
         scale: float,
+        sizes: tuple[int, ...],
     ) -> tuple[torch.Tensor, torch.Tensor]:
         n, i = _place(dev, axes)
-        h, sq, hkv = q.shape[1], q.shape[2], k.shape[1]
+        h, hkv = q.shape[1], k.shape[1]
         acc = torch.promote_types(q.dtype, torch.float32)  # merge in float32 (float64 stays float64)
-        c = sq // 2  # zigzag chunk length
+        padded = min(sizes) != max(sizes)  # uneven: blocks travel padded to the longest
         with torch._C.DisableTorchFunction():
             flash = _flash(q, k, v)
             if flash is None:  # the torch path: heads grouped [b, hkv, g, sq, d], blocks in the accumulation dtype
@@ -204,14 +226,16 @@ class RingAttention(Op):
                     with _on_device(qr):
                         return flash._forward(qr, kb, vb, diag, scale, out_dtype=acc)  # [b, h, r, d], [b, h, r]
 
-            kv = torch.stack((k, v))  # 2 x [b, hkv, sk, d] -> [2, b, hkv, sk, d]: one message per step
+            kv = _padded(torch.stack((k, v)), sizes)  # 2 x [b, hkv, sk, d] -> [2, b, hkv, sk(max), d]: one message
             out, lse = block(qb, k, v, causal)  # step 0, this device's own block (the diagonal: causal within it)
             for step in range(1, n):
                 kv = call(Ppermute, kv, dev, axes, _shift(n))  # [2,b,hkv,sk,d], from device i-1
-                plan = block_plan(i, (i - step) % n, causal, layout, c)
+                j = (i - step) % n
+                plan = block_plan(i, j, causal, layout, sizes)
                 if plan is None:  # contiguous, a block in the future: nothing to compute
                     continue
                 rows, cols, diag = plan
+                cols = _cols(cols, sizes[j], padded)
                 o, lo = block(qb[..., rows, :], kv[0, :, :, cols], kv[1, :, :, cols], diag)
                 _merge_into(out[..., rows, :], lse[..., rows], o, lo)
             if flash is None:
@@ -220,12 +244,12 @@ class RingAttention(Op):
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor, torch.Tensor]) -> None:
-        dev, axes, q, k, v, causal, layout, scale = inputs
+        dev, axes, q, k, v, causal, layout, scale, sizes = inputs
         out, lse = output
         ctx.set_materialize_grads(False)  # no zeros made for an unused lse (or out)
         ctx.dev, ctx.axes = dev, axes
         ctx.n, ctx.i = _place(dev, axes)
-        ctx.causal, ctx.layout, ctx.scale = causal, layout, scale
+        ctx.causal, ctx.layout, ctx.scale, ctx.sizes = causal, layout, scale, sizes
         ctx.save_for_backward(q, k, v, out, lse)
 
     @staticmethod
@@ -233,11 +257,11 @@ class RingAttention(Op):
         q, k, v, out, lse = ctx.saved_tensors
         if dout is None:
             dout = torch.zeros_like(out)
-        dev, axes, n, i, causal, scale = ctx.dev, ctx.axes, ctx.n, ctx.i, ctx.causal, ctx.scale
-        h, sq, hkv = q.shape[1], q.shape[2], k.shape[1]
+        dev, axes, n, i, causal, scale, sizes = ctx.dev, ctx.axes, ctx.n, ctx.i, ctx.causal, ctx.scale, ctx.sizes
+        h, sk, hkv = q.shape[1], k.shape[2], k.shape[1]
         g = h // hkv
         acc = torch.promote_types(q.dtype, torch.float32)
-        c = sq // 2
+        padded = min(sizes) != max(sizes)
         with torch._C.DisableTorchFunction():
             # the kernels record no graph: a backward that is itself differentiated (create_graph, torch.func)
             # takes the torch path, made of differentiable ops and collectives
@@ -264,15 +288,17 @@ class RingAttention(Op):
             if dlseb is not None:  # d lse / d scores = p: ds = p (dp - delta + dlse)
                 delta = delta - dlseb.to(acc)
             dq = torch.zeros(qb.shape, dtype=acc, device=qb.device)  # [b, h(kv, g), sq, d]
-            kv = torch.stack((k, v))  # [2, b, hkv, sk, d]
+            kv = _padded(torch.stack((k, v)), sizes)  # [2, b, hkv, sk(max), d]
             dkv = kv.new_zeros(kv.shape, dtype=acc)  # [2, b, hkv, sk, d]: the dk/dv of the block held, travelling
             for step in range(n):
                 if step:
                     kv, dkv = _rotate(kv, dkv, dev, axes, n)  # both from device i-1
-                plan = block_plan(i, (i - step) % n, causal, ctx.layout, c)
+                j = (i - step) % n
+                plan = block_plan(i, j, causal, ctx.layout, sizes)
                 if plan is None:
                     continue
                 rows, cols, diag = plan
+                cols = _cols(cols, sizes[j], padded)
                 dq_b, dk_b, dv_b = block(qb[..., rows, :], kv[0, :, :, cols], kv[1, :, :, cols],
                                          dob[..., rows, :], lseb[..., rows], delta[..., rows], diag)  # fmt: skip
                 dq[..., rows, :] += dq_b
@@ -281,12 +307,14 @@ class RingAttention(Op):
                 upd = torch.stack((dk_b, dv_b))  # 2 x [b, hkv, sk or c, d] -> [2, b, hkv, sk or c, d]
                 if cols == _ALL:
                     dkv = dkv + upd
-                else:  # zigzag, j < i: the block's first chunk
+                else:  # zigzag, j < i: the block's first chunk (or an uneven block's own columns)
                     dkv = torch.cat((dkv[:, :, :, cols] + upd, dkv[:, :, :, cols.stop :]), dim=3)  # -> [2,b,hkv,sk,d]
             if n > 1:  # the block held now is device i+1's, complete: one more hop takes it home
                 dkv = call(Ppermute, dkv, dev, axes, _shift(n))  # [2,b,hkv,sk,d] -> [2,b,hkv,sk,d]
+            if padded:
+                dkv = dkv[:, :, :, :sk]  # [2, b, hkv, max L, d] -> [2, b, hkv, L_i, d]: this block's own rows
             dq_out = (dq if flash is not None else dq.flatten(1, 2)).to(q.dtype)  # -> [b, h, sq, d]
-            return None, None, dq_out, dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None
+            return None, None, dq_out, dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None
 
 
 def _flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> ModuleType | None:
@@ -324,27 +352,28 @@ def ring_through_autograd(
     causal: bool,
     layout: str,
     scale: float | None,
+    sizes: Sequence[int] | None = None,
 ) -> torch.Tensor:
     """The forward of :class:`RingAttention` with differentiable collectives (:func:`funcshard.ppermute`):
     autograd differentiates through the ring, each ppermute's transpose carrying the k/v cotangent back
     (``n - 1`` more ppermutes), at the memory of every received block and the per-step scores.
 
     Example:
-        >>> # inside shard_map: out = ring_through_autograd(q, k, v, "cp", True, "zigzag", None)
-        >>> block_plan(i=0, j=1, causal=True, layout="zigzag", c=2)  # the second query chunk, the whole block
+        >>> # inside shard_map: out = ring_through_autograd(q, k, v, "cp", True, "zigzag", None, (4, 4))
+        >>> block_plan(i=0, j=1, causal=True, layout="zigzag", sizes=(4, 4))  # the second query chunk, the whole block
         (slice(2, None, None), slice(None, None, None), False)
     """
     n = lax.axis_size(axis)
     i = axis_index_int(axis)
     shift = list(_shift(n))
-    c = q.shape[2] // 2
+    sizes = [k.shape[2]] * n if sizes is None else sizes  # (None: every device holds this one's length)
     kv = torch.stack((k, v))  # 2 x [b, hkv, s/n, d] -> [2, b, hkv, s/n, d]: one message per step
     o, lse = attention(q, k, v, causal=causal, return_lse=True, scale=scale)  # [b, h, s/n, d], [b, h, s/n]
     acc = torch.promote_types(q.dtype, torch.float32)
     out, lse = o.to(acc), lse.to(acc)
     for step in range(1, n):
-        kv = lax.ppermute(kv, axis, shift)  # [2, b, hkv, s/n, d] -> [2, b, hkv, s/n, d], from device i-1
-        plan = block_plan(i, (i - step) % n, causal, layout, c)
+        kv = lax.ppermute(kv, axis, shift)  # [2, b, hkv, L_i, d] -> [2, b, hkv, L_j, d], from device i-1 (j)
+        plan = block_plan(i, (i - step) % n, causal, layout, sizes)
         if plan is None:
             # ...but keep the block in the graph (a zero-size slice, no work): every device must run the
             # backward ppermute of every step, or the ring's backward deadlocks on the devices that used it

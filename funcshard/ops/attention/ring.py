@@ -11,9 +11,11 @@ Layouts of the sequence over the axis (``n`` devices):
   does ``n`` times the work of device ``0``.
 - ``"zigzag"`` (load-balanced, the default): the sequence is cut into ``2n`` chunks and device ``i`` holds
   chunks ``i`` and ``2n-1-i``, concatenated. Every off-diagonal step then costs exactly half a block on every
-  device. Lay data out with :func:`zigzag_split` inside ``shard_map`` (from a replicated value), or outside
-  with :func:`zigzag_indices` and an ordinary ``P(None, None, "cp")`` spec; undo it with
-  :func:`zigzag_merge` / :func:`zigzag_inverse_indices`. Give RoPE the positions of
+  device. Any length: device ``i`` keeps its ``torch.tensor_split`` length ``L_i``, its chunks ``ceil(L_i/2)``
+  and ``floor(L_i/2)`` long (:func:`zigzag_chunk_sizes`); the causal work per device (:func:`ring_work`) is then
+  equal up to one query row of the sequence. Lay data out with :func:`zigzag_split` inside ``shard_map``
+  (from a replicated value), or outside with :func:`zigzag_indices` and an ordinary ``P(None, None, "cp")``
+  spec; undo it with :func:`zigzag_merge` / :func:`zigzag_inverse_indices`. Give RoPE the positions of
   :func:`zigzag_positions`.
 
 The backward is hand-written (FlashAttention-2's, blockwise, as ring attention implementations do), so
@@ -42,16 +44,21 @@ Example:
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 
 from ... import lax
-from ...extend import ShardingError, bind, split_invariant
-from ._ring_kernel import RingAttention, needs_autograd_ring, ring_through_autograd
+from ...extend import ShardingError, axis_index_int, bind, block_sizes, split_invariant
+from ._ring_kernel import Plan, RingAttention, block_plan, needs_autograd_ring, ring_through_autograd
 from .local import attention
 
 __all__ = [
+    "layout_positions",
     "ring_attention",
+    "ring_work",
+    "split_sizes",
+    "zigzag_chunk_sizes",
     "zigzag_indices",
     "zigzag_inverse_indices",
     "zigzag_merge",
@@ -65,39 +72,97 @@ LAYOUTS = ("zigzag", "contiguous")
 # --- the zigzag layout ----------------------------------------------------------------------------------------
 
 
-def _check_zigzag(seq_len: int, n: int, fn: str, where: str = "") -> int:
-    """The chunk length ``seq_len / 2n``, or a ShardingError saying how to fix the length."""
-    if n < 1 or seq_len % (2 * n):
+def split_sizes(seq_len: int, n: int) -> list[int]:
+    """Each device's local length when ``seq_len`` positions are split over ``n`` devices as
+    ``torch.tensor_split`` splits them (the first ``seq_len % n`` devices hold one more).
+
+    Example:
+        >>> split_sizes(30, 4)
+        [8, 8, 7, 7]
+    """
+    return [seq_len // n + (1 if i < seq_len % n else 0) for i in range(n)]
+
+
+def zigzag_chunk_sizes(seq_len: int, n: int) -> list[int]:
+    """The lengths of the ``2n`` zigzag chunks, in sequence order. Device ``i`` holds chunks ``i`` and ``2n-1-i``,
+    whose lengths sum to its ``torch.tensor_split`` length ``L_i`` (so its local length is the contiguous
+    layout's, no padding): chunk ``i`` is ``ceil(L_i / 2)`` long, chunk ``2n-1-i`` ``floor(L_i / 2)``. Where
+    ``2n`` divides ``seq_len`` every chunk is ``seq_len / 2n`` long.
+
+    Args:
+        seq_len: the full sequence length (any, >= 0).
+        n: the number of devices on the context-parallel axis.
+
+    Returns:
+        ``2n`` ints summing to ``seq_len``.
+
+    Raises:
+        ShardingError: ``n < 1`` or a negative ``seq_len``.
+
+    Example:
+        >>> zigzag_chunk_sizes(30, 4)  # local lengths 8, 8, 7, 7: chunks 4+4, 4+4, 4+3, 4+3
+        [4, 4, 4, 4, 3, 3, 4, 4]
+    """
+    _check_zigzag(seq_len, n, "zigzag_chunk_sizes")
+    return _chunks_of(split_sizes(seq_len, n))
+
+
+def _chunks_of(sizes: Sequence[int]) -> list[int]:
+    """The ``2n`` chunk lengths, in sequence order, of devices holding ``sizes`` positions (the zigzag rule)."""
+    return [(s + 1) // 2 for s in sizes] + [s // 2 for s in reversed(sizes)]
+
+
+def _check_zigzag(seq_len: int, n: int, fn: str) -> None:
+    """ShardingError for a device count or length no layout has."""
+    if n < 1 or seq_len < 0:
         raise ShardingError(
-            f"{fn}: the zigzag layout cuts the sequence into 2n = {2 * n} chunks (n = {n}), but the sequence"
-            f"{where} has length {seq_len}, not divisible by {2 * n}; pad it to a multiple of {2 * n} or use the "
-            f"contiguous layout."
+            f"{fn}: the zigzag layout needs n >= 1 devices and a length >= 0, found n = {n}, length {seq_len}; pass "
+            f"the context-parallel axis' size (fs.axis_size(axis)) as n."
         )
-    return seq_len // (2 * n)
+
+
+def _table(sizes: Sequence[int], layout: str) -> torch.Tensor:
+    """``[n, max(sizes)]`` int64: row ``i`` the global positions device ``i`` holds under ``layout`` (devices
+    holding ``sizes`` positions), padded with -1. Made from Python lists in one op (it runs in every layer)."""
+    n, m = len(sizes), max(sizes, default=0)
+    if layout == "contiguous":
+        starts = [sum(sizes[:i]) for i in range(n)]
+        rows = [list(range(starts[i], starts[i] + sizes[i])) for i in range(n)]
+    else:
+        chunks = _chunks_of(sizes)
+        starts = [sum(chunks[:c]) for c in range(2 * n)]
+        rows = [
+            list(range(starts[i], starts[i] + chunks[i]))  # chunk i
+            + list(range(starts[2 * n - 1 - i], starts[2 * n - 1 - i] + chunks[2 * n - 1 - i]))  # chunk 2n-1-i
+            for i in range(n)
+        ]
+    return torch.tensor([r + [-1] * (m - len(r)) for r in rows], dtype=torch.int64).view(n, m)  # [n, m]
 
 
 def zigzag_indices(seq_len: int, n: int) -> torch.Tensor:
     """Positions in zigzag order: ``x.index_select(dim, zigzag_indices(s, n))`` lays a full sequence out so
-    that an ordinary ``n``-way split of ``dim`` gives device ``i`` chunks ``i`` and ``2n-1-i`` (of ``2n``).
+    that an ordinary ``n``-way split of ``dim`` (``torch.tensor_split``'s where ``n`` does not divide it) gives
+    device ``i`` chunks ``i`` and ``2n-1-i`` (of ``2n``; lengths :func:`zigzag_chunk_sizes`).
 
     Args:
-        seq_len: the full sequence length, a multiple of ``2n``.
+        seq_len: the full sequence length (any: uneven lengths take :func:`zigzag_chunk_sizes`' chunks).
         n: the number of devices on the context-parallel axis.
 
     Returns:
         ``[seq_len]`` int64 positions.
 
     Raises:
-        ShardingError: ``seq_len`` not divisible by ``2n``.
+        ShardingError: ``n < 1``.
 
     Example:
         >>> zigzag_indices(8, 2)  # chunks of 2: device 0 gets chunks 0, 3; device 1 gets chunks 1, 2
         tensor([0, 1, 6, 7, 2, 3, 4, 5])
+        >>> zigzag_indices(7, 2)  # local lengths 4, 3: chunks 2, 2 | 1, 2
+        tensor([0, 1, 5, 6, 2, 3, 4])
     """
-    c = _check_zigzag(seq_len, n, "zigzag_indices")
-    chunks = torch.arange(seq_len).view(2 * n, c)  # [2n, c]
-    order = [j for i in range(n) for j in (i, 2 * n - 1 - i)]
-    return chunks[order].reshape(-1)  # [2n, c] -> [s]
+    _check_zigzag(seq_len, n, "zigzag_indices")
+    table = _table(split_sizes(seq_len, n), "zigzag")  # [n, m], -1 padded
+    return table[table >= 0]  # [n, m] -> [s], row by row
 
 
 def zigzag_inverse_indices(seq_len: int, n: int) -> torch.Tensor:
@@ -115,23 +180,58 @@ def zigzag_positions(seq_len: int, n: int, index: int | torch.Tensor) -> torch.T
     """The global positions device ``index`` holds under the zigzag layout (e.g. for rotary embeddings).
 
     Args:
-        seq_len: the full sequence length, a multiple of ``2n``.
+        seq_len: the full sequence length (any; see :func:`zigzag_chunk_sizes`).
         n: the number of devices on the context-parallel axis.
         index: the device's index on the axis, in ``[0, n)``: an int, or the 0-dim tensor of
             :func:`funcshard.axis_index` (the positions then vary over its axis, as check_vma tracks).
 
     Returns:
-        ``[seq_len / n]`` int64 positions.
+        ``[L_i]`` int64 positions, ``L_i`` the device's ``torch.tensor_split`` length.
 
     Raises:
-        ShardingError: ``seq_len`` not divisible by ``2n``, or ``index`` outside ``[0, n)``.
+        ShardingError: ``n < 1``, or ``index`` outside ``[0, n)``.
 
     Example:
         >>> zigzag_positions(8, 2, 1)
         tensor([2, 3, 4, 5])
+        >>> zigzag_positions(7, 2, 1)  # chunks 1 and 2 of lengths 2, 2, 1, 2
+        tensor([2, 3, 4])
         >>> # inside shard_map: pos = zigzag_positions(s, fs.axis_size("cp"), fs.axis_index("cp"))
     """
-    table = zigzag_indices(seq_len, n).view(n, seq_len // n)  # [s] -> [n, s/n]: row i, device i's positions
+    _check_zigzag(seq_len, n, "zigzag_positions")
+    return layout_positions(split_sizes(seq_len, n), index, "zigzag")
+
+
+def layout_positions(sizes: Sequence[int], index: int | torch.Tensor, layout: str = "zigzag") -> torch.Tensor:
+    """The global positions device ``index`` holds when the devices hold ``sizes`` positions each (in axis
+    order) laid out by ``layout`` (``"zigzag"``: :func:`zigzag_chunk_sizes`' rule on ``sizes``; ``"contiguous"``:
+    in order): what RoPE needs inside a context-parallel model.
+
+    Args:
+        sizes: every device's local sequence length, in axis order (e.g. :func:`funcshard.block_sizes`').
+        index: the device's index, an int or the 0-dim tensor of :func:`funcshard.axis_index`.
+        layout: ``"zigzag"`` or ``"contiguous"``.
+
+    Returns:
+        ``[sizes[index]]`` int64 positions (varying over the axis of a tensor ``index``).
+
+    Raises:
+        ShardingError: an unknown layout or an index outside ``[0, len(sizes))``.
+
+    Example:
+        >>> layout_positions([8, 8, 7, 7], 2, "zigzag")
+        tensor([ 8,  9, 10, 11, 19, 20, 21])
+        >>> layout_positions([8, 8, 7, 7], 2, "contiguous")
+        tensor([16, 17, 18, 19, 20, 21, 22])
+    """
+    if layout not in LAYOUTS:
+        raise ShardingError(f"layout_positions: unknown layout {layout!r}; use one of {LAYOUTS}.")
+    n = len(sizes)
+    table = _table(sizes, layout)  # [n, m]: row i, device i's positions
+    even = min(sizes, default=0) == max(sizes, default=0)
+    if isinstance(index, torch.Tensor) and even:  # no value read (a meta index of the abstract backend too)
+        # [n, m] -> [1, m] -> [m], selected by the tensor itself: its varying axes pass to the result
+        return table.to(index.device).index_select(0, index.reshape(1)).squeeze(0)
     i = int(index)
     if not 0 <= i < n:
         raise ShardingError(
@@ -139,14 +239,56 @@ def zigzag_positions(seq_len: int, n: int, index: int | torch.Tensor) -> torch.T
             f"fs.axis_index(axis) of the context-parallel axis, and its size as n."
         )
     if isinstance(index, torch.Tensor):  # indexed by the tensor itself: its varying axes pass to the result
-        return table[index.to(table.device)]  # [n, s/n] -> [s/n]
-    return table[i]  # [n, s/n] -> [s/n]
+        return table.to(index.device)[index][: sizes[i]]  # [n, m] -> [m] -> [L_i]
+    return table[i, : sizes[i]]  # [n, m] -> [L_i]
+
+
+def ring_work(seq_len: int | Sequence[int], n: int, layout: str = "zigzag", *, causal: bool = True) -> list[int]:
+    """The attention work of each device of a ring: the query-key pairs it computes (the area of the blocks
+    :func:`ring_attention`'s plan gives it, the unmasked triangle of a diagonal block), per device in axis order.
+    Under ``causal`` the ring computes exactly the visible pairs, so the numbers sum to ``s (s + 1) / 2``.
+
+    Args:
+        seq_len: the full sequence length (split as ``torch.tensor_split`` does), or every device's local length.
+        n: the number of devices on the axis.
+        layout: ``"zigzag"`` or ``"contiguous"``.
+        causal: the causal mask (``False``: every device computes ``L_i x s``).
+
+    Returns:
+        ``n`` ints.
+
+    Raises:
+        ShardingError: an unknown layout, or ``n`` that does not match the given lengths.
+
+    Example:
+        >>> ring_work(32, 4, "contiguous")  # device 3 does 6.3x device 0's work
+        [36, 100, 164, 228]
+        >>> ring_work(32, 4, "zigzag")
+        [132, 132, 132, 132]
+    """
+    sizes = split_sizes(seq_len, n) if isinstance(seq_len, int) else [int(s) for s in seq_len]
+    if layout not in LAYOUTS or len(sizes) != n:
+        raise ShardingError(
+            f"ring_work: layout {layout!r} with {len(sizes)} lengths for n = {n} devices; use one of {LAYOUTS} and "
+            f"one length per device."
+        )
+    return [sum(_area(block_plan(i, j, causal, layout, sizes), sizes[i], sizes[j]) for j in range(n)) for i in range(n)]
+
+
+def _area(plan: Plan | None, rows: int, cols: int) -> int:
+    """The query-key pairs of one planned block (``rows`` x ``cols`` before the plan's slices)."""
+    if plan is None:
+        return 0
+    r = len(range(rows)[plan[0]])
+    c = len(range(cols)[plan[1]])
+    return r * (r + 1) // 2 if plan[2] else r * c
 
 
 def zigzag_split(x: torch.Tensor, axis: str | None, dim: int) -> torch.Tensor:
     """This device's zigzag chunks (``i`` and ``2n-1-i`` of ``2n``, concatenated) of a value replicated over
     ``axis``: a local slice (forward, no communication); all-gather of the cotangent chunks back into place
-    (backward).
+    (backward). Any length: uneven ones take :func:`zigzag_chunk_sizes`' chunks (device ``i`` then holds its
+    ``torch.tensor_split`` length).
 
     Args:
         x: the full sequence along ``dim``, invariant over ``axis``.
@@ -154,10 +296,7 @@ def zigzag_split(x: torch.Tensor, axis: str | None, dim: int) -> torch.Tensor:
         dim: the sequence dim.
 
     Returns:
-        ``x`` with ``dim`` of length ``s / n``, varying over ``axis``.
-
-    Raises:
-        ShardingError: ``x.shape[dim]`` not divisible by ``2n``.
+        ``x`` with ``dim`` of length ``L_i`` (``s / n`` where ``n`` divides ``s``), varying over ``axis``.
 
     Example:
         >>> # q = zigzag_split(q_full, "cp", dim=2)  # [b, h, s, d] -> [b, h, s/n, d]
@@ -169,10 +308,9 @@ def zigzag_split(x: torch.Tensor, axis: str | None, dim: int) -> torch.Tensor:
         return x
     n = lax.axis_size(axis)
     d = dim % x.dim()
-    _check_zigzag(x.shape[d], n, "zigzag_split", f" (dim {d} of shape {tuple(x.shape)})")
     idx = zigzag_indices(x.shape[d], n).to(x.device)
     x = x.index_select(d, idx)  # [.., s, ..] -> [.., s, ..] in zigzag order (local, no communication)
-    return split_invariant(x, axis, dim=d)  # [.., s, ..] -> [.., s/n, ..]; backward all-gathers
+    return split_invariant(x, axis, dim=d)  # [.., s, ..] -> [.., L_i, ..] (tensor_split's); backward all-gathers
 
 
 def zigzag_merge(x: torch.Tensor, axis: str | None, dim: int) -> torch.Tensor:
@@ -180,12 +318,16 @@ def zigzag_merge(x: torch.Tensor, axis: str | None, dim: int) -> torch.Tensor:
     result invariant over ``axis``); this device's chunks of the cotangent (backward, no communication).
 
     Args:
-        x: this device's zigzag chunks along ``dim``, ``s / n`` long.
+        x: this device's zigzag chunks along ``dim``, ``L_i`` long (``torch.tensor_split``'s lengths of the
+            sequence, as :func:`zigzag_split` gives them).
         axis: the context-parallel mesh axis; ``None``: the sequence is not split, ``x`` itself.
         dim: the sequence dim.
 
     Returns:
         The full sequence along ``dim``, invariant over ``axis``.
+
+    Raises:
+        ShardingError: local lengths that are not ``torch.tensor_split``'s of their sum.
 
     Example:
         >>> # out_full = zigzag_merge(out, "cp", dim=2)  # [b, h, s/n, d] -> [b, h, s, d]
@@ -197,26 +339,28 @@ def zigzag_merge(x: torch.Tensor, axis: str | None, dim: int) -> torch.Tensor:
         return x
     n = lax.axis_size(axis)
     d = dim % x.dim()
-    seq = x.shape[d] * n
-    _check_zigzag(seq, n, "zigzag_merge", f" (dim {d}: {x.shape[d]} per device x {n})")
-    y = lax.all_gather_invariant(x, axis, dim=d, tiled=True)  # [.., s/n, ..] -> [.., s, ..] in zigzag order
+    sizes = list(block_sizes(x.shape[d], axis))  # every device's length (learnt only in an uneven call)
+    seq = sum(sizes)
+    if sizes != split_sizes(seq, n):
+        raise ShardingError(
+            f"zigzag_merge: the devices of {axis!r} hold {sizes} positions along dim {d}, not torch.tensor_split's "
+            f"{split_sizes(seq, n)} of {seq}; lay the sequence out with zigzag_split (or an ordinary split of "
+            f"zigzag_indices' order)."
+        )
+    y = lax.all_gather_invariant(x, axis, dim=d, tiled=True)  # [.., L_i, ..] -> [.., s, ..] in zigzag order
     return y.index_select(d, zigzag_inverse_indices(seq, n).to(y.device))  # [.., s, ..] -> [.., s, ..] in order
 
 
 # --- ring attention -------------------------------------------------------------------------------------------
 
 
-def _check(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, layout: str, fn: str, split: bool = True
-) -> None:
-    """ShardingError naming the shapes and the fix; ``split=False``: the sequence is not split (no parity rule)."""
+def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, layout: str, fn: str) -> None:
+    """ShardingError naming the shapes and the fix."""
     with torch._C.DisableTorchFunction():  # shape reads only: none through the vma mode (~20 dispatches a call)
-        _check_shapes(q, k, v, causal, layout, fn, split)
+        _check_shapes(q, k, v, causal, layout, fn)
 
 
-def _check_shapes(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, layout: str, fn: str, split: bool
-) -> None:
+def _check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, layout: str, fn: str) -> None:
     """:func:`_check`'s body (with torch functions off)."""
     if layout not in LAYOUTS:
         raise ShardingError(f"{fn}: unknown layout {layout!r}; use one of {LAYOUTS}.")
@@ -234,11 +378,6 @@ def _check_shapes(
             f"{fn}(causal=True): q holds {q.shape[2]} positions per device but k/v {k.shape[2]}; shard q, k and v "
             f"the same way along the sequence."
         )
-    if split and causal and layout == "zigzag" and q.shape[2] % 2:
-        raise ShardingError(
-            f"{fn}(layout='zigzag'): each device must hold two equal chunks, but it holds {q.shape[2]} positions "
-            f"(odd); make the sequence a multiple of 2 x the axis size, or use layout='contiguous'."
-        )
 
 
 def ring_attention(
@@ -250,6 +389,7 @@ def ring_attention(
     causal: bool = True,
     layout: str = "zigzag",
     scale: float | None = None,
+    sizes: Sequence[int] | None = None,
 ) -> torch.Tensor:
     """Softmax attention over a sequence sharded on ``axis``: k/v blocks rotate around the ring.
 
@@ -265,22 +405,30 @@ def ring_attention(
     chunk lies in the future of both query chunks), ``j > i`` the second query chunk against the whole block
     (the first query chunk precedes it all). The layout is irrelevant when ``causal=False``.
 
+    Uneven sequences: the devices may hold different lengths ``L_i`` (``torch.tensor_split``'s blocks, e.g. 30
+    positions on 4 devices: 8, 8, 7, 7). Under zigzag device ``i``'s first chunk is ``ceil(L_i / 2)`` long and
+    its second ``floor(L_i / 2)`` (:func:`zigzag_chunk_sizes`; the rule holds for any chunk lengths, so odd local
+    lengths are fine too). The k/v blocks then travel padded to the longest and are cut on arrival.
+
     Args:
-        q: ``[b, h, s/n, d]`` this device's queries.
-        k: ``[b, hkv, s/n, d]`` this device's keys (``h`` a multiple of ``hkv``: grouped-query attention).
-        v: ``[b, hkv, s/n, d]`` this device's values.
+        q: ``[b, h, L_i, d]`` this device's queries.
+        k: ``[b, hkv, L_i, d]`` this device's keys (``h`` a multiple of ``hkv``: grouped-query attention).
+        v: ``[b, hkv, L_i, d]`` this device's values.
         axis: the context-parallel mesh axis; ``None``: the sequence is not split, plain :func:`attention`
             (on one device both layouts are the sequence in order).
         causal: mask each query's future positions (global positions, per ``layout``).
         layout: ``"zigzag"`` (device ``i`` holds chunks ``i`` and ``2n-1-i`` of ``2n``) or ``"contiguous"``
             (chunk ``i`` of ``n``).
         scale: score scale, default ``1/sqrt(d)``.
+        sizes: every device's local k/v length ``L_j`` (q's too under ``causal``) in axis order, if known;
+            default: learnt with :func:`funcshard.extend.block_sizes` (no communication unless the call has an
+            uneven argument).
 
     Returns:
-        ``[b, h, s/n, d]`` this device's rows of the attention output, in ``q``'s dtype, varying over ``axis``.
+        ``[b, h, L_i, d]`` this device's rows of the attention output, in ``q``'s dtype, varying over ``axis``.
 
     Raises:
-        ShardingError: an unknown layout, shapes that do not fit, or an odd local length under zigzag.
+        ShardingError: an unknown layout, shapes that do not fit, or ``sizes`` that do not hold this device's.
 
     Example:
         >>> # inside shard_map over {"cp": 4}, q/k/v with spec P(None, None, "cp") in zigzag order:
@@ -289,14 +437,33 @@ def ring_attention(
         >>> torch.equal(ring_attention(q, k, v, axis=None), attention(q, k, v, causal=True))  # no axis: local
         True
     """
-    _check(q, k, v, causal, layout, "ring_attention", split=axis is not None)
+    _check(q, k, v, causal, layout, "ring_attention")
     if axis is None:
         return attention(q, k, v, causal=causal, scale=scale)  # [b, h, s, d] x [b, hkv, s, d] -> [b, h, s, d]
+    lengths = _sizes(k, axis, sizes)  # the k/v blocks' (under causal, q's too)
     if needs_autograd_ring(q, k, v):  # vmap / jvp / forward-mode AD: the Function has no rule for them
-        return ring_through_autograd(q, k, v, axis, causal, layout, scale)
+        return ring_through_autograd(q, k, v, axis, causal, layout, scale, lengths)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     # the ring: [b, h, s/n, d] x 2 x [b, hkv, s/n, d] -> out [b, h, s/n, d], lse [b, h, s/n] (unused); bind makes
     # k/v vary over axis first (they enter the ppermutes), q/k/v agree under check_vma, and it tags the results
-    ys = bind(RingAttention, q, k, v, axis=axis, name="ring_attention", params=(causal, layout, scale))
+    params = (causal, layout, scale, lengths)
+    ys = bind(RingAttention, q, k, v, axis=axis, name="ring_attention", params=params)
     assert ys is not None  # (its rule never declines)
     return ys[0]
+
+
+def _sizes(k: torch.Tensor, axis: str, sizes: Sequence[int] | None) -> tuple[int, ...]:
+    """Every device's local k/v length on ``axis``: ``sizes`` checked against this device's, or learnt."""
+    with torch._C.DisableTorchFunction():
+        here = k.shape[2]
+    if sizes is None:
+        return tuple(block_sizes(here, axis))  # [L_0, ..., L_{n-1}] (no exchange in an even call)
+    lengths = tuple(int(s) for s in sizes)
+    n = lax.axis_size(axis)
+    if len(lengths) != n or lengths[axis_index_int(axis)] != here:
+        raise ShardingError(
+            f"ring_attention: sizes={list(lengths)} do not describe axis {axis!r} (size {n}) "
+            f"where this device holds {here} positions; pass every device's local length in axis order, or "
+            f"leave sizes=None to learn them."
+        )
+    return lengths
