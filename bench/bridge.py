@@ -9,8 +9,9 @@ Cases (A/B in one run, on the same processes and the same weights, a ``transform
 - ``tp_native``: ``fs.nn.parallelize(model, mesh)`` with the model's own plan and ``loss_parallel=True`` (the
   embedding and head split by vocabulary) vs funcshard's native Llama (``llama.from_hf`` of the same weights,
   ``llama.value_and_grad``) on ``{"tp": 2}``;
-- ``fsdp``: ``fs.nn.parallelize(model, {"fsdp": 2})`` (every parameter sharded, gathered per submodule, kept for the
-  backward) vs FSDP2 ``fully_shard`` on every decoder layer and the root with ``reshard_after_forward=False``.
+- ``fsdp``: ``fs.nn.parallelize(model, {"fsdp": 2})`` (every parameter sharded, gathered per FSDP unit: each
+  decoder layer and the root's embedding, norm and head, one flat bucket each, the next unit prefetched, kept for
+  the backward) vs FSDP2 ``fully_shard`` on every decoder layer and the root with ``reshard_after_forward=False``.
 
 Method: the losses of both sides are checked to agree at step 0 (rtol 1e-4). Then ``--warmup`` steps each, then
 ``--steps`` steps each, A/B interleaved (the order flips every step), each step timed from a barrier to a barrier

@@ -89,9 +89,11 @@ class Parallelized:
         loss_parallel: bool,
         check_state: bool,
         fsdp_units: list[str] | tuple[str, ...] | None = None,
+        reshard_after_forward: bool = False,
     ) -> None:
         self.module, self.mesh_shape, self.layout = module, dict(mesh.shape), lay
         self._unit_paths = fsdp_unit_paths(module, fsdp_units) if lay.fsdp is not None else [""]
+        self._reshard = reshard_after_forward
         self.batch_spec = lay.batch_spec
         self._alias = tied_names(module)
         self._holders: dict[int, Holder] = {}
@@ -115,7 +117,7 @@ class Parallelized:
         lay = self.layout
         gathers = None
         if lay.fsdp is not None:
-            gathers = Gathers(lay.fsdp)
+            gathers = Gathers(lay.fsdp, reshard=self._reshard, root=inst)
             mods = dict(inst.named_modules())
             roots = self._unit_paths
             for path, mod in inst.named_modules():
@@ -177,6 +179,7 @@ def parallelize(
     loss_parallel: bool = False,
     check_state: bool = True,
     fsdp_units: list[str] | tuple[str, ...] | None = None,
+    reshard_after_forward: bool = False,
 ) -> tuple[dict[str, torch.Tensor], dict[str, P], Parallelized]:
     """The module sharded over ``mesh``: its parameters, their specs, and the function to run in ``shard_map``.
 
@@ -206,6 +209,10 @@ def parallelize(
         fsdp_units: with an ``fsdp`` axis, the submodules gathered as one unit each: path patterns (as the plan's)
             or class names; ``None``: the Hugging Face ``_no_split_modules`` (the decoder layers), else the root's
             children. The parameters no unit holds (embedding, final norm, head) form the root's unit.
+        reshard_after_forward: with an ``fsdp`` axis, free each unit's gathered weights after its forward and gather
+            them again for its backward (FSDP2's ``reshard_after_forward=True``: one more all-gather per unit but
+            the root's, less memory; :func:`funcshard.ops.fsdp.reshard_after_forward`). False: kept for the
+            backward.
 
     Returns:
         ``(params, specs, fn)``: the full parameters and buffers by dotted name, their specs, and ``fn``.
@@ -236,7 +243,15 @@ def parallelize(
     styles = tie_styles(module, styles)
     lay = layout(module, mesh, styles)
     lp = loss_parallel and lay.tp is not None
-    fn = Parallelized(module, mesh, lay, loss_parallel=lp, check_state=check_state, fsdp_units=fsdp_units)
+    fn = Parallelized(
+        module,
+        mesh,
+        lay,
+        loss_parallel=lp,
+        check_state=check_state,
+        fsdp_units=fsdp_units,
+        reshard_after_forward=reshard_after_forward,
+    )
     params = module_state(module)
     specs = {name: lay.specs.get(name, P()) for name in params}
     return params, specs, fn

@@ -14,6 +14,7 @@ travels while this one computes).
 
 from __future__ import annotations
 
+import functools
 import types
 from collections.abc import Callable
 from typing import Any
@@ -25,7 +26,7 @@ from torch import nn
 from .. import lax
 from ..extend import ConfigError, P, split_invariant
 from ..ops import row_parallel_linear, vocab_parallel_embedding
-from ..ops.fsdp import fsdp_gather
+from ..ops.fsdp import fsdp_gather, reshard_after_forward
 
 __all__ = ["CallState", "Gathers", "Holder", "Unit", "install"]
 
@@ -51,8 +52,10 @@ class Gathers:
     """A copy's FSDP units by the module whose forward pre-hook gathers them (a decoder layer; the root for its
     loose parameters), and the order the units ran in the last call (the prefetch order of the next)."""
 
-    def __init__(self, fsdp: str) -> None:
+    def __init__(self, fsdp: str, *, reshard: bool = False, root: nn.Module | None = None) -> None:
         self.fsdp = fsdp
+        self.reshard = reshard  # free each unit's gathered weights after its forward, gather again in the backward
+        self.root = root  # the root's unit is never resharded (its forward spans every other unit's)
         self.units: dict[nn.Module, Unit] = {}
         self.order: list[nn.Module] = []
         self.position: dict[nn.Module, int] = {}
@@ -68,6 +71,10 @@ class CallState:
         self.pending: dict[nn.Module, Callable[[], dict[str, torch.Tensor]]] = {}
         self.done: set[nn.Module] = set()
         self.seen: list[nn.Module] = []
+        # each unit's shards as this call gave them, by replica axes: {reps: {name: (shard, spec)}}
+        self.groups: dict[nn.Module, dict[tuple[str, ...], dict[str, tuple[torch.Tensor, P]]]] = {}
+        self.scopes: dict[nn.Module, reshard_after_forward] = {}  # the resharded units' scopes now open
+        self.last: reshard_after_forward | None = None  # the last resharded unit's scope (the next one's ``after``)
 
     def vary(self, x: torch.Tensor, axis: str) -> torch.Tensor:
         """``pvary(x, axis)`` (identity forward, psum backward), the same result for the same ``x`` in this call."""
@@ -92,19 +99,49 @@ class CallState:
             if nxt not in self.done and nxt not in self.pending:
                 self.pending[nxt] = self._issue(nxt)  # FSDP2's prefetch: in flight while mod computes
         full = finish()
-        for name, _, _, owners in g.units[mod].entries:
-            for owner, attr in owners:
-                owner._parameters[attr] = full[name]  # the gathered weight, for this call only
+        self._place(mod, full)
         self.done.add(mod)
+        if g.reshard and mod is not g.root:  # entered here, left by the unit's forward hook (:meth:`release`)
+            regather = self._issue(mod, regather=True)
+            self.last = self.scopes[mod] = reshard_after_forward(full, regather, after=self.last, derive=False)
+            self.scopes[mod].__enter__()
 
-    def _issue(self, mod: nn.Module) -> Callable[[], dict[str, torch.Tensor]]:
-        """The all-gathers of unit ``mod``'s sharded parameters over ``fsdp``: one flat bucket per set of replica
-        axes (and dtype), whose backward is one reduce-scatter."""
+    def _place(self, mod: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
+        """Put ``tensors`` (by name) in the places of unit ``mod``'s parameters, for this call only."""
         assert self.gathers is not None
+        for name, _, _, owners in self.gathers.units[mod].entries:
+            for owner, attr in owners:
+                owner._parameters[attr] = tensors[name]
+
+    def release(self, mod: nn.Module) -> None:
+        """After a resharded unit's forward: leave its scope and put its shards back, so the gathered weights are
+        freed (the backward gathers them again); a second call of the unit in this call gathers again."""
+        scope = self.scopes.pop(mod, None)
+        if scope is None:
+            return
+        scope.__exit__(None, None, None)
+        self._place(mod, {n: t for group in self.groups[mod].values() for n, (t, _) in group.items()})
+        self.done.discard(mod)
+
+    def _issue(self, mod: nn.Module, regather: bool = False) -> Callable[[], Any]:
+        """The all-gathers of unit ``mod``'s sharded parameters over ``fsdp``: one flat bucket per set of replica
+        axes (and dtype), whose backward is one reduce-scatter. ``regather``: the function that issues them again
+        on the same shards (for the backward of a resharded unit)."""
+        assert self.gathers is not None
+        if regather:
+            return functools.partial(self._issue_groups, self.groups[mod])
         groups: dict[tuple[str, ...], dict[str, tuple[torch.Tensor, P]]] = {}
         for name, spec, reps, owners in self.gathers.units[mod].entries:
             owner, attr = owners[0]
             groups.setdefault(reps, {})[name] = (owner._parameters[attr], spec)  # the shard functional_call put there
+        self.groups[mod] = groups
+        return self._issue_groups(groups)
+
+    def _issue_groups(
+        self, groups: dict[tuple[str, ...], dict[str, tuple[torch.Tensor, P]]]
+    ) -> Callable[[], dict[str, torch.Tensor]]:
+        """The bucketed all-gathers of ``{replica axes: {name: (shard, spec)}}``, issued now."""
+        assert self.gathers is not None
         finishes = []
         for reps, items in groups.items():
             local = {n: t for n, (t, _) in items.items()}
@@ -125,6 +162,8 @@ class CallState:
 
     def close(self) -> None:
         """Wait for gathers issued but not used (a call that ran fewer units), and record this call's order."""
+        for mod in list(self.scopes):  # a unit whose forward raised
+            self.release(mod)
         for finish in self.pending.values():
             finish()
         self.pending.clear()
@@ -215,3 +254,5 @@ def install(inst: nn.Module, styles: dict[str, str], tp: str | None, holder: Hol
         for mod in list(inst.modules()):
             if mod in gathers.units:
                 mod.register_forward_pre_hook(lambda m, args: holder.now().gather(m))
+                if gathers.reshard and mod is not gathers.root:
+                    mod.register_forward_hook(lambda m, args, out: holder.now().release(m), always_call=True)

@@ -2,7 +2,8 @@
 and the root: a Hugging Face Llama step is one all-gather and one reduce-scatter per decoder layer plus one of the
 root's loose parameters (embedding, final norm, head), not one per parameter or per linear (``fs.comm_stats``),
 under sim and dist; the loss and every gradient equal the unsharded module's. ``fsdp_units`` chooses the units
-(path patterns or class names); one naming nothing is a ``ConfigError``.
+(path patterns or class names); one naming nothing is a ``ConfigError``. With ``reshard_after_forward=True`` each
+layer is gathered once more, in the backward, with the same numbers.
 """
 
 from __future__ import annotations
@@ -94,6 +95,25 @@ def test_one_gather_and_one_reduce_scatter_per_decoder_layer(run, tie: bool) -> 
         assert set(counts) == {("all_gather", "fsdp"), ("psum_scatter", "fsdp"), ("psum", "fsdp")}
         assert counts[("psum", "fsdp")] == 2  # the loss's global token count and its sum over the batch shards
         _assert_equal((value, grads), ref, f"tie={tie}")
+
+
+def _reshard_body(mesh: fs.Mesh) -> tuple:
+    kept = _step(mesh, _llama(), *_batch())
+    resharded = _step(mesh, _llama(), *_batch(), reshard_after_forward=True)
+    same = torch.equal(kept[0], resharded[0]) and all(torch.equal(g, resharded[1][n]) for n, g in kept[1].items())
+    return resharded, same
+
+
+def test_reshard_after_forward_gathers_each_layer_again_in_the_backward(run) -> None:
+    """FSDP2's ``reshard_after_forward=True``: each decoder layer's gathered weights are dropped after its forward
+    and gathered again for its backward (one more all-gather per layer, the root's kept); the numbers are the
+    kept run's, bit for bit, and the unsharded module's."""
+    ref = _reference(_llama(), *_batch())
+    for (value, grads, counts), same in run(_reshard_body, {"fsdp": 2}):
+        assert counts[("all_gather", "fsdp")] == 2 * LAYERS + 1
+        assert counts[("psum_scatter", "fsdp")] == LAYERS + 1  # the gradients still go through the forward's gather
+        assert same, "resharding changed a number"
+        _assert_equal((value, grads), ref, "reshard_after_forward")
 
 
 def test_fsdp_with_tp_gathers_per_unit_and_replica_set() -> None:
