@@ -191,9 +191,8 @@ def parallelize(
     ``vocab``: an embedding's rows; ``*_rep``: a replicated output or input; ``replicated_with_grad_allreduce`` /
     ``sequence_parallel``: the gradient summed over ``tp``); head counts follow the local shard (Hugging Face's
     attention reshapes with ``-1`` heads). ``dp`` and ``fsdp`` split the batch; ``fsdp`` also splits dim 0 of every
-    parameter, gathered per FSDP unit just before the unit runs, in one flat bucket (one all-gather per unit, the
-    next unit's issued meanwhile), and reduce-scattered in the backward (one bucket per unit), as FSDP2's
-    ``fully_shard`` on each decoder layer and the root.
+    parameter, gathered per FSDP unit in one flat bucket just before it runs (the next unit's gather in flight
+    meanwhile) and reduce-scattered in the backward, one bucket per unit: FSDP2's ``fully_shard`` per layer.
 
     For a Hugging Face causal LM, a ``labels=`` argument gives ``out.loss``: the mean over the whole global batch,
     as the unsharded model's loss, invariant over every axis. With ``loss_parallel=True`` the output head is
@@ -209,10 +208,9 @@ def parallelize(
         fsdp_units: with an ``fsdp`` axis, the submodules gathered as one unit each: path patterns (as the plan's)
             or class names; ``None``: the Hugging Face ``_no_split_modules`` (the decoder layers), else the root's
             children. The parameters no unit holds (embedding, final norm, head) form the root's unit.
-        reshard_after_forward: with an ``fsdp`` axis, free each unit's gathered weights after its forward and gather
-            them again for its backward (FSDP2's ``reshard_after_forward=True``: one more all-gather per unit but
-            the root's, less memory; :func:`funcshard.ops.fsdp.reshard_after_forward`). False: kept for the
-            backward.
+        reshard_after_forward: with ``fsdp``, free each unit's gathered weights (the root's kept) after its forward
+            and gather them again for its backward (FSDP2's ``reshard_after_forward=True``: one more all-gather per
+            unit, less memory). False: kept for the backward.
 
     Returns:
         ``(params, specs, fn)``: the full parameters and buffers by dotted name, their specs, and ``fn``.
@@ -243,15 +241,8 @@ def parallelize(
     styles = tie_styles(module, styles)
     lay = layout(module, mesh, styles)
     lp = loss_parallel and lay.tp is not None
-    fn = Parallelized(
-        module,
-        mesh,
-        lay,
-        loss_parallel=lp,
-        check_state=check_state,
-        fsdp_units=fsdp_units,
-        reshard_after_forward=reshard_after_forward,
-    )
+    fsdp: dict[str, Any] = {"fsdp_units": fsdp_units, "reshard_after_forward": reshard_after_forward}
+    fn = Parallelized(module, mesh, lay, loss_parallel=lp, check_state=check_state, **fsdp)
     params = module_state(module)
     specs = {name: lay.specs.get(name, P()) for name in params}
     return params, specs, fn
