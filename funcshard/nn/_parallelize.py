@@ -11,8 +11,8 @@ from .. import lax
 from ..extend import ConfigError, P, ShardingError, maybe_current
 from ..ops import vocab_parallel_cross_entropy
 from ._instances import Instances, module_state, tied_names
-from ._plan import Layout, default_plan, layout, resolve_plan, tie_styles
-from ._styles import CallState, Gathers, Holder, install
+from ._plan import Layout, default_plan, fsdp_unit_paths, layout, resolve_plan, tie_styles
+from ._styles import CallState, Gathers, Holder, Unit, install
 
 __all__ = ["Parallelized", "causal_lm_loss", "parallelize"]
 
@@ -80,8 +80,20 @@ class Parallelized:
         batch_spec: the spec of an argument whose dim 0 is the batch (split over ``dp`` and ``fsdp``).
     """
 
-    def __init__(self, module: nn.Module, mesh: Any, lay: Layout, *, loss_parallel: bool, check_state: bool) -> None:
+    def __init__(
+        self,
+        module: nn.Module,
+        mesh: Any,
+        lay: Layout,
+        *,
+        loss_parallel: bool,
+        check_state: bool,
+        fsdp_units: list[str] | tuple[str, ...] | None = None,
+        reshard_after_forward: bool = False,
+    ) -> None:
         self.module, self.mesh_shape, self.layout = module, dict(mesh.shape), lay
+        self._unit_paths = fsdp_unit_paths(module, fsdp_units) if lay.fsdp is not None else [""]
+        self._reshard = reshard_after_forward
         self.batch_spec = lay.batch_spec
         self._alias = tied_names(module)
         self._holders: dict[int, Holder] = {}
@@ -105,16 +117,18 @@ class Parallelized:
         lay = self.layout
         gathers = None
         if lay.fsdp is not None:
-            gathers = Gathers(lay.fsdp)
+            gathers = Gathers(lay.fsdp, reshard=self._reshard, root=inst)
+            mods = dict(inst.named_modules())
+            roots = self._unit_paths
             for path, mod in inst.named_modules():
-                unit = []
+                # the innermost unit holding the submodule (the root, "", holds every one)
+                home = max((r for r in roots if not r or path == r or path.startswith(r + ".")), key=len)
                 for attr, _ in mod.named_parameters(prefix="", recurse=False):
                     full = f"{path}.{attr}" if path else attr
                     name = self._alias.get(full, full)
                     if lay.fsdp in lay.specs[name].axes:
-                        unit.append((attr, lay.specs[name], lay.replicas[name]))
-                if unit:
-                    gathers.units[mod] = unit
+                        unit = gathers.units.setdefault(mods[home], Unit(home))
+                        unit.add(name, lay.specs[name], lay.replicas[name], mod, attr)
         holder = self._holders[id(inst)] = Holder(gathers)
         install(inst, lay.styles, lay.tp, holder)
 
@@ -164,6 +178,8 @@ def parallelize(
     *,
     loss_parallel: bool = False,
     check_state: bool = True,
+    fsdp_units: list[str] | tuple[str, ...] | None = None,
+    reshard_after_forward: bool = False,
 ) -> tuple[dict[str, torch.Tensor], dict[str, P], Parallelized]:
     """The module sharded over ``mesh``: its parameters, their specs, and the function to run in ``shard_map``.
 
@@ -175,8 +191,8 @@ def parallelize(
     ``vocab``: an embedding's rows; ``*_rep``: a replicated output or input; ``replicated_with_grad_allreduce`` /
     ``sequence_parallel``: the gradient summed over ``tp``); head counts follow the local shard (Hugging Face's
     attention reshapes with ``-1`` heads). ``dp`` and ``fsdp`` split the batch; ``fsdp`` also splits dim 0 of every
-    parameter, gathered just before the submodule that owns it runs (the next one's gather issued meanwhile) and
-    reduce-scattered in the backward.
+    parameter, gathered per FSDP unit in one flat bucket just before it runs (the next unit's gather in flight
+    meanwhile) and reduce-scattered in the backward, one bucket per unit: FSDP2's ``fully_shard`` per layer.
 
     For a Hugging Face causal LM, a ``labels=`` argument gives ``out.loss``: the mean over the whole global batch,
     as the unsharded model's loss, invariant over every axis. With ``loss_parallel=True`` the output head is
@@ -189,12 +205,19 @@ def parallelize(
         plan: ``{path pattern: style}``; ``None`` reads the module's ``config.base_model_tp_plan`` (Hugging Face).
         loss_parallel: split the output head's vocabulary over ``tp`` and compute the loss on it sharded.
         check_state: refuse a call that changes a plain attribute of a submodule (Python-side state).
+        fsdp_units: with an ``fsdp`` axis, the submodules gathered as one unit each: path patterns (as the plan's)
+            or class names; ``None``: the Hugging Face ``_no_split_modules`` (the decoder layers), else the root's
+            children. The parameters no unit holds (embedding, final norm, head) form the root's unit.
+        reshard_after_forward: with ``fsdp``, free each unit's gathered weights (the root's kept) after its forward
+            and gather them again for its backward (FSDP2's ``reshard_after_forward=True``: one more all-gather per
+            unit, less memory). False: kept for the backward.
 
     Returns:
         ``(params, specs, fn)``: the full parameters and buffers by dotted name, their specs, and ``fn``.
 
     Raises:
-        ConfigError: a plan pattern naming no submodule, an unknown style, or one that does not fit the submodule.
+        ConfigError: a plan pattern naming no submodule, an unknown style, or one that does not fit the submodule;
+            an ``fsdp_units`` entry naming no submodule.
         ShardingError: an unknown mesh axis, a dim its axes do not divide, a head split by ``tp``.
 
     Example:
@@ -217,7 +240,9 @@ def parallelize(
         styles[_head_path(module)] = "colwise"
     styles = tie_styles(module, styles)
     lay = layout(module, mesh, styles)
-    fn = Parallelized(module, mesh, lay, loss_parallel=loss_parallel and lay.tp is not None, check_state=check_state)
+    lp = loss_parallel and lay.tp is not None
+    fsdp: dict[str, Any] = {"fsdp_units": fsdp_units, "reshard_after_forward": reshard_after_forward}
+    fn = Parallelized(module, mesh, lay, loss_parallel=lp, check_state=check_state, **fsdp)
     params = module_state(module)
     specs = {name: lay.specs.get(name, P()) for name in params}
     return params, specs, fn

@@ -23,7 +23,17 @@ from torch import nn
 from ..extend import ConfigError, P, ShardingError
 from ._instances import tied_names
 
-__all__ = ["ALIASES", "AXES", "STYLES", "Layout", "default_plan", "layout", "resolve_plan", "tie_styles"]
+__all__ = [
+    "ALIASES",
+    "AXES",
+    "STYLES",
+    "Layout",
+    "default_plan",
+    "fsdp_unit_paths",
+    "layout",
+    "resolve_plan",
+    "tie_styles",
+]
 
 STYLES = (
     "colwise",
@@ -138,6 +148,54 @@ def resolve_plan(module: nn.Module, plan: dict[str, str]) -> dict[str, str]:
                 f"parallelize: the plan's pattern {pat!r} names no submodule of the {type(module).__name__} "
                 f"(paths look like {example!r}; '*' stands for one path component)."
             )
+    return out
+
+
+def fsdp_unit_paths(module: nn.Module, units: list[str] | tuple[str, ...] | None = None) -> list[str]:
+    """The paths of the submodules that are FSDP units (each gathered as one bucket just before it runs), outermost
+    first; the root (``""``) is always one, for the parameters no other unit holds.
+
+    ``units`` are path patterns (as a plan's: ``"model.layers.*"``; ``*`` is one path component) or class names;
+    ``None``: the module's Hugging Face ``_no_split_modules`` classes (its decoder layers), or, for a module that
+    names none, the root's direct children. A unit inside another unit is not one (its parameters are the outer's).
+
+    Raises:
+        ConfigError: a pattern naming no submodule.
+
+    Example:
+        >>> mlp = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 4))
+        >>> fsdp_unit_paths(mlp), fsdp_unit_paths(mlp, ["2"]), fsdp_unit_paths(mlp, ["Linear"])
+        (['', '0', '1', '2'], ['', '2'], ['', '0', '2'])
+    """
+    paths = [(p, m) for p, m in module.named_modules() if p]
+    if units is None:
+        classes = set(getattr(module, "_no_split_modules", None) or ())
+        hits = [p for p, m in paths if type(m).__name__ in classes]
+        if not hits:
+            hits = [p for p, _ in module.named_children()]
+    else:
+        prefix = _base_prefix(module)
+        hits = []
+        for pat in units:
+            rx = _pattern(pat)
+            found = [
+                p
+                for p, m in paths
+                if type(m).__name__ == pat
+                or rx.fullmatch(p)
+                or (prefix and p.startswith(prefix) and rx.fullmatch(p[len(prefix) :]))
+            ]
+            if not found:
+                raise ConfigError(
+                    f"parallelize: the fsdp unit {pat!r} names no submodule or class of the {type(module).__name__}; "
+                    f"give path patterns ('model.layers.*') or class names ('LlamaDecoderLayer')."
+                )
+            hits.extend(found)
+    chosen = set(hits)
+    out = [""]
+    for p, _ in paths:  # module order; a unit inside an earlier one is left out
+        if p in chosen and not any(p.startswith(q + ".") for q in out if q):
+            out.append(p)
     return out
 
 

@@ -5,13 +5,16 @@ parameters hold during the call (``colwise``: the input made varying over ``tp``
 q / k / v projections of one hidden state, or an MLP's gate and up, share one all-reduce in the backward;
 ``rowwise``: the partial products summed over ``tp``, the bias added after the sum); a ``vocab`` embedding looks up
 its rows and sums; ``sequence_parallel`` splits its input's sequence dim over ``tp`` and gathers its output back.
-With an ``fsdp`` axis every submodule holding sharded parameters gets a forward pre-hook that all-gathers them
-just before it runs (FSDP2's per-module unit) and issues the gathers of the submodule that ran after it in the
-previous call (FSDP2's forward prefetch: under ``dist`` they travel while this one computes).
+With an ``fsdp`` axis each FSDP unit (a decoder layer; the root for the parameters no layer holds) gets a forward
+pre-hook that all-gathers its sharded parameters in one flat bucket just before it runs (FSDP2's ``fully_shard``
+unit: one all-gather forward, one reduce-scatter backward per unit, not one per parameter or per linear) and
+issues the gather of the unit that ran after it in the previous call (FSDP2's forward prefetch: under ``dist`` it
+travels while this one computes).
 """
 
 from __future__ import annotations
 
+import functools
 import types
 from collections.abc import Callable
 from typing import Any
@@ -23,18 +26,37 @@ from torch import nn
 from .. import lax
 from ..extend import ConfigError, P, split_invariant
 from ..ops import row_parallel_linear, vocab_parallel_embedding
-from ..ops.fsdp import fsdp_gather
+from ..ops.fsdp import fsdp_gather, reshard_after_forward
 
-__all__ = ["CallState", "Gathers", "Holder", "install"]
+__all__ = ["CallState", "Gathers", "Holder", "Unit", "install"]
+
+
+class Unit:
+    """One FSDP unit of a copy: the sharded parameters gathered together (one flat bucket per set of replica axes)
+    just before its module runs, each as ``(name, spec, replica axes, owners)`` where ``owners`` are the
+    ``(submodule, attribute)`` places that hold it (a tied parameter: gathered once, put in every place)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.entries: list[tuple[str, P, tuple[str, ...], list[tuple[nn.Module, str]]]] = []
+
+    def add(self, name: str, spec: P, reps: tuple[str, ...], owner: nn.Module, attr: str) -> None:
+        for n, _, _, owners in self.entries:
+            if n == name:
+                owners.append((owner, attr))
+                return
+        self.entries.append((name, spec, reps, [(owner, attr)]))
 
 
 class Gathers:
-    """A copy's FSDP units: per submodule, its sharded parameters as ``(attr, spec, replica axes)``, and the order
-    the units ran in the last call (the prefetch order of the next)."""
+    """A copy's FSDP units by the module whose forward pre-hook gathers them (a decoder layer; the root for its
+    loose parameters), and the order the units ran in the last call (the prefetch order of the next)."""
 
-    def __init__(self, fsdp: str) -> None:
+    def __init__(self, fsdp: str, *, reshard: bool = False, root: nn.Module | None = None) -> None:
         self.fsdp = fsdp
-        self.units: dict[nn.Module, list[tuple[str, P, tuple[str, ...]]]] = {}
+        self.reshard = reshard  # free each unit's gathered weights after its forward, gather again in the backward
+        self.root = root  # the root's unit is never resharded (its forward spans every other unit's)
+        self.units: dict[nn.Module, Unit] = {}
         self.order: list[nn.Module] = []
         self.position: dict[nn.Module, int] = {}
 
@@ -49,6 +71,10 @@ class CallState:
         self.pending: dict[nn.Module, Callable[[], dict[str, torch.Tensor]]] = {}
         self.done: set[nn.Module] = set()
         self.seen: list[nn.Module] = []
+        # each unit's shards as this call gave them, by replica axes: {reps: {name: (shard, spec)}}
+        self.groups: dict[nn.Module, dict[tuple[str, ...], dict[str, tuple[torch.Tensor, P]]]] = {}
+        self.scopes: dict[nn.Module, reshard_after_forward] = {}  # the resharded units' scopes now open
+        self.last: reshard_after_forward | None = None  # the last resharded unit's scope (the next one's ``after``)
 
     def vary(self, x: torch.Tensor, axis: str) -> torch.Tensor:
         """``pvary(x, axis)`` (identity forward, psum backward), the same result for the same ``x`` in this call."""
@@ -60,32 +86,68 @@ class CallState:
         return y
 
     def gather(self, mod: nn.Module) -> None:
-        """Put ``mod``'s gathered parameters in place (issued now, or by the prefetch of the unit before it)."""
+        """Put unit ``mod``'s gathered parameters in place (issued now, or by the prefetch of the unit before it)."""
         if mod in self.done:
             return
         finish = self.pending.pop(mod, None) or self._issue(mod)
         g = self.gathers
+        assert g is not None
         self.seen.append(mod)
-        i = g.position.get(mod) if g is not None else None
+        i = g.position.get(mod)
         if i is not None and i + 1 < len(g.order):
             nxt = g.order[i + 1]
             if nxt not in self.done and nxt not in self.pending:
                 self.pending[nxt] = self._issue(nxt)  # FSDP2's prefetch: in flight while mod computes
-        for attr, full in finish().items():
-            mod._parameters[attr] = full  # the gathered weight, for this call only
+        full = finish()
+        self._place(mod, full)
         self.done.add(mod)
+        if g.reshard and mod is not g.root:  # entered here, left by the unit's forward hook (:meth:`release`)
+            regather = self._issue(mod, regather=True)
+            self.last = self.scopes[mod] = reshard_after_forward(full, regather, after=self.last, derive=False)
+            self.scopes[mod].__enter__()
 
-    def _issue(self, mod: nn.Module) -> Callable[[], dict[str, torch.Tensor]]:
-        """The all-gathers of ``mod``'s sharded parameters over ``fsdp`` (one bucket per set of replica axes)."""
+    def _place(self, mod: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
+        """Put ``tensors`` (by name) in the places of unit ``mod``'s parameters, for this call only."""
         assert self.gathers is not None
-        groups: dict[tuple[str, ...], list[tuple[str, P]]] = {}
-        for attr, spec, reps in self.gathers.units[mod]:
-            groups.setdefault(reps, []).append((attr, spec))
+        for name, _, _, owners in self.gathers.units[mod].entries:
+            for owner, attr in owners:
+                owner._parameters[attr] = tensors[name]
+
+    def release(self, mod: nn.Module) -> None:
+        """After a resharded unit's forward: leave its scope and put its shards back, so the gathered weights are
+        freed (the backward gathers them again); a second call of the unit in this call gathers again."""
+        scope = self.scopes.pop(mod, None)
+        if scope is None:
+            return
+        scope.__exit__(None, None, None)
+        self._place(mod, {n: t for group in self.groups[mod].values() for n, (t, _) in group.items()})
+        self.done.discard(mod)
+
+    def _issue(self, mod: nn.Module, regather: bool = False) -> Callable[[], Any]:
+        """The all-gathers of unit ``mod``'s sharded parameters over ``fsdp``: one flat bucket per set of replica
+        axes (and dtype), whose backward is one reduce-scatter. ``regather``: the function that issues them again
+        on the same shards (for the backward of a resharded unit)."""
+        assert self.gathers is not None
+        if regather:
+            return functools.partial(self._issue_groups, self.groups[mod])
+        groups: dict[tuple[str, ...], dict[str, tuple[torch.Tensor, P]]] = {}
+        for name, spec, reps, owners in self.gathers.units[mod].entries:
+            owner, attr = owners[0]
+            groups.setdefault(reps, {})[name] = (owner._parameters[attr], spec)  # the shard functional_call put there
+        self.groups[mod] = groups
+        return self._issue_groups(groups)
+
+    def _issue_groups(
+        self, groups: dict[tuple[str, ...], dict[str, tuple[torch.Tensor, P]]]
+    ) -> Callable[[], dict[str, torch.Tensor]]:
+        """The bucketed all-gathers of ``{replica axes: {name: (shard, spec)}}``, issued now."""
+        assert self.gathers is not None
         finishes = []
         for reps, items in groups.items():
-            local = {a: mod._parameters[a] for a, _ in items}  # the shards functional_call put there
-            specs = {a: s for a, s in items}
-            # [d0/fsdp, ...] -> [d0, ...] per leaf (tp stays); backward: reduce-scatter (+ psum over reps)
+            local = {n: t for n, (t, _) in items.items()}
+            specs = {n: s for n, (_, s) in items.items()}
+            # {name: [d0/fsdp, ...]} -> {name: [d0, ...]} (tp stays), one all-gather of [fsdp, sum numel];
+            # backward: one reduce-scatter [sum numel * fsdp] -> [sum numel] (+ one psum over reps)
             finishes.append(
                 fsdp_gather(local, specs, axis=self.gathers.fsdp, replicate_axis=reps or None, prefetch=True)
             )
@@ -100,6 +162,8 @@ class CallState:
 
     def close(self) -> None:
         """Wait for gathers issued but not used (a call that ran fewer units), and record this call's order."""
+        for mod in list(self.scopes):  # a unit whose forward raised
+            self.release(mod)
         for finish in self.pending.values():
             finish()
         self.pending.clear()
@@ -190,3 +254,5 @@ def install(inst: nn.Module, styles: dict[str, str], tp: str | None, holder: Hol
         for mod in list(inst.modules()):
             if mod in gathers.units:
                 mod.register_forward_pre_hook(lambda m, args: holder.now().gather(m))
+                if gathers.reshard and mod is not gathers.root:
+                    mod.register_forward_hook(lambda m, args, out: holder.now().release(m), always_call=True)

@@ -1,6 +1,7 @@
 """``fs.nn.parallelize`` with explicit plans on plain torch modules: one forward psum over ``tp`` per rowwise
 linear (``fs.comm_stats``), under sim and dist; every style equal to the unsharded module; FSDP gathers one
-bucket per submodule; plans and meshes it cannot use are ``fs.FuncshardError``s naming what is wrong.
+bucket per unit (a plain module's: each child of the root); plans and meshes it cannot use are
+``fs.FuncshardError``s naming what is wrong.
 """
 
 from __future__ import annotations
@@ -115,7 +116,7 @@ def test_fsdp_gathers_one_bucket_per_submodule_before_it_runs() -> None:
     assert specs["0.weight"] == P("fsdp") and specs["0.bias"] == P("fsdp")
     # the forward alone (the first call: the order recorded), then value_and_grad (the second: prefetched)
     value, grads, stats = _step(mesh, _mlp(), {}, _x())
-    assert stats.calls("all_gather", "fsdp") == 4  # weight and bias of each linear: one bucket
+    assert stats.calls("all_gather", "fsdp") == 4  # each child of the root a unit: weight and bias in one bucket
     torch.testing.assert_close(value, ref_loss)
     for name, g in ref_grads.items():
         torch.testing.assert_close(grads[name], g, rtol=1e-4, atol=1e-6, msg=name)
