@@ -4,8 +4,8 @@ Everything here runs before the corpus is read and before any tensor is allocate
 second and gives one ``error: ...`` line (a :class:`~funcshard.job.cli.UsageError`), never a traceback after
 minutes of training:
 
-- float options are finite and in range (``--lr inf`` / ``nan`` / ``-1``), and ``--seq`` splits over the
-  sequence axes (``cp``, and ``tp`` with ``--sp``);
+- float options are finite and in range (``--lr inf`` / ``nan`` / ``-1``), and ``--seq`` gives every device of
+  the sequence axes (``cp``, and ``tp`` with ``--sp``) at least one position;
 - ``--ckpt-dir`` does not hold an earlier run's checkpoints unless ``--resume`` or ``--overwrite`` says what to
   do with them (nothing an earlier run wrote is deleted without ``--overwrite``); ``--resume`` on a folder with
   no checkpoint starts afresh (so ``torchrun --max-restarts N ... train --resume`` is one command for every try);
@@ -81,30 +81,31 @@ def check_numbers(args: argparse.Namespace) -> None:
 
 def check_mesh_sizes(args: argparse.Namespace) -> None:
     """``--seq`` splits over the sequence axes of ``--mesh``: ``cp`` (and ``tp`` too with ``--sp``), checked before
-    the corpus is read.
+    the corpus is read. A length those axes do not divide is split unevenly (``torch.tensor_split``'s layout: the
+    first devices one position more; under ``cp`` each device's part cut in two zigzag chunks), but every device
+    needs at least one position.
 
     Raises:
-        UsageError: naming ``--seq``, the axes and the nearest lengths that divide.
+        UsageError: naming ``--seq``, the axes and the shortest length that works.
 
     Example:
         >>> from funcshard.job.cli import train_parser
-        >>> check_mesh_sizes(train_parser().parse_args(["--mesh", "cp=2", "--seq", "63"]))
+        >>> check_mesh_sizes(train_parser().parse_args(["--mesh", "cp=2", "--seq", "63"]))  # 32 + 31 positions
+        >>> check_mesh_sizes(train_parser().parse_args(["--mesh", "cp=4", "--seq", "3"]))
         Traceback (most recent call last):
         ...
-        funcshard.job.cli.UsageError: --seq 63 is not divisible by cp=2 (--mesh cp=2): ...
+        funcshard.job.cli.UsageError: --seq 3 is shorter than cp=4 (--mesh cp=4): ...
     """
     shape = parse_mesh(args.mesh)
     axes = {"cp": shape.get("cp", 1)}
     if args.sp:
         axes["tp"] = shape.get("tp", 1)
     n = math.prod(axes.values())
-    if args.seq % n:
+    if args.seq < n:
         split = " x ".join(f"{a}={s}" for a, s in axes.items() if s > 1)
-        lower, upper = args.seq // n * n, (args.seq // n + 1) * n
-        nearest = f"{lower} or {upper}" if lower else f"{upper}"
         raise UsageError(
-            f"--seq {args.seq} is not divisible by {split} (--mesh {args.mesh}{' --sp' if args.sp else ''}): each "
-            f"device holds an equal part of every sequence; use --seq {nearest}."
+            f"--seq {args.seq} is shorter than {split} (--mesh {args.mesh}{' --sp' if args.sp else ''}): every "
+            f"device holds at least one position of each sequence; use --seq {n} or more."
         )
 
 

@@ -91,7 +91,7 @@ def _bad(tmp: Path, data: Path, empty: Path) -> list[tuple[list[str], str]]:
         ([*base, "--data", str(empty)], "no text"),
         ([*base, "--data", str(tmp / "nowhere")], "no such file"),
         ([*base, "--mesh", "pp=3", "--layers", "2"], "n_layers=2"),  # a ConfigError (4 layers: uneven stages)
-        ([*base, "--mesh", "cp=2", "--seq", "63"], "--seq 63"),
+        ([*base, "--mesh", "cp=4", "--seq", "3"], "--seq 3"),  # (63 on cp=2 is split 32 + 31)
         ([*base, "--steps", "many"], "--steps"),
         (["generate", "--ckpt-dir", str(tmp / "nothing")], "no checkpoint"),
         (["bogus"], "unknown command"),
@@ -110,6 +110,17 @@ def test_bad_input_is_one_line_exit_2(tmp_path: Path, capsys: pytest.CaptureFixt
         assert "Traceback" not in err, err
         lines = err.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0], (argv, err)
+
+
+def test_uneven_sequence_on_cp_trains_as_one_device(tmp_path: Path) -> None:
+    """``--seq 31`` on ``cp=2`` (16 + 15 positions, zigzag chunks 8 + 8 and 8 + 7): the losses of one device."""
+    data = _write_corpus(tmp_path / "data")
+    runs = {}
+    for mesh in ("dp=1", "cp=2"):
+        argv = _args(tmp_path / mesh, data, "--steps", "3", "--seq", "31", "--mesh", mesh)
+        runs[mesh] = train.train(_cli.train_parser().parse_args(argv))["losses"]
+    torch.testing.assert_close(torch.tensor(runs["cp=2"]), torch.tensor(runs["dp=1"]), rtol=1e-5, atol=1e-6)
+    assert runs["cp=2"][-1] < runs["cp=2"][0]
 
 
 def test_module_entry_runs_without_warnings(tmp_path: Path) -> None:
