@@ -36,11 +36,10 @@ from collections.abc import Mapping
 from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
 
 from ... import lax
 from ...extend import ConfigError, ShardingError, one_op, psum_owned
-from .grouped import grouped_mm
+from .grouped import grouped_swiglu
 from .routing import check_router, route
 
 __all__ = ["MoEAux", "moe_ffn"]
@@ -187,18 +186,19 @@ def _regroup(recv_counts: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.
 def _experts(
     rows: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor, counts: torch.Tensor, impl: str
 ) -> torch.Tensor:
-    """SwiGLU experts on rows grouped by expert (``counts`` per expert): one grouped matmul per projection."""
-    gate = grouped_mm(rows, w1, counts, impl=impl)  # [R, d] @ [E, d, f] -> [R, f]
-    up = grouped_mm(rows, w3, counts, impl=impl)  # [R, d] @ [E, d, f] -> [R, f]
-    return grouped_mm(F.silu(gate) * up, w2, counts, impl=impl)  # [R, f] @ [E, f, d] -> [R, d]
+    """SwiGLU experts on rows grouped by expert (``counts`` per expert): one grouped matmul per projection, the
+    three and the gating in one autograd Function (:func:`funcshard.ops.moe.grouped.grouped_swiglu`)."""
+    return grouped_swiglu(rows, w1, w3, w2, counts, impl=impl)  # [R, d] -> [R, f] -> [R, d]
 
 
 def _combine(out: torch.Tensor, order: torch.Tensor, weights: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``[T, d]``: each token's k expert outputs (``out``, in ``order``; dropped ones 0) times their weights, summed
-    in float32 (Mixtral multiplies in float32) and returned in ``dtype``."""
+    in float32 (Mixtral multiplies in float32) and returned in ``dtype``: the weighted rows added into their tokens'
+    rows by one ``index_add`` (as Hugging Face's loop does per expert), no ``[T * k, d]`` unsorted copy."""
     t, k = weights.shape
-    full = out.new_zeros(t * k, out.shape[1]).index_copy(0, order, out)  # [A, d] -> [T*k, d], assignment order
-    y = (full.view(t, k, -1) * weights.unsqueeze(-1)).sum(1)  # [T, k, d] * [T, k, 1] -> [T, d]
+    w = weights.reshape(-1).index_select(0, order).unsqueeze(1)  # [T*k] -> [A, 1], the weight of each sorted row
+    acc = torch.promote_types(out.dtype, weights.dtype)
+    y = out.new_zeros(t, out.shape[1], dtype=acc).index_add(0, order // k, out * w)  # [A, d] -> [T, d]
     return y.to(dtype)
 
 
