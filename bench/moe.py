@@ -9,9 +9,20 @@ expert ids); they differ in how the experts run:
                    one-hot mask, gather its tokens, gate / up / down ``F.linear``, times the routing weights,
                    ``index_add_`` into the output -- the baseline every ratio is taken against
     (b) torch    : ``moe_ffn(axis=None, impl="torch")`` (``torch._grouped_mm``): one stable sort of the
-                   assignments, one gather, one grouped matmul per projection, one weighted sum
+                   assignments, one gather, one grouped matmul per projection (the three and the gating in one
+                   autograd Function, on CPU in blocks of whole experts of ~4 MiB), one weighted ``index_add``
     (c) segments : the same with ``impl="segments"`` (one ``torch.mm`` per expert over ``x.split(counts)``)
     (d) triton   : the same with ``impl="triton"`` (only on CUDA)
+    (e) matmuls  : the matmuls alone (CPU): the rows already sorted, per expert the forward's 3 ``torch.mm`` (and
+                   the backward's 6) into preallocated buffers, nothing else -- a floor under any implementation:
+                   ``loop / matmuls`` is the most a grouped path could gain at this shape
+
+then the acceptance line (the grouped layer against the loop, and what the floor allows), then a grid over
+``--grid-tokens`` x ``--grid-experts`` (default 128, 512, 1024, 4096 tokens x 8, 64 experts; ``--grid-rounds``
+rounds each; ``--grid-tokens ''`` skips it): the loop's CPU ms, the grouped layer's ratio (CPU, and wall) and the
+floor's, forward and forward + backward -- where grouping wins (few rows per expert; and any backward, where the
+loop's per-expert weight slices each give a zero gradient of the whole ``[E, f, d]`` weight) and where both are
+bound by the same matmuls.
 
 Part ``mm`` (for reference): one projection alone, ``grouped_mm`` against a Python loop of
 ``x[rows of e] @ w[e].T`` over the same sorted rows (no gather, no scatter: the matmuls themselves, so here the
@@ -36,6 +47,7 @@ checked to agree (rtol 1e-4).
 
 Usage:
     python bench/moe.py                                   # 4096 tokens x top-2, d=512, f=1024, 8 experts
+    python bench/moe.py --parts experts --rounds 9 --threads 1 --grid-experts 8   # acceptance run, grid of 8 experts
     python bench/moe.py --tokens 1024 --d 256 --f 512 --rounds 10
     python bench/moe.py --parts mm
     python bench/moe.py --parts ep --tokens 2048 --d 256 --f 512

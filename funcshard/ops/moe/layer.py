@@ -2,8 +2,9 @@
 
 ``moe_ffn(x, params, k, axis=...)``: route each token to its top-k experts (:func:`funcshard.ops.moe.route`),
 sort the ``T * k`` assignments by expert (stable: token order within an expert), run every expert's SwiGLU on its
-rows with one grouped matmul per projection (:func:`funcshard.ops.moe.grouped_mm`), put the rows back in
-assignment order and sum each token's k outputs times their routing weights.
+rows with one grouped matmul per projection (:func:`funcshard.ops.moe.grouped.grouped_swiglu`: the three and the
+gating in one autograd Function), and add each output row times its routing weight into its token's row (one
+``index_add``).
 
 With ``axis`` (expert parallelism, inside ``shard_map``): device ``r`` of ``axis`` holds experts
 ``[r * E_local, (r + 1) * E_local)`` and its own tokens. The sorted rows are grouped by the device of their expert,
