@@ -1,4 +1,5 @@
-"""``funcshard.ops.moe.grouped.grouped_swiglu`` (the SwiGLU experts in one autograd Function): every implementation
+"""``funcshard.ops.moe.grouped.grouped_swiglu`` (the SwiGLU experts in one autograd Function) and
+``funcshard.ops.moe.fused.swiglu_combine`` (with the gather and the weighted combine): every implementation
 against a per-expert loop of ``F.linear`` (forward, and the gradients of ``x`` and of the three weights), with empty
 experts, rows past the counts, skewed counts, no rows at all, the CPU path cut into blocks of whole experts (a
 ``[rows, f]`` of more than 4 MiB), a frozen part, ``torch.func.grad``, ``no_grad`` and bfloat16.
@@ -15,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 import funcshard as fs
+from funcshard.ops.moe.fused import swiglu_combine
 from funcshard.ops.moe.grouped import grouped_swiglu
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
@@ -138,3 +140,43 @@ def test_grouped_swiglu_errors() -> None:
         grouped_swiglu(x, w1, w1, w2, torch.tensor([2.0, 2.0]))
     with pytest.raises(fs.ConfigError, match="impl must be one of"):
         grouped_swiglu(x, w1, w1, w2, counts, impl="cutlass")
+
+
+# --- swiglu_combine: the gather, the experts and the weighted combine in one Function -------------------------
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("name", ["mixed", "skewed", "no_rows", "blocks_skewed"])
+def test_swiglu_combine_matches_gather_loop_index_add(name: str, impl) -> None:
+    """Against gather, the per-expert loop and ``index_add`` of the weighted rows: the output and the gradients of
+    the tokens, the row weights and the three weights (tokens repeated: top-2 rows of the same token)."""
+    if name == "blocks_skewed" and impl != "torch":
+        pytest.skip("the blocked path once (the interpreter is slow; segments is the unfused composition)")
+    _, d, f, counts = CASES[name]
+    counts = torch.tensor(counts)
+    rows = int(counts.sum())
+    n_tokens = max(rows // 2, 1)
+    tokens = torch.randperm(rows, generator=torch.Generator().manual_seed(6)) % n_tokens  # [A], each token twice
+    x = _rand(n_tokens, d, seed=1).requires_grad_()
+    rw = torch.rand(rows, generator=torch.Generator().manual_seed(7)).requires_grad_()
+    ws = _weights(len(counts), d, f)
+    g = _rand(n_tokens, d, seed=8)
+    ref = x.new_zeros(n_tokens, d).index_add(0, tokens, _loop(x[tokens], *ws, counts) * rw[:, None])
+    rgrads = torch.autograd.grad(ref, (x, rw, *ws), g)
+    y = swiglu_combine(x, tokens, rw, *ws, counts, impl=impl)
+    grads = torch.autograd.grad(y, (x, rw, *ws), g)
+    tol = 1e-4 if name.startswith("blocks") else 1e-5
+    for a, b in zip((y, *grads), (ref, *rgrads)):
+        torch.testing.assert_close(a, b, rtol=tol, atol=tol)
+    with torch.no_grad():
+        torch.testing.assert_close(swiglu_combine(x, tokens, rw, *ws, counts, impl=impl), ref, rtol=tol, atol=tol)
+
+
+def test_swiglu_combine_errors() -> None:
+    x, counts, w1, w2 = torch.zeros(3, 16), torch.tensor([2, 2]), torch.zeros(2, 32, 16), torch.zeros(2, 16, 32)
+    with pytest.raises(fs.ShardingError, match="one token and one weight per row"):
+        swiglu_combine(x, torch.tensor([0, 1, 2]), torch.ones(3), w1, w1, w2, counts)
+    with pytest.raises(fs.ShardingError, match=r"row_weights \(3,\)"):
+        swiglu_combine(x, torch.tensor([0, 1, 2, 0]), torch.ones(3), w1, w1, w2, counts)
+    with pytest.raises(fs.ShardingError, match=r"w2 \(2, 32, 16\)"):
+        swiglu_combine(x, torch.tensor([0, 1, 2, 0]), torch.ones(4), w1, w1, w1, counts)

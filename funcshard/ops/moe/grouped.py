@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from ...extend import ConfigError, ShardingError, one_op
 from . import _triton_kernels as _kernels
 
-__all__ = ["IMPLS", "grouped_mm", "grouped_swiglu", "pick_impl"]
+__all__ = ["IMPLS", "check_swiglu", "grouped_mm", "grouped_swiglu", "pick_impl"]
 
 IMPLS = ("auto", "torch", "triton", "segments")
 """The values of ``grouped_mm(..., impl=)``."""
@@ -278,13 +278,7 @@ def grouped_swiglu(
         >>> torch.allclose(y, ref, rtol=1e-4, atol=1e-4)
         True
     """
-    _check(x, w1, counts)
-    _check(x, w3, counts)
-    if w3.shape != w1.shape or w2.shape != (w1.shape[0], x.shape[1], w1.shape[1]):
-        raise ShardingError(
-            f"grouped_swiglu: w1 {tuple(w1.shape)}, w3 {tuple(w3.shape)}, w2 {tuple(w2.shape)} for rows of width "
-            f"{x.shape[1]}: need w1 / w3 [E, f, d] and w2 [E, d, f]."
-        )
+    check_swiglu(x, w1, w3, w2, counts, "grouped_swiglu")
     if x.is_meta:  # (eval_shape: the three matmuls' shapes and FLOPs)
         return _composed(x, w1, w3, w2, counts, "segments")
     impl = pick_impl(x, w1, impl)
@@ -293,6 +287,20 @@ def grouped_swiglu(
     offs = torch.zeros(w1.shape[0] + 1, dtype=torch.int32, device=x.device)
     offs[1:] = counts.cumsum(0)  # [E + 1]: group e owns rows [offs[e], offs[e + 1])
     return _swiglu(x, w1, w3, w2, offs, impl, _row_blocks(offs, x.shape[0], w1.shape[1] * x.element_size()))
+
+
+def check_swiglu(
+    x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor, counts: torch.Tensor, name: str
+) -> None:
+    """ShardingError unless ``x [T, d]``, ``w1`` / ``w3`` ``[E, f, d]``, ``w2 [E, d, f]`` and integer ``counts [E]``
+    on ``x``'s device and dtype (``name``: the caller, for the message)."""
+    _check(x, w1, counts)
+    _check(x, w3, counts)
+    if w3.shape != w1.shape or w2.shape != (w1.shape[0], x.shape[1], w1.shape[1]) or w2.dtype != x.dtype:
+        raise ShardingError(
+            f"{name}: w1 {tuple(w1.shape)}, w3 {tuple(w3.shape)}, w2 {tuple(w2.shape)} {w2.dtype} for rows of width "
+            f"{x.shape[1]} ({x.dtype}): need w1 / w3 [E, f, d] and w2 [E, d, f] in x's dtype."
+        )
 
 
 def _composed(
@@ -364,15 +372,21 @@ def _rows_buffer(like: torch.Tensor, rows: int, cols: int, end: int) -> torch.Te
 
 
 def _swiglu_fwd(
-    x: torch.Tensor, ws: tuple[torch.Tensor, ...], offs: torch.Tensor, impl: str, act_out: torch.Tensor | None
+    x: torch.Tensor,
+    ws: tuple[torch.Tensor, ...],
+    offs: torch.Tensor,
+    impl: str,
+    act_out: torch.Tensor | None,
+    keep: bool = True,
 ) -> list[torch.Tensor]:
     """``[y, gate, up, act]`` of one block: ``x [t, d]`` through ``ws = (w1, w3, w2)`` of its experts; ``act``
-    written into ``act_out`` where given."""
+    written into ``act_out`` where given; without ``keep`` (no backward) ``gate`` is overwritten by ``act``."""
     if x.shape[0] == 0:  # (an empty block: torch._grouped_mm takes no rows)
         return [x.new_zeros(0, ws[2].shape[1])] + [x.new_zeros(0, ws[0].shape[1]) for _ in range(3)]
     gate = _forward(x, ws[0], offs, impl)  # [t, d] @ [E_b, d, f] -> [t, f]
+    act = F.silu(gate, inplace=not keep)  # [t, f], while gate is in cache; in place where no backward reads gate
     up = _forward(x, ws[1], offs, impl)  # [t, d] @ [E_b, d, f] -> [t, f]
-    act = F.silu(gate).mul_(up) if act_out is None else torch.mul(F.silu(gate), up, out=act_out)  # [t, f]
+    act = act.mul_(up) if act_out is None else torch.mul(act, up, out=act_out)  # [t, f]
     return [_forward(act, ws[2], offs, impl), gate, up, act]  # [t, f] @ [E_b, f, d] -> [t, d]
 
 
@@ -430,7 +444,7 @@ class _SwiGLU(torch.autograd.Function):
         with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
             for block in blocks or (None,):
                 (xb, ab), ws, b_offs = _block_views((x, act), (w1, w3, w2), offs, block)
-                outs.append(_swiglu_fwd(xb, ws, b_offs, impl, ab))
+                outs.append(_swiglu_fwd(xb, ws, b_offs, impl, ab, keep))
         y = _cat_rows([o[0] for o in outs], x.shape[0]) if blocks else outs[0][0]
         if not keep:
             return (y,)

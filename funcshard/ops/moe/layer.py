@@ -40,6 +40,7 @@ import torch
 
 from ... import lax
 from ...extend import ConfigError, ShardingError, one_op, psum_owned
+from .fused import swiglu_combine
 from .grouped import grouped_swiglu
 from .routing import check_router, route
 
@@ -125,13 +126,14 @@ def moe_ffn(
     weights, ids, logits = route(h, router, k, norm_topk=norm_topk)  # [T, k] f32, [T, k], [T, E]
     cap = None if capacity_factor is None else math.ceil(capacity_factor * h.shape[0] * k / n_experts)
     order, counts, dropped = _sort_assignments(ids, n_experts, cap)  # [T*k or fewer], [E], []
-    rows = h.index_select(0, order // k)  # [T, d] -> [A, d], sorted by expert
     ws = (params["w1"], params["w3"], params["w2"])
-    if axis is None:
-        out = _experts(rows, *ws, counts, impl)  # [A, d] -> [A, d]
+    if axis is None:  # gather, experts and combine block by block (funcshard.ops.moe.fused)
+        row_weights = weights.reshape(-1).index_select(0, order)  # [T*k] -> [A], each sorted row's weight
+        y = swiglu_combine(h, order // k, row_weights, *ws, counts, impl=impl).to(x.dtype)  # [T, d] -> [T, d]
     else:
+        rows = h.index_select(0, order // k)  # [T, d] -> [A, d], sorted by expert
         out = _dispatch_experts_combine(rows, counts, ws, axis, impl)  # [A, d] -> [A, d]
-    y = _combine(out, order, weights, x.dtype)  # [A, d] -> [T, d]
+        y = _combine(out, order, weights, x.dtype)  # [A, d] -> [T, d]
     if tp is not None:
         y = psum_owned(y, tp)  # [T, d] -> [T, d]: the sum of the tp devices' partial outputs
     y = y.reshape(x.shape)
