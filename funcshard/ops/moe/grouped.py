@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from ...extend import ConfigError, ShardingError, one_op
 from . import _triton_kernels as _kernels
 
-__all__ = ["IMPLS", "check_swiglu", "grouped_mm", "grouped_swiglu", "pick_impl"]
+__all__ = ["IMPLS", "grouped_mm", "grouped_swiglu", "pick_impl"]
 
 IMPLS = ("auto", "torch", "triton", "segments")
 """The values of ``grouped_mm(..., impl=)``."""
@@ -278,7 +278,7 @@ def grouped_swiglu(
         >>> torch.allclose(y, ref, rtol=1e-4, atol=1e-4)
         True
     """
-    check_swiglu(x, w1, w3, w2, counts, "grouped_swiglu")
+    _check_swiglu(x, w1, w3, w2, counts, "grouped_swiglu")
     if x.is_meta:  # (eval_shape: the three matmuls' shapes and FLOPs)
         return _composed(x, w1, w3, w2, counts, "segments")
     impl = pick_impl(x, w1, impl)
@@ -289,7 +289,7 @@ def grouped_swiglu(
     return _swiglu(x, w1, w3, w2, offs, impl, _row_blocks(offs, x.shape[0], w1.shape[1] * x.element_size()))
 
 
-def check_swiglu(
+def _check_swiglu(
     x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor, counts: torch.Tensor, name: str
 ) -> None:
     """ShardingError unless ``x [T, d]``, ``w1`` / ``w3`` ``[E, f, d]``, ``w2 [E, d, f]`` and integer ``counts [E]``
