@@ -1,5 +1,5 @@
 """``funcshard.ops.moe.grouped.grouped_swiglu`` (the SwiGLU experts in one autograd Function) and
-``funcshard.ops.moe.fused.swiglu_combine`` (with the gather and the weighted combine): every implementation
+``funcshard.ops.moe.grouped.swiglu_combine`` (with the gather and the weighted combine): every implementation
 against a per-expert loop of ``F.linear`` (forward, and the gradients of ``x`` and of the three weights), with empty
 experts, rows past the counts, skewed counts, no rows at all, the CPU path cut into blocks of whole experts (a
 ``[rows, f]`` of more than 4 MiB), a frozen part, ``torch.func.grad``, ``no_grad`` and bfloat16.
@@ -16,8 +16,7 @@ import torch
 import torch.nn.functional as F
 
 import funcshard as fs
-from funcshard.ops.moe.fused import swiglu_combine
-from funcshard.ops.moe.grouped import grouped_swiglu
+from funcshard.ops.moe.grouped import grouped_swiglu, swiglu_combine
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed (pip install 'triton>=3.0')")

@@ -40,8 +40,7 @@ import torch
 
 from ... import lax
 from ...extend import ConfigError, ShardingError, one_op, psum_owned
-from .fused import swiglu_combine
-from .grouped import grouped_swiglu
+from .grouped import grouped_swiglu, swiglu_combine
 from .routing import check_router, route
 
 __all__ = ["MoEAux", "moe_ffn"]
@@ -127,7 +126,7 @@ def moe_ffn(
     cap = None if capacity_factor is None else math.ceil(capacity_factor * h.shape[0] * k / n_experts)
     order, counts, dropped = _sort_assignments(ids, n_experts, cap)  # [T*k or fewer], [E], []
     ws = (params["w1"], params["w3"], params["w2"])
-    if axis is None:  # gather, experts and combine block by block (funcshard.ops.moe.fused)
+    if axis is None:  # gather, experts and combine block by block (grouped.swiglu_combine)
         row_weights = weights.reshape(-1).index_select(0, order)  # [T*k] -> [A], each sorted row's weight
         y = swiglu_combine(h, order // k, row_weights, *ws, counts, impl=impl).to(x.dtype)  # [T, d] -> [T, d]
     else:
