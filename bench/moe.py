@@ -9,9 +9,20 @@ expert ids); they differ in how the experts run:
                    one-hot mask, gather its tokens, gate / up / down ``F.linear``, times the routing weights,
                    ``index_add_`` into the output -- the baseline every ratio is taken against
     (b) torch    : ``moe_ffn(axis=None, impl="torch")`` (``torch._grouped_mm``): one stable sort of the
-                   assignments, one gather, one grouped matmul per projection, one weighted sum
+                   assignments, one gather, one grouped matmul per projection (the three and the gating in one
+                   autograd Function, on CPU in blocks of whole experts of ~4 MiB), one weighted ``index_add``
     (c) segments : the same with ``impl="segments"`` (one ``torch.mm`` per expert over ``x.split(counts)``)
     (d) triton   : the same with ``impl="triton"`` (only on CUDA)
+    (e) matmuls  : the matmuls alone (CPU): the rows already sorted, per expert the forward's 3 ``torch.mm`` (and
+                   the backward's 6) into preallocated buffers, nothing else -- a floor under any implementation:
+                   ``loop / matmuls`` is the most a grouped path could gain at this shape
+
+then the acceptance line (the grouped layer against the loop, and what the floor allows), then a grid over
+``--grid-tokens`` x ``--grid-experts`` (default 128, 512, 1024, 4096 tokens x 8, 64 experts; ``--grid-rounds``
+rounds each; ``--grid-tokens ''`` skips it): the loop's CPU ms, the grouped layer's ratio (CPU, and wall) and the
+floor's, forward and forward + backward -- where grouping wins (few rows per expert; and any backward, where the
+loop's per-expert weight slices each give a zero gradient of the whole ``[E, f, d]`` weight) and where both are
+bound by the same matmuls.
 
 Part ``mm`` (for reference): one projection alone, ``grouped_mm`` against a Python loop of
 ``x[rows of e] @ w[e].T`` over the same sorted rows (no gather, no scatter: the matmuls themselves, so here the
@@ -36,6 +47,7 @@ checked to agree (rtol 1e-4).
 
 Usage:
     python bench/moe.py                                   # 4096 tokens x top-2, d=512, f=1024, 8 experts
+    python bench/moe.py --parts experts --rounds 9 --threads 1 --grid-experts 8   # acceptance run, grid of 8 experts
     python bench/moe.py --tokens 1024 --d 256 --f 512 --rounds 10
     python bench/moe.py --parts mm
     python bench/moe.py --parts ep --tokens 2048 --d 256 --f 512
@@ -142,7 +154,7 @@ def report(title: str, times: dict, base: str) -> None:
     forward + backward, each with its ratio to ``base`` (the baseline's median over the variant's)."""
 
     def med(name: str, bwd: bool, which: int) -> float:
-        return statistics.median(t[which] for t in times[name][bwd])
+        return _med(times, name, bwd, which)
 
     print(f"\n{title}")
     head = "".join(f"{f'{p} {u} ms':>16}{'x ' + base:>8}" for p in ("fwd", "fwd+bwd") for u in ("wall", "cpu"))
@@ -152,14 +164,103 @@ def report(title: str, times: dict, base: str) -> None:
         print(f"{n:<10}" + "".join(f"{v * 1e3:>16.1f}{r:>8.2f}" for v, r in cells))
 
 
+def matmul_floor(x: torch.Tensor, p: dict[str, torch.Tensor], k: int) -> Callable[[bool], object]:
+    """The matmuls alone, a floor under any implementation of the experts: the rows already sorted by expert, per
+    expert the forward's three ``torch.mm`` (gate, up, down) and, with the backward, its six (``dact``, ``dx`` from
+    gate and up, the three weight gradients), each into a preallocated buffer (``out=``): no routing, no gather, no
+    elementwise work, no combine, no allocation. ``loop / floor`` is the most any grouped path could gain."""
+    n_experts, f = p["w1"].shape[:2]
+    ids = moe.route(x, p["router"], k)[1].reshape(-1)
+    rows = x.index_select(0, torch.sort(ids, stable=True).indices // k)  # [T*k, d], by expert
+    counts = torch.bincount(ids, minlength=n_experts).tolist()
+    bounds = [sum(counts[:e]) for e in range(n_experts + 1)]
+    act, gate, dx = x.new_empty(rows.shape[0], f), x.new_empty(rows.shape[0], f), torch.empty_like(rows)
+    y, dws = torch.empty_like(rows), {n: torch.empty_like(p[n]) for n in ("w1", "w3", "w2")}
+
+    def go(bwd: bool) -> object:
+        for e in range(n_experts):
+            s = slice(bounds[e], bounds[e + 1])
+            xe, ae, ge, ye, dxe = rows[s], act[s], gate[s], y[s], dx[s]
+            torch.mm(xe, p["w1"][e].T, out=ge)  # [c, d] @ [d, f] -> [c, f]
+            torch.mm(xe, p["w3"][e].T, out=ae)  # [c, d] @ [d, f] -> [c, f]
+            torch.mm(ae, p["w2"][e].T, out=ye)  # [c, f] @ [f, d] -> [c, d]
+            if bwd:  # (ye stands for dy, ge for dact / dgate, ae for dup: the shapes, not the values)
+                torch.mm(ye, p["w2"][e], out=ge)  # [c, d] @ [d, f] -> [c, f]
+                torch.mm(ye.T, ae, out=dws["w2"][e])  # [d, c] @ [c, f] -> [d, f]
+                torch.mm(ge, p["w1"][e], out=dxe)  # [c, f] @ [f, d] -> [c, d]
+                torch.mm(ae, p["w3"][e], out=dxe)  # [c, f] @ [f, d] -> [c, d]
+                torch.mm(ge.T, xe, out=dws["w1"][e])  # [f, c] @ [c, d] -> [f, d]
+                torch.mm(ae.T, xe, out=dws["w3"][e])  # [f, c] @ [c, d] -> [f, d]
+        return y
+
+    return go
+
+
 def bench_experts(args: argparse.Namespace, sync: Callable[[], None]) -> None:
+    """The acceptance shape in full (every implementation, the matmul floor), then the grid of token and expert
+    counts (:func:`experts_grid`)."""
     x, p = make(args)
     fns = {"loop": loop_layer} | {i: grouped_layer(i) for i in _impls(args)}
     ref = loop_layer(x, p, args.k)
     for n, fn in fns.items():
         torch.testing.assert_close(fn(x, p, args.k), ref, rtol=1e-4, atol=1e-4, msg=lambda m, n=n: f"{n}: {m}")
-    times = measure({n: _step(fn, x, p, args.k) for n, fn in fns.items()}, args.rounds, sync)
+    variants = {n: _step(fn, x, p, args.k) for n, fn in fns.items()}
+    if args.device == "cpu":
+        variants["matmuls"] = matmul_floor(x, p, args.k)
+    times = measure(variants, args.rounds, sync)
     report(f"layer: {args.tokens} tokens x top-{args.k}, {args.experts} experts, d={args.d}, f={args.f}", times, "loop")
+    if "matmuls" in times:
+        grouped = "torch" if "torch" in times else "segments"
+        print(acceptance(times, grouped))
+    experts_grid(args, sync)
+
+
+def _med(times: dict, name: str, bwd: bool, which: int) -> float:
+    return statistics.median(t[which] for t in times[name][bwd])
+
+
+def acceptance(times: dict, grouped: str) -> str:
+    """The acceptance line: the grouped layer against the loop (>= 1.5x at 8 experts), and what the matmul floor
+    allows at this shape (``loop / matmuls``: no implementation that does the same matmuls can do better)."""
+    cells = []
+    for bwd, what in ((False, "fwd"), (True, "fwd+bwd")):
+        got = [_med(times, "loop", bwd, w) / _med(times, grouped, bwd, w) for w in (0, 1)]
+        best = [_med(times, "loop", bwd, w) / _med(times, "matmuls", bwd, w) for w in (0, 1)]
+        cells.append(f"{what} {got[0]:.2f}x wall / {got[1]:.2f}x cpu (floor allows {best[0]:.2f}x / {best[1]:.2f}x)")
+    reach = max(_med(times, "loop", b, 1) / _med(times, "matmuls", b, 1) for b in (False, True))
+    verdict = "within reach" if reach >= 1.5 else "out of reach of ANY implementation of these matmuls"
+    return f"acceptance (grouped >= 1.5x the loop): {grouped} " + "; ".join(cells) + f" -> 1.5x is {verdict} here"
+
+
+def experts_grid(args: argparse.Namespace, sync: Callable[[], None]) -> None:
+    """The grouped layer (``impl="auto"``) and the matmul floor against the loop over ``--grid-tokens`` x
+    ``--grid-experts`` (d, f, k as given; ``--grid-rounds`` rounds each): where grouping wins and by how much the
+    floor allows. CPU ms are this process's CPU time (the steadier figure on a shared host)."""
+    tokens, experts = _ints(args.grid_tokens), _ints(args.grid_experts)
+    if not tokens or not experts:
+        return
+    print(f"\ngrid: d={args.d}, f={args.f}, top-{args.k}, {args.grid_rounds} rounds; ratio = loop time / variant time")
+    head = "".join(f"{f'{w} loop ms':>17}{'grouped x':>11}{'(wall)':>8}{'floor x':>9}" for w in ("fwd", "fwd+bwd"))
+    print(f"{'tokens':>7}{'experts':>8}{head}")
+    for e in experts:
+        for t in tokens:
+            sub = argparse.Namespace(**{**vars(args), "tokens": t, "experts": e})
+            x, p = make(sub)
+            variants = {"loop": _step(loop_layer, x, p, args.k), "grouped": _step(grouped_layer("auto"), x, p, args.k)}
+            if args.device == "cpu":
+                variants["matmuls"] = matmul_floor(x, p, args.k)
+            times = measure(variants, args.grid_rounds, sync)
+            row = f"{t:>7}{e:>8}"
+            for bwd in (False, True):
+                loop = _med(times, "loop", bwd, 1)
+                floor = f"{loop / _med(times, 'matmuls', bwd, 1):>9.2f}" if "matmuls" in times else f"{'-':>9}"
+                wall = _med(times, "loop", bwd, 0) / _med(times, "grouped", bwd, 0)
+                row += f"{loop * 1e3:>17.1f}{loop / _med(times, 'grouped', bwd, 1):>11.2f}{wall:>8.2f}{floor}"
+            print(row, flush=True)
+
+
+def _ints(text: str) -> list[int]:
+    return [int(v) for v in text.split(",") if v.strip()]
 
 
 def bench_mm(args: argparse.Namespace, sync: Callable[[], None]) -> None:
@@ -342,6 +443,11 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=2, help="part ep: the Mixtral's layers")
     ap.add_argument("--seq", type=int, default=256, help="part ep: tokens per sequence")
     ap.add_argument("--parts", default="experts,mm", help="comma-separated: experts, mm, ep")
+    ap.add_argument(
+        "--grid-tokens", default="128,512,1024,4096", help="part experts: the grid's token counts ('' none)"
+    )
+    ap.add_argument("--grid-experts", default="8,64", help="part experts: the grid's expert counts ('' none)")
+    ap.add_argument("--grid-rounds", type=int, default=3, help="part experts: rounds per grid cell")
     args = ap.parse_args()
     if "RANK" in os.environ:  # under torchrun --nproc-per-node 2: part ep's dist row, against BENCH_ONE_S
         from _launch import launch

@@ -99,6 +99,48 @@ def test_moe_ep_equals_single_device_sim(mesh: str, skew: bool, check_vma: bool)
     assert run_body("sim", _ep_body, MESHES[mesh], skew, check_vma) == ["ok"]
 
 
+def _local_body(mesh: fs.Mesh, skew: bool, check_vma: bool) -> str:
+    """``axis=None`` inside ``shard_map`` (the fused local path: gather, experts and combine in one Function): tokens
+    over ``dp`` and / or the experts' hidden dim over ``tp``, against the single-device layer."""
+    x, p, r = _data(skew)
+    tok = ("dp",) if "dp" in mesh.shape else ()
+    tp = "tp" if "tp" in mesh.shape else None
+    xspec, pspec = P(tok), {"router": P(), "w1": P(None, tp), "w3": P(None, tp), "w2": P(None, None, tp)}
+
+    def loss(x, p, r):
+        if not check_vma and tok:
+            p = fs.pvary(p, "dp")  # a data axis: the caller's
+        y = moe.moe_ffn(x, p, K, axis=None, tp=tp)
+        return (fs.psum((y * r).sum(), tok) if tok else (y * r).sum()), y
+
+    def step(x, p, r):
+        (value, y), grads = fs.value_and_grad(loss, argnums=(0, 1), has_aux=True)(x, p, r)
+        return value, y, grads
+
+    f = fs.shard_map(
+        step, mesh=mesh, in_specs=(xspec, pspec, xspec), out_specs=(P(), xspec, (xspec, pspec)), check_vma=check_vma
+    )
+    value, y, (gx, gp) = f(x, p, r)
+    ry, rgx, rgp = _reference(x, p, r)
+    tol = {"rtol": 1e-4, "atol": 1e-5}
+    torch.testing.assert_close(fs.device_get(y), ry, **tol)
+    torch.testing.assert_close(fs.device_get(value), (ry * r).sum(), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(fs.device_get(gx), rgx, **tol)
+    for name in ("router", "w1", "w3", "w2"):
+        torch.testing.assert_close(fs.device_get(gp[name]), rgp[name], **tol, msg=lambda m, n=name: f"{n}: {m}")
+    return "ok"
+
+
+@pytest.mark.parametrize("check_vma", [True, False], ids=["vma", "novma"])
+@pytest.mark.parametrize("skew", [False, True], ids=["random", "skewed"])
+@pytest.mark.parametrize("mesh", ["dp2", "tp2", "dp2tp2"])
+def test_moe_local_path_in_shard_map_equals_single_device_sim(mesh: str, skew: bool, check_vma: bool) -> None:
+    from _dist_pool import run_body
+
+    shape = {"dp2": {"dp": 2}, "tp2": {"tp": 2}, "dp2tp2": {"dp": 2, "tp": 2}}[mesh]
+    assert run_body("sim", _local_body, shape, skew, check_vma) == ["ok"]
+
+
 def _all_ep_cases(mesh: fs.Mesh) -> str:
     for skew in (False, True):
         for check_vma in (True, False):

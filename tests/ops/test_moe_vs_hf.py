@@ -104,6 +104,22 @@ def test_moe_ffn_equals_mixtral_block(case: str, impl: str) -> None:
     _close(_ours(x, p, r, impl=impl), _hf_grads(_hf_block("mixtral", p), x, r))
 
 
+@pytest.mark.parametrize("skew", [False, True])
+def test_moe_ffn_many_tokens_equals_mixtral_block(skew: bool) -> None:
+    """16800 tokens x top-2: a ``[rows, f]`` of more than 4 MiB, so on CPU the grouped experts run in blocks of whole
+    experts; skewed: every token's first choice is expert 3 (one block of it alone), expert 5 gets none."""
+    p = _params(seed=30, skew=skew, dead=5 if skew else None)
+    x = _tokens(seed=31, skew=skew, shape=(4, 4200))
+    r = _rand(*x.shape, seed=97)
+    counts = torch.bincount(moe.route(x, p["router"], K)[1].reshape(-1), minlength=E)
+    assert counts.sum() * F_ * 4 > 4 << 20
+    if skew:
+        assert counts[3] == x.shape[0] * x.shape[1] and counts[5] == 0
+    ours, ref = _ours(x, p, r, impl="torch"), _hf_grads(_hf_block("mixtral", p), x, r)
+    for a, b in zip((ours[0], ours[1], *ours[2].values()), (ref[0], ref[1], *ref[2].values())):
+        torch.testing.assert_close(a, b, rtol=RTOL, atol=1e-4)  # (atol: weight gradients sum over ~10^4 rows)
+
+
 @pytest.mark.parametrize("norm_topk", [False, True])
 def test_moe_ffn_equals_qwen3_moe_block(norm_topk: bool) -> None:
     p, x = _params(seed=20), _tokens(seed=21)

@@ -2,8 +2,9 @@
 
 ``moe_ffn(x, params, k, axis=...)``: route each token to its top-k experts (:func:`funcshard.ops.moe.route`),
 sort the ``T * k`` assignments by expert (stable: token order within an expert), run every expert's SwiGLU on its
-rows with one grouped matmul per projection (:func:`funcshard.ops.moe.grouped_mm`), put the rows back in
-assignment order and sum each token's k outputs times their routing weights.
+rows with one grouped matmul per projection (:func:`funcshard.ops.moe.grouped.grouped_swiglu`: the three and the
+gating in one autograd Function), and add each output row times its routing weight into its token's row (one
+``index_add``).
 
 With ``axis`` (expert parallelism, inside ``shard_map``): device ``r`` of ``axis`` holds experts
 ``[r * E_local, (r + 1) * E_local)`` and its own tokens. The sorted rows are grouped by the device of their expert,
@@ -36,11 +37,10 @@ from collections.abc import Mapping
 from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
 
 from ... import lax
 from ...extend import ConfigError, ShardingError, one_op, psum_owned
-from .grouped import grouped_mm
+from .grouped import grouped_swiglu, swiglu_combine
 from .routing import check_router, route
 
 __all__ = ["MoEAux", "moe_ffn"]
@@ -125,13 +125,14 @@ def moe_ffn(
     weights, ids, logits = route(h, router, k, norm_topk=norm_topk)  # [T, k] f32, [T, k], [T, E]
     cap = None if capacity_factor is None else math.ceil(capacity_factor * h.shape[0] * k / n_experts)
     order, counts, dropped = _sort_assignments(ids, n_experts, cap)  # [T*k or fewer], [E], []
-    rows = h.index_select(0, order // k)  # [T, d] -> [A, d], sorted by expert
     ws = (params["w1"], params["w3"], params["w2"])
-    if axis is None:
-        out = _experts(rows, *ws, counts, impl)  # [A, d] -> [A, d]
+    if axis is None:  # gather, experts and combine block by block (grouped.swiglu_combine)
+        row_weights = weights.reshape(-1).index_select(0, order)  # [T*k] -> [A], each sorted row's weight
+        y = swiglu_combine(h, order // k, row_weights, *ws, counts, impl=impl).to(x.dtype)  # [T, d] -> [T, d]
     else:
+        rows = h.index_select(0, order // k)  # [T, d] -> [A, d], sorted by expert
         out = _dispatch_experts_combine(rows, counts, ws, axis, impl)  # [A, d] -> [A, d]
-    y = _combine(out, order, weights, x.dtype)  # [A, d] -> [T, d]
+        y = _combine(out, order, weights, x.dtype)  # [A, d] -> [T, d]
     if tp is not None:
         y = psum_owned(y, tp)  # [T, d] -> [T, d]: the sum of the tp devices' partial outputs
     y = y.reshape(x.shape)
@@ -187,18 +188,19 @@ def _regroup(recv_counts: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.
 def _experts(
     rows: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor, counts: torch.Tensor, impl: str
 ) -> torch.Tensor:
-    """SwiGLU experts on rows grouped by expert (``counts`` per expert): one grouped matmul per projection."""
-    gate = grouped_mm(rows, w1, counts, impl=impl)  # [R, d] @ [E, d, f] -> [R, f]
-    up = grouped_mm(rows, w3, counts, impl=impl)  # [R, d] @ [E, d, f] -> [R, f]
-    return grouped_mm(F.silu(gate) * up, w2, counts, impl=impl)  # [R, f] @ [E, f, d] -> [R, d]
+    """SwiGLU experts on rows grouped by expert (``counts`` per expert): one grouped matmul per projection, the
+    three and the gating in one autograd Function (:func:`funcshard.ops.moe.grouped.grouped_swiglu`)."""
+    return grouped_swiglu(rows, w1, w3, w2, counts, impl=impl)  # [R, d] -> [R, f] -> [R, d]
 
 
 def _combine(out: torch.Tensor, order: torch.Tensor, weights: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``[T, d]``: each token's k expert outputs (``out``, in ``order``; dropped ones 0) times their weights, summed
-    in float32 (Mixtral multiplies in float32) and returned in ``dtype``."""
+    in float32 (Mixtral multiplies in float32) and returned in ``dtype``: the weighted rows added into their tokens'
+    rows by one ``index_add`` (as Hugging Face's loop does per expert), no ``[T * k, d]`` unsorted copy."""
     t, k = weights.shape
-    full = out.new_zeros(t * k, out.shape[1]).index_copy(0, order, out)  # [A, d] -> [T*k, d], assignment order
-    y = (full.view(t, k, -1) * weights.unsqueeze(-1)).sum(1)  # [T, k, d] * [T, k, 1] -> [T, d]
+    w = weights.reshape(-1).index_select(0, order).unsqueeze(1)  # [T*k] -> [A, 1], the weight of each sorted row
+    acc = torch.promote_types(out.dtype, weights.dtype)
+    y = out.new_zeros(t, out.shape[1], dtype=acc).index_add(0, order // k, out * w)  # [A, d] -> [T, d]
     return y.to(dtype)
 
 
