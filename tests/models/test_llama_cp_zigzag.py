@@ -81,10 +81,11 @@ def test_llama_cp_sim(name: str, check_vma: bool) -> None:
 
 
 @pytest.mark.dist
-def test_llama_cp_dist() -> None:
+@pytest.mark.parametrize("name", ["dp2_cp2_seq15", "cp4_seq30"])
+def test_llama_cp_dist(name: str) -> None:
     from _dist_pool import run_body
 
-    shape, batch, seq, sp, layout = CASES["dp2_cp2_seq15"]
+    shape, batch, seq, sp, layout = CASES[name]
     assert set(run_body("dist", _llama_body, shape, batch, seq, sp, layout, True)) == {"ok"}
 
 
