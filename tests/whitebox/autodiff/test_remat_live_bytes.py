@@ -224,10 +224,11 @@ def test_reshard_after_forward_frees_the_gathered_weights_under_dist(overlap):
     for keep, reshard, same in run_body("dist", _reshard_body, {"fsdp": 4}, "full", overlap):
         assert same, "resharding changed a number"
         (k,), (r,) = keep, reshard
-        if overlap == "0":  # as under sim
-            assert expected - gathered / 16 <= k - r <= expected + gathered / 3, ((k - r) / gathered, k, r)
-        else:  # the pending reduce-scatters (FUNCSHARD_OVERLAP) hold up to a layer's gradient bucket more
-            assert expected - gathered <= k - r <= expected + gathered / 3, ((k - r) / gathered, k, r)
+        # Under dist the resharding run's peak holds more than sim's: the next layer's prefetched gather, and with
+        # FUNCSHARD_OVERLAP=1 a layer's pending gradient bucket, alive or not depending on when gloo's threads run.
+        # On this 2-core host 1.75-3.0 of the 3 layers were seen freed (already at ad7910a: the old bound of 1/16
+        # layer failed 5 runs of 10). Not resharding frees nothing: 3 layers below the bound's floor of 1.5.
+        assert expected - 1.5 * gathered <= k - r <= expected + gathered / 3, ((k - r) / gathered, k, r)
 
 
 def _settled_body(mesh: fs.Mesh, overlap: str) -> tuple[int, int]:
