@@ -27,9 +27,9 @@ from typing import Any
 import torch
 
 import funcshard as fs
-from funcshard.models import llama, mixtral
-from funcshard.models.llama.hf.config import model_folder, read_config, read_json
-from funcshard.models.mixtral.hf import config_from_hf as moe_config_from_hf
+from funcshard.models import llama
+from funcshard.models.llama.hf.config import read_config
+from funcshard.models.mixtral.hf import read_config as read_moe_config
 
 from . import bridge
 from .cli import UsageError, train_parser
@@ -151,7 +151,7 @@ def model_config(args: argparse.Namespace, flags: llama.Config) -> llama.Config:
     """
     moe = getattr(args, "model", "llama") == "mixtral"
     try:  # a non-Llama folder goes through fs.nn (funcshard.job.bridge); --model mixtral reads a Mixtral's
-        cfg = _folder_config(args.init_from) if moe else None
+        cfg = read_moe_config(args.init_from) if moe else None
         cfg = cfg or (bridge.read_config(args.init_from) if bridge.wanted(args) else read_config(args.init_from))
     except fs.FuncshardError as e:
         raise UsageError(f"--init-from: {e}") from None
@@ -178,12 +178,6 @@ def model_config(args: argparse.Namespace, flags: llama.Config) -> llama.Config:
         )
     fields = MODEL_FIELDS + (MOE_FIELDS if moe else ())
     return dataclasses.replace(flags, **{f: getattr(cfg, f) for f in fields})
-
-
-def _folder_config(folder: str | Path) -> mixtral.Config:
-    """The ``mixtral.Config`` of a Mixtral or Qwen3-MoE folder's ``config.json``."""
-    file = model_folder(folder, "from_hf") / "config.json"
-    return moe_config_from_hf(read_json(file, "from_hf"), f"'{file}'")
 
 
 def _encode_text(buf: torch.Tensor, tokenizer: Any) -> torch.Tensor:

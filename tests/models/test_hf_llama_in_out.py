@@ -12,11 +12,11 @@ import torch
 import funcshard as fs
 from funcshard import P
 from funcshard.__main__ import main as cli_main
+from funcshard.checkpoint.safetensors import read_header, write_file
 from funcshard.job import cli as job_cli
 from funcshard.job import train
 from funcshard.models import llama
 from funcshard.models.llama.hf.convert import hf_names
-from funcshard.models.llama.hf.safetensors import read_header, write_file
 
 pytestmark = pytest.mark.oracle
 

@@ -48,7 +48,7 @@ from ..llama.hf import convert as llama_convert
 from .config import Config
 from .sharding import param_shapes, param_specs
 
-__all__ = ["config_from_hf", "config_to_hf", "from_hf", "hf_names", "to_hf"]
+__all__ = ["config_from_hf", "config_to_hf", "from_hf", "hf_names", "read_config", "to_hf"]
 
 PyTree = Any
 PathLike = str | os.PathLike[str]
@@ -252,6 +252,23 @@ def _shape(shapes: PyTree, leaf: str, index: tuple[int, ...] | None, fused: bool
     return torch.Size((shape[0], 2 * shape[1], shape[2])) if fused and leaf == "w1" else shape
 
 
+def read_config(path: PathLike) -> Config:
+    """The :class:`Config` of the Hugging Face Mixtral or Qwen3-MoE folder ``path`` (its ``config.json`` only; no
+    weights read), as ``llama``'s ``read_config``.
+
+    Raises:
+        ConfigError: no such folder, no readable ``config.json``, or a model funcshard cannot represent.
+
+    Example:
+        >>> read_config("/no/such/folder")  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        funcshard._src.errors.ConfigError: from_hf: '/no/such/folder' does not exist; ...
+    """
+    file = llama_config.model_folder(path, "from_hf") / "config.json"
+    return config_from_hf(llama_config.read_json(file, "from_hf"), f"'{file}'")
+
+
 def from_hf(
     path: PathLike, *, dtype: torch.dtype | None = torch.float32, mesh: Any = None, specs: Any = None
 ) -> tuple[Config, PyTree]:
@@ -287,8 +304,7 @@ def from_hf(
         >>> cfg, params = from_hf("path/to/Mixtral-8x7B-v0.1", mesh=fs.make_mesh({"ep": 8}))  # doctest: +SKIP
     """
     folder = llama_config.model_folder(path, "from_hf")
-    file = folder / "config.json"
-    cfg = config_from_hf(llama_config.read_json(file, "from_hf"), f"'{file}'")
+    cfg = read_config(folder)
     where, headers = llama_convert.read_headers(folder)
     fused = _FUSED.format(i=0) in where
     names = hf_names(cfg, fused=fused)

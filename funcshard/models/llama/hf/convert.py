@@ -2,7 +2,7 @@
 
 A folder is ``config.json`` and the weights as safetensors: one ``model.safetensors``, or shards named by
 ``model.safetensors.index.json`` (its ``weight_map``). The format is read and written here, with no
-dependency (:mod:`funcshard.models.llama.hf.safetensors`); tensors are read one at a time (a buffer the size
+dependency (:mod:`funcshard.checkpoint.safetensors`); tensors are read one at a time (a buffer the size
 of one tensor beside the parameters), in F32, F16, BF16 or F64, and ``config.json`` is mapped by
 :mod:`funcshard.models.llama.hf.config`. ``from_hf(path, mesh=...)`` gives ``fs.Array``s, each process reading
 only its own blocks (:mod:`funcshard.models.llama.hf.sharded`).
@@ -40,12 +40,12 @@ from typing import Any
 
 import torch
 
+from ....checkpoint.safetensors import read_tensor, write_file
 from ....checkpoint.sharded_read import read_headers
 from ....extend import Array, ConfigError, device_get, get_backend
 from ..config import Config
 from ..sharding import param_shapes
 from .config import config_to_hf, model_folder, read_config
-from .safetensors import read_tensor, write_file
 from .sharded import read_sharded
 
 __all__ = ["check_tensors", "from_hf", "hf_names", "read_headers", "read_tensors", "to_hf", "write_folder"]
