@@ -154,3 +154,30 @@ def test_visualize_names_uneven_blocks() -> None:
     mesh = fs.make_mesh({"a": 4}, backend="sim")
     pic = fs.visualize(fs.device_put(torch.zeros(10, 4), mesh, P("a")), show=False)
     assert "dim 0 split unevenly: blocks of [3, 3, 2, 2]" in pic.splitlines()[0]
+
+
+def _uneven_outputs_of_even_inputs_body(mesh: fs.Mesh) -> str:
+    """A body whose inputs split evenly but whose outputs do not (it slices by its device index): each call's
+    global shapes are the sum of the blocks, under ``"dist"`` too (where no process sees the others' blocks)."""
+    n = mesh.shape["a"]
+
+    def f(x: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        rows = (n - axis_index_int("a")) // 2 + int(k)  # n=2: 1 + k, 0 + k rows; tensor_split's blocks
+        return x[:rows], x.sum(0, keepdim=True)  # [rows, 3]; [1, 3], even
+
+    step = fs.shard_map(f, mesh=mesh, in_specs=(P("a"), P()), out_specs=(P("a"), P("a")))
+    x = torch.arange(4.0 * n * 3).reshape(4 * n, 3)
+    for k in (1, 2, 1):  # the second call's blocks differ from the first's: the shapes are exchanged again
+        out, sums = step(x, torch.tensor(k))
+        blocks = [x[4 * i : 4 * i + (n - i) // 2 + k] for i in range(n)]
+        assert out.shape == (sum(len(b) for b in blocks), 3), (k, out.shape)
+        assert torch.equal(fs.device_get(out), torch.cat(blocks)), k
+        assert sums.shape == (n, 3) and torch.equal(fs.device_get(sums), x.reshape(n, 4, 3).sum(1))
+    bad = fs.shard_map(lambda t: torch.zeros(axis_index_int("a") + 1, 2), mesh=mesh, in_specs=(P(),), out_specs=P("a"))
+    with pytest.raises(fs.ShardingError, match=r"tensor_split"):
+        bad(torch.zeros(1))  # blocks of 1 and 2 rows: not tensor_split's, refused on every process
+    return "ok"
+
+
+def test_uneven_outputs_of_even_inputs(run) -> None:
+    assert set(run(_uneven_outputs_of_even_inputs_body, {"a": 2})) == {"ok"}

@@ -214,9 +214,13 @@ def _run_local(
                 plan = cache.out_plan(name, mesh, out_specs, out_def, out_leaves)
             if not check_vma:  # the outputs called replicated are: once per output signature (see _replicas)
                 maybe_check_replicas(name, mesh, check_vma, plan, out_leaves, executor.device)
+            noted = take_uneven() or sig.uneven
+            due = not noted and cache.exchange_due(mesh, plan)  # (blocks that differ although no input did)
             out = assemble_one(  # (tags cleared)
-                name, mesh, plan, check_vma, executor.coords[0], out_leaves, uneven=take_uneven() or sig.uneven
+                name, mesh, plan, check_vma, executor.coords[0], out_leaves, uneven=noted or due
             )
+            if due:
+                cache.saw_shapes(plan, out)
             return out_def.unflatten(out)  # (optree.tree_unflatten's own call)
         except BaseException:
             clear_vma(out_leaves)
@@ -265,9 +269,12 @@ def _run(
         out_plan = plan(results)
         if not check_vma and mesh.is_multiprocess:  # the outputs called replicated are (see _replicas)
             maybe_check_replicas(name, mesh, check_vma, out_plan, results[0][0], executor.device)
-        return assemble_outputs(
-            name, mesh, out_plan, check_vma, executor.coords, results, executor.shards, take_uneven() or inputs.uneven
-        )
+        noted = take_uneven() or inputs.uneven
+        due = not noted and len(results) == 1 and cache.exchange_due(mesh, out_plan)
+        out = assemble_outputs(name, mesh, out_plan, check_vma, executor.coords, results, executor.shards, noted or due)
+        if due:
+            cache.saw_shapes(out_plan, out)
+        return out
     finally:  # tags are only meaningful during this call: none may leak into a later one
         clear_vma(body.tagged)
         for leaves, _ in results:  # (per device: no generator resumed once a leaf)

@@ -242,6 +242,10 @@ class InputCache:
         self.dist_local: tuple[Coords, torch.device | None] | None = None  # this process's coords, its device
         self.executor: Any = None  # the mesh's executor (``_executor.executor_for``), kept for the next call
         self.context: Any = None  # the device context of the last ``run_local`` call (``_executor._context_of``)
+        # under "dist": the output plans whose blocks' shapes were exchanged once (id -> plan), and whether an
+        # exchange found blocks that differ (from then on every call exchanges them; see ``exchange_due``)
+        self.shapes_seen: dict[int, OutPlan] = {}
+        self.uneven_outputs = False
 
     def prepare(self, name: str, mesh: Mesh, in_specs: Any, args: tuple[Any, ...]) -> Inputs:
         """Validate ``args`` against ``in_specs`` (cached per call signature) and cut them for the devices.
@@ -353,6 +357,30 @@ class InputCache:
         if dev is not None and x.device != dev:
             return None
         return {coords: x}
+
+    def exchange_due(self, mesh: Mesh, plan: OutPlan) -> bool:
+        """Under ``"dist"``: whether this call's processes exchange their output blocks' shapes although no
+        input was split unevenly. A body may still return blocks that differ between devices (it slices by
+        ``axis_index``), which no process sees alone: the first call of each output signature exchanges them,
+        and once one found blocks that differ, every later call does (:meth:`saw_shapes`). Every process makes
+        the same decision: the same calls, and a new output signature on each at its first call."""
+        if not mesh.is_multiprocess:
+            return False
+        if self.uneven_outputs:
+            return True
+        if self.shapes_seen.get(id(plan)) is plan:
+            return False
+        if len(self.shapes_seen) > 64:
+            self.shapes_seen.clear()
+        self.shapes_seen[id(plan)] = plan
+        return any(g is not None and any(mesh.shape[a] > 1 for a in s.axes) for _, s, g in plan)
+
+    def saw_shapes(self, plan: OutPlan, out: Any) -> None:
+        """Note, after an exchange, whether an output's global shape (``out``: the outputs, a tree of Arrays)
+        differs from the even split's."""
+        if not self.uneven_outputs:
+            found = [tuple(a.shape) for a in optree.tree_leaves(out, is_leaf=is_array) if is_array(a)]
+            self.uneven_outputs = found != [tuple(g) for _, _, g in plan if g is not None]
 
     def out_plan(self, name: str, mesh: Mesh, out_specs: Any, out_def: Any, leaves: list[Any]) -> OutPlan:
         """Path, spec and global shape of each output leaf (validated once per output signature)."""
@@ -546,10 +574,11 @@ def assemble_one(
     also clears each block's own vma tag as it reads it (``clear_vma`` of the outputs, in the same pass; where it
     raises, the caller clears the rest); ``shards`` as in :func:`assemble_outputs`.
 
-    ``uneven`` (an input was split unevenly, which every process knows from the call's signature): under
-    ``"dist"`` the processes exchange their blocks' shapes (one small exchange, every such call), and the global
-    shape of an output whose blocks differ is their sum. Otherwise a block is taken to be an even split of its
-    output (its shape times its axes' sizes), as no process sees the others' blocks."""
+    ``uneven`` (an input was split unevenly, which every process knows from the call's signature, or the body
+    noted uneven blocks, or :meth:`InputCache.exchange_due` asks for it): under ``"dist"`` the processes exchange
+    their blocks' shapes (one small exchange), and the global shape of an output whose blocks differ is their
+    sum. Otherwise a block is taken to be an even split of its output (its shape times its axes' sizes), as no
+    process sees the others' blocks."""
     out: list[Any] = []
     seen: set[int] = set()  # storages of the blocks assembled so far
     tags = take_vmas(leaves) if clear else [None] * len(leaves)

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from ... import lax
-from ...extend import ConfigError
+from ...extend import ConfigError, axis_index_int
 from ...extend import value_and_grad as _value_and_grad
 from ...ops import vocab_parallel_cross_entropy
 from ...pipeline import from_chunks, run, to_chunks
@@ -105,12 +105,16 @@ def pipelined(
     if plan_.data_axes:
         count = lax.psum(count, plan_.data_axes)  # [] -> [], target tokens of the global batch
     like = None if lay.aux_init is None else lay.aux_init(tokens)  # [n]: the aux's size and dtype
+    seq = tokens.shape[1]  # the hidden states' local length: s/cp, split again over tp under SP (tensor_split's)
+    if plan_.sp_axis is not None:
+        k, i = lax.axis_size(plan_.sp_axis), axis_index_int(plan_.sp_axis)
+        seq = seq // k + (i < seq % k)  # this device's block of torch.tensor_split(seq, k)
 
     def unpack(a: torch.Tensor) -> Any:  # the carry of the flat activation
         if like is None:
             return a
         n = like.numel()
-        return a[:-n].view(b // m, -1, cfg.dim), a[-n:].to(like.dtype)  # [b/m, s, d], [n]
+        return a[:-n].view(b // m, seq, cfg.dim), a[-n:].to(like.dtype)  # [b/m, s(/tp), d] (b/m may be 0), [n]
 
     def first_fn(shared: PyTree, tok: torch.Tensor) -> torch.Tensor:
         table = use_params(shared["embed"], lay.specs["embed"], plan_, cfg.precision)  # [V/tp, d/fsdp] -> [V/tp, d]

@@ -153,7 +153,8 @@ def router_stats(
     m = None if mask is None else mask.reshape(-1).to(device=dev, dtype=torch.float32)  # [T]
     for z, ids in zip(logits_l, ids_l, strict=True):
         probs = torch.softmax(z.reshape(-1, n_experts).float(), dim=-1)  # [T, E]
-        flat = ids.reshape(probs.shape[0], -1)  # [T, k]
+        k = ids.numel() // probs.shape[0] if probs.shape[0] else ids.shape[-1]  # (no rows: a device's empty batch)
+        flat = ids.reshape(probs.shape[0], k)  # [T, k]
         if m is None:
             hits = torch.ones(flat.shape, dtype=torch.float32, device=dev)
             n_rows = n_rows + probs.shape[0]
