@@ -54,7 +54,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import functools
 import threading
 import weakref
 from collections.abc import Callable, Iterator
@@ -68,7 +67,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..collectives.vma import VmaMode, find_vma, set_vma, settle, tag_leaves
 from ..errors import ConfigError
-from ..runtime.context import enter, maybe_current, transforms_active
+from ..runtime.context import enter, maybe_current, named_like, transforms_active
 from .grad import has_tangent, reaches_other_leaf
 
 __all__ = ["Policy", "checkpoint_name", "remat", "remat_policies"]
@@ -362,7 +361,6 @@ class _Devices:
         if name not in self._COLLECTIVES:
             return attr
 
-        @functools.wraps(attr)
         def collective(x: torch.Tensor, *rest: Any) -> torch.Tensor:
             if self._done:
                 return attr(x, *rest)
@@ -379,7 +377,7 @@ class _Devices:
                 self.results.append(y.detach())
             return y
 
-        return collective
+        return named_like(collective, attr)  # (not functools.wraps: see named_like)
 
 
 @contextmanager
@@ -695,7 +693,6 @@ def _rematerialising(
     ``f`` as it is where nothing is to be saved (no gradient wanted, ``policy`` saves everything, vmap / jvp
     around), else through :class:`_Remat` on the tensors among its arguments."""
 
-    @functools.wraps(f)
     def wrapped(*args: Any, **kwargs: Any) -> Any:
         for i in static:
             if not -len(args) <= i < len(args) or isinstance(args[i], torch.Tensor):
@@ -747,4 +744,6 @@ def _rematerialising(
         it = iter(outs)
         return optree.tree_unflatten(call.out_def, [next(it) if t is _TENSOR else t for t in call.out_leaves])
 
-    return wrapped
+    # not functools.wraps: every device thread wraps the same f at once, and reading f's annotations from several
+    # threads can crash CPython 3.11 (named_like)
+    return named_like(wrapped, f)

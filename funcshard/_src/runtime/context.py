@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 import threading
+import types
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
@@ -397,3 +399,81 @@ def take_uneven() -> bool:
         _scope.uneven = False
         return True
     return False
+
+
+_WRAPPED_NAMES = ("__module__", "__name__", "__qualname__", "__doc__")
+
+
+def named_like(wrapper: Callable[..., Any], f: Any) -> Callable[..., Any]:
+    """``wrapper`` given ``f``'s module, name, qualified name and docstring, and ``__wrapped__ = f``: what
+    ``functools.wraps(f)`` gives, without reading ``f.__annotations__`` or copying ``f.__dict__``.
+
+    Device threads wrap the same function at once (``fs.remat(block)`` in a body runs on every sim device), and
+    CPython 3.11 builds a function's ``__annotations__`` dict on its first read from a tuple it does not hold a
+    reference to: a thread that reads it while another one does can find the tuple freed and crash the process
+    (seen as a segfault in ``functools.update_wrapper``). ``inspect.signature(wrapper)`` still follows
+    ``__wrapped__`` to ``f``'s annotations, read where the caller asks for them.
+
+    Example:
+        >>> def block(x: int) -> int:
+        ...     "Doubles."
+        ...     return 2 * x
+        >>> w = named_like(lambda x: block(x), block)
+        >>> w.__name__, w.__doc__, w.__wrapped__ is block
+        ('block', 'Doubles.', True)
+    """
+    for name in _WRAPPED_NAMES:
+        try:
+            value = getattr(f, name)
+        except AttributeError:
+            continue
+        setattr(wrapper, name, value)
+    wrapper.__wrapped__ = f  # type: ignore[attr-defined]
+    return wrapper
+
+
+_SETTLED: set[str] = set()  # the modules whose functions' annotations settle_annotations made dicts
+_MODULES_SEEN = [0]  # len(sys.modules) at its last walk
+
+
+def settle_annotations(prefix: str = "funcshard") -> None:
+    """Make the ``__annotations__`` of the functions and methods of every loaded ``prefix`` module dicts now, on
+    the calling thread (each module walked once; nothing to do while no module was loaded since the last call).
+
+    CPython 3.11 keeps a function's annotations as a tuple until their first read, and the thread that first
+    reads them builds the dict from a tuple it holds no reference to: two device threads reading them at once
+    (``inspect.signature`` in ``torch.autograd.Function.apply`` of a Function with ``setup_context``,
+    ``functools.wraps``) can find it freed and crash the process. The sim backend calls this before it starts
+    a call's device threads, so that no first read happens on them (see also :func:`named_like`).
+
+    Example:
+        >>> settle_annotations()
+        >>> "funcshard._src.runtime.context" in _SETTLED
+        True
+    """
+    if len(sys.modules) == _MODULES_SEEN[0]:
+        return
+    _MODULES_SEEN[0] = len(sys.modules)
+    for name, module in list(sys.modules.items()):
+        if name in _SETTLED or module is None or not (name == prefix or name.startswith(prefix + ".")):
+            continue
+        _SETTLED.add(name)
+        for obj in list(vars(module).values()):
+            if isinstance(obj, type) and getattr(obj, "__module__", None) == name:
+                for member in list(vars(obj).values()):
+                    _settle(member)
+            elif getattr(obj, "__module__", None) == name:
+                _settle(obj)
+
+
+def _settle(obj: Any) -> None:
+    """Read the annotations of ``obj`` (a function, or what a static / class method or a property holds)."""
+    if isinstance(obj, (staticmethod, classmethod)):
+        obj = obj.__func__
+    if isinstance(obj, property):
+        for f in (obj.fget, obj.fset, obj.fdel):
+            _settle(f)
+        return
+    obj = getattr(obj, "__wrapped__", obj) if not isinstance(obj, types.FunctionType) else obj
+    if isinstance(obj, types.FunctionType):
+        obj.__annotations__  # noqa: B018 - the read builds the dict

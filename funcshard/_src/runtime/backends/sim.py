@@ -36,7 +36,7 @@ import torch.autograd.forward_ad as fwAD
 
 from ...errors import ShardingError
 from ..comm import P2POp, P2PWork, default_timeout
-from ..context import swap_runtime_level
+from ..context import settle_annotations, swap_runtime_level
 from .base import BackendImpl, DeviceHandle, check_p2p, from_order_key, group_members, order_key, ragged_mismatch
 
 __all__ = ["SimBackend", "SimDevice", "SimWorld", "abandoned_threads"]
@@ -170,6 +170,7 @@ class SimWorld:
         if self.mesh.size == 1:
             work(self.devices[0])
         else:
+            settle_annotations()  # (no first read of a function's annotations on the device threads: CPython 3.11)
             threads = [
                 threading.Thread(target=work, args=(d,), name=f"funcshard-sim-{d.rank}", daemon=True)
                 for d in self.devices
