@@ -436,44 +436,51 @@ _SETTLED: set[str] = set()  # the modules whose functions' annotations settle_an
 _MODULES_SEEN = [0]  # len(sys.modules) at its last walk
 
 
-def settle_annotations(prefix: str = "funcshard") -> None:
-    """Make the ``__annotations__`` of the functions and methods of every loaded ``prefix`` module dicts now, on
-    the calling thread (each module walked once; nothing to do while no module was loaded since the last call).
+def settle_annotations(module: Any = None) -> None:
+    """Make the ``__annotations__`` of the functions and methods of every loaded funcshard module dicts now, on
+    the calling thread (each module walked once; nothing to do while no module was loaded since the last call);
+    with ``module`` (a name; anything else is ignored), of that module's instead (walked every time: a notebook's
+    ``__main__`` gains functions).
 
     CPython 3.11 keeps a function's annotations as a tuple until their first read, and the thread that first
     reads them builds the dict from a tuple it holds no reference to: two device threads reading them at once
-    (``inspect.signature`` in ``torch.autograd.Function.apply`` of a Function with ``setup_context``,
-    ``functools.wraps``) can find it freed and crash the process. The sim backend calls this before it starts
-    a call's device threads, so that no first read happens on them (see also :func:`named_like`).
+    (``functools.wraps``, ``inspect.signature``) can find it freed and crash the process. The sim backend calls
+    this before it starts a call's device threads, and ``shard_map`` for the module of the function it maps, so
+    that no first read happens on them (see also :func:`named_like`).
 
     Example:
         >>> settle_annotations()
         >>> "funcshard._src.runtime.context" in _SETTLED
         True
     """
+    if isinstance(module, str):
+        found = sys.modules.get(module)
+        if found is not None:
+            _settle_module(found, module)
+        return
     if len(sys.modules) == _MODULES_SEEN[0]:
         return
     _MODULES_SEEN[0] = len(sys.modules)
-    for name, module in list(sys.modules.items()):
-        if name in _SETTLED or module is None or not (name == prefix or name.startswith(prefix + ".")):
-            continue
-        _SETTLED.add(name)
-        for obj in list(vars(module).values()):
-            if isinstance(obj, type) and getattr(obj, "__module__", None) == name:
-                for member in list(vars(obj).values()):
-                    _settle(member)
-            elif getattr(obj, "__module__", None) == name:
-                _settle(obj)
+    for name, found in list(sys.modules.items()):
+        if name not in _SETTLED and found is not None and (name == "funcshard" or name.startswith("funcshard.")):
+            _SETTLED.add(name)
+            _settle_module(found, name)
 
 
-def _settle(obj: Any) -> None:
-    """Read the annotations of ``obj`` (a function, or what a static / class method or a property holds)."""
-    if isinstance(obj, (staticmethod, classmethod)):
-        obj = obj.__func__
-    if isinstance(obj, property):
-        for f in (obj.fget, obj.fset, obj.fdel):
-            _settle(f)
-        return
-    obj = getattr(obj, "__wrapped__", obj) if not isinstance(obj, types.FunctionType) else obj
-    if isinstance(obj, types.FunctionType):
-        obj.__annotations__  # noqa: B018 - the read builds the dict
+def _settle_module(module: types.ModuleType, name: str) -> None:
+    """Read the annotations of the functions defined in ``module`` (named ``name``) and of its classes' methods."""
+    for obj in list(vars(module).values()):
+        if isinstance(obj, types.FunctionType):
+            if obj.__module__ == name:
+                obj.__annotations__  # noqa: B018 - the read builds the dict
+        elif isinstance(obj, type) and vars(obj).get("__module__") == name:
+            for member in list(vars(obj).values()):
+                if isinstance(member, property):
+                    methods = (member.fget, member.fset, member.fdel)
+                elif isinstance(member, (staticmethod, classmethod)):
+                    methods = (member.__func__,)
+                else:
+                    methods = (member,)
+                for f in methods:
+                    if isinstance(f, types.FunctionType):
+                        f.__annotations__  # noqa: B018

@@ -23,7 +23,7 @@ import optree
 from ..arrays.array import Array, is_array
 from ..collectives.vma import clear_vma
 from ..errors import ShardingError
-from ..runtime.context import maybe_current, take_uneven, transforms_active
+from ..runtime.context import maybe_current, settle_annotations, take_uneven, transforms_active
 from ..runtime.mesh import Mesh
 from ..tree.shapes import to_meta
 from .compile import CompiledBody, compile_options, eager_body, opaque_to_dynamo, warn_sim
@@ -97,9 +97,9 @@ def shard_map(
 
     donated, cache, options = _donate_argnums(donate), InputCache(), compile_options(compile)
     name = f"shard_map({getattr(f, '__name__', 'f')})"
+    settle_annotations(None if mesh.is_multiprocess else getattr(f, "__module__", None))  # (for sim's threads)
     f = eager_body(f, name, bool(check_vma))
-    # one device per process: its body compiles
-    compiled = CompiledBody(name, options) if options is not None and mesh.is_multiprocess else None
+    compiled = CompiledBody(name, options) if options is not None and mesh.is_multiprocess else None  # (dist's)
     check = bool(check_vma)
     local = options is None and not donated and mesh.is_multiprocess  # one device, no compile, no donation
 

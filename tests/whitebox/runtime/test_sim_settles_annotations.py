@@ -57,3 +57,19 @@ def test_a_sim_call_settles_the_annotations_of_funcshard_modules() -> None:
         assert all(_annotations_are_a_dict(f) for f in fns)
     finally:
         del sys.modules[name]
+
+
+def test_shard_map_settles_the_annotations_of_its_functions_module() -> None:
+    name = "user_settle_probe"
+    module = types.ModuleType(name)
+    exec(compile(_SOURCE + "\n\ndef body(x):\n    return x * 2\n", name, "exec"), module.__dict__)
+    for obj in (module.probe, module.Op, module.body):
+        obj.__module__ = name
+    sys.modules[name] = module
+    try:
+        fns = [module.probe, module.Op.__dict__["forward"], module.Op.__dict__["size"].fget]
+        assert not any(_annotations_are_a_dict(f) for f in fns)
+        fs.shard_map(module.body, mesh=fs.make_mesh({"dp": 2}, backend="sim"), in_specs=P("dp"), out_specs=P("dp"))
+        assert all(_annotations_are_a_dict(f) for f in fns)  # at the shard_map, before any device thread runs
+    finally:
+        del sys.modules[name]
