@@ -115,3 +115,21 @@ def test_advice_names_the_part_that_does_not_fit() -> None:
     assert "fsdp" in advice(state, 100)
     acts = {"params": 1, "grads": 1, "optimizer_state": 2, "activations": 500, "temporaries": 10}
     assert "--remat" in advice(acts, 100)
+
+
+def test_search_takes_layer_counts_and_lengths_the_mesh_does_not_divide() -> None:
+    from funcshard.job.plan.search import candidates, extrapolated
+
+    # 7 layers: pp=2 and pp=4 stages of 4 + 3 and 2 + 2 + 2 + 1 layers (earlier stages take one more); a
+    # sequence cp=2 does not divide (zigzag over tensor_split's blocks)
+    flags = "--dim 64 --layers 7 --heads 4 --kv-heads 2 --ffn 128 --batch 8 --hardware h100"
+    meshes = candidates(_args(*flags.split(), "--seq", "16385"), 4)
+    assert {"pp": 2, "fsdp": 2} in meshes and {"pp": 4} in meshes and {"cp": 2, "fsdp": 2} in meshes
+    # the largest stage sets the step: 7 layers on pp=2 are estimated as 8, as if both stages held 4
+    args = _args(*flags.split(), "--seq", "32", "--mesh", "pp=2,fsdp=2")
+    as_eight = _args(*flags.replace("--layers 7", "--layers 8").split(), "--seq", "32", "--mesh", "pp=2,fsdp=2")
+    fast, seven, eight = extrapolated(args, {"pp": 2, "fsdp": 2}), estimate(args), estimate(as_eight)
+    assert "to 8 (7 with 4 in the largest of the 2 chunks" in fast.notes[-1]
+    assert fast.comm_rows == eight.comm_rows and fast.cost["flops"] == eight.cost["flops"]
+    assert abs(fast.memory["peak"] / eight.memory["peak"] - 1) < 0.05
+    assert fast.memory["peak"] >= seven.memory["peak"] and fast.cost["flops"] >= seven.cost["flops"]

@@ -1,9 +1,9 @@
 """``plan --search --gpus N``: every layout of the train step over N devices that fits, fastest first.
 
-The layouts are the meshes ``{pp, fsdp, cp, tp}`` whose sizes multiply to N (tp inside a node and dividing the
-key / value heads, pp up to 8 dividing the layers, cp only for long sequences), each with the remat policies from the
-cheapest (none, selective, full): once one fits, the dearer ones are not tried (the same communication and
-more recomputation cannot be faster). A layout
+The layouts are the meshes ``{pp, fsdp, cp, tp}`` whose sizes multiply to N (tp inside a node and fitting the
+key / value heads, pp up to 8 and at most the layers, cp only for long sequences), each with the remat policies
+from the cheapest (none, selective, full): once one fits, the dearer ones are not tried (the same communication
+and more recomputation cannot be faster). A layout
 whose parameters, gradients and AdamW moments alone (16 bytes a parameter, sharded over fsdp x tp x pp) exceed
 the device is dropped before any analysis.
 
@@ -59,13 +59,13 @@ def candidates(args: argparse.Namespace, n: int) -> list[dict[str, int]]:
     node = hardware(args.hardware).node_size
     out = []
     for pp in _powers(n):
-        if cfg.n_layers % pp or pp > 8:
+        if cfg.n_layers < pp or pp > 8:  # (layers pp does not divide: earlier stages take one more)
             continue
         for tp in _powers(n // pp):
             if tp > node or not llama_sharding.heads_fit(cfg, tp):  # (kv heads replicated where tp exceeds them)
                 continue
             for cp in _powers(n // (pp * tp)):
-                if cp > 1 and (args.seq < 16384 or args.seq % (2 * cp)):
+                if cp > 1 and args.seq < 16384:  # (a length cp does not divide: zigzag over tensor_split's blocks)
                     continue
                 fsdp = n // (pp * tp * cp)
                 if args.batch % fsdp or (pp > 1 and (args.batch // fsdp) % cfg.microbatches(pp)):
@@ -143,8 +143,10 @@ def extrapolated(args: argparse.Namespace, mesh: dict[str, int]) -> Estimate:
     cfg = plan_config(args)
     pp = mesh.get("pp", 1)
     chunks = by_name(cfg.pp_schedule, pp, cfg.microbatches(pp)).n_virtual if pp > 1 else 1
-    per_chunk = cfg.n_layers // (pp * chunks)
-    if per_chunk <= 2 or cfg.n_layers % (pp * chunks):
+    # the largest chunk's layers: where pp x chunks does not divide them, earlier chunks take one more, and the
+    # stage holding them sets the step and the peak; it is estimated as if every chunk had as many
+    per_chunk = -(-cfg.n_layers // (pp * chunks))
+    if per_chunk <= 2:
         return estimate(args, mesh)
     small = [estimate(_with_layers(args, pp * chunks * k), mesh) for k in (1, 2)]
     scale = per_chunk - 1  # the second point is one layer per chunk more than the first
@@ -174,7 +176,13 @@ def extrapolated(args: argparse.Namespace, mesh: dict[str, int]) -> Estimate:
     timing = step_time(flops, rows, mesh, b.hardware, dtype=b.dtype, bubble=bubble, memory_bytes=update)
     out = dataclasses.replace(b, cfg=cfg, memory=memory, cost=cost, comm_rows=rows, time=timing)
     out.seconds = a.seconds + b.seconds
-    out.notes = [*b.notes, f"extended linearly from {pp * chunks} and {2 * pp * chunks} layers to {cfg.n_layers}"]
+    to = (
+        f"{cfg.n_layers}"
+        if not cfg.n_layers % (pp * chunks)
+        else f"{pp * chunks * per_chunk} ({cfg.n_layers} with "
+        f"{per_chunk} in the largest of the {pp * chunks} chunks: every chunk counted as large)"
+    )
+    out.notes = [*b.notes, f"extended linearly from {pp * chunks} and {2 * pp * chunks} layers to {to}"]
     return out
 
 
