@@ -123,6 +123,7 @@ from ._src.tree.spec import check_spec as check_spec
 from ._src.tree.spec import is_spec as is_spec
 from ._src.tree.spec import shard_shape as shard_shape
 from ._src.tree.spec import shard_slices as shard_slices
+from ._src.tree.spec import split_sizes as split_sizes
 
 __all__ = [
     "AllReduce",
@@ -180,6 +181,7 @@ __all__ = [
     "shard_slices",
     "spec_rules",
     "split_invariant",
+    "split_sizes",
     "tags_agree",
     "tracing",
     "transforms_active",

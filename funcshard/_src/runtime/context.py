@@ -436,28 +436,21 @@ _SETTLED: set[str] = set()  # the modules whose functions' annotations settle_an
 _MODULES_SEEN = [0]  # len(sys.modules) at its last walk
 
 
-def settle_annotations(module: Any = None) -> None:
+def settle_annotations() -> None:
     """Make the ``__annotations__`` of the functions and methods of every loaded funcshard module dicts now, on
-    the calling thread (each module walked once; nothing to do while no module was loaded since the last call);
-    with ``module`` (a name; anything else is ignored), of that module's instead (walked every time: a notebook's
-    ``__main__`` gains functions).
+    the calling thread (each module walked once; nothing to do while no module was loaded since the last call).
 
     CPython 3.11 keeps a function's annotations as a tuple until their first read, and the thread that first
     reads them builds the dict from a tuple it holds no reference to: two device threads reading them at once
     (``functools.wraps``, ``inspect.signature``) can find it freed and crash the process. The sim backend calls
-    this before it starts a call's device threads, and ``shard_map`` for the module of the function it maps, so
-    that no first read happens on them (see also :func:`named_like`).
+    this before it starts a call's device threads, so that no first read happens on them (see also
+    :func:`settle_module`, :func:`named_like`).
 
     Example:
         >>> settle_annotations()
         >>> "funcshard._src.runtime.context" in _SETTLED
         True
     """
-    if isinstance(module, str):
-        found = sys.modules.get(module)
-        if found is not None:
-            _settle_module(found, module)
-        return
     if len(sys.modules) == _MODULES_SEEN[0]:
         return
     _MODULES_SEEN[0] = len(sys.modules)
@@ -465,6 +458,19 @@ def settle_annotations(module: Any = None) -> None:
         if name not in _SETTLED and found is not None and (name == "funcshard" or name.startswith("funcshard.")):
             _SETTLED.add(name)
             _settle_module(found, name)
+
+
+def settle_module(f: Any) -> None:
+    """:func:`settle_annotations` for the module of ``f`` (a user's function that ``shard_map`` maps: its helpers
+    run on every sim device thread), walked every time (a notebook's ``__main__`` gains functions).
+
+    Example:
+        >>> settle_module(settle_module)
+    """
+    name = getattr(f, "__module__", None)
+    found = sys.modules.get(name) if isinstance(name, str) else None
+    if found is not None:
+        _settle_module(found, name)
 
 
 def _settle_module(module: types.ModuleType, name: str) -> None:

@@ -23,7 +23,7 @@ import optree
 from ..arrays.array import Array, is_array
 from ..collectives.vma import clear_vma
 from ..errors import ShardingError
-from ..runtime.context import maybe_current, settle_annotations, take_uneven, transforms_active
+from ..runtime.context import maybe_current, settle_module, take_uneven, transforms_active
 from ..runtime.mesh import Mesh
 from ..tree.shapes import to_meta
 from .compile import CompiledBody, compile_options, eager_body, opaque_to_dynamo, warn_sim
@@ -97,7 +97,7 @@ def shard_map(
 
     donated, cache, options = _donate_argnums(donate), InputCache(), compile_options(compile)
     name = f"shard_map({getattr(f, '__name__', 'f')})"
-    settle_annotations(None if mesh.is_multiprocess else getattr(f, "__module__", None))  # (for sim's threads)
+    settle_module(f)  # (no first read of its module's annotations on sim's device threads: CPython 3.11)
     f = eager_body(f, name, bool(check_vma))
     compiled = CompiledBody(name, options) if options is not None and mesh.is_multiprocess else None  # (dist's)
     check = bool(check_vma)
@@ -270,7 +270,7 @@ def _run(
         if not check_vma and mesh.is_multiprocess:  # the outputs called replicated are (see _replicas)
             maybe_check_replicas(name, mesh, check_vma, out_plan, results[0][0], executor.device)
         noted = take_uneven() or inputs.uneven
-        due = not noted and len(results) == 1 and cache.exchange_due(mesh, out_plan)
+        due = not noted and cache.exchange_due(mesh, out_plan)
         out = assemble_outputs(name, mesh, out_plan, check_vma, executor.coords, results, executor.shards, noted or due)
         if due:
             cache.saw_shapes(out_plan, out)

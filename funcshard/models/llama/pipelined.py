@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from ... import lax
-from ...extend import ConfigError, axis_index_int
+from ...extend import ConfigError, axis_index_int, split_sizes
 from ...extend import value_and_grad as _value_and_grad
 from ...ops import vocab_parallel_cross_entropy
 from ...pipeline import from_chunks, run, to_chunks
@@ -107,8 +107,7 @@ def pipelined(
     like = None if lay.aux_init is None else lay.aux_init(tokens)  # [n]: the aux's size and dtype
     seq = tokens.shape[1]  # the hidden states' local length: s/cp, split again over tp under SP (tensor_split's)
     if plan_.sp_axis is not None:
-        k, i = lax.axis_size(plan_.sp_axis), axis_index_int(plan_.sp_axis)
-        seq = seq // k + (i < seq % k)  # this device's block of torch.tensor_split(seq, k)
+        seq = split_sizes(seq, lax.axis_size(plan_.sp_axis))[axis_index_int(plan_.sp_axis)]  # tensor_split's
 
     def unpack(a: torch.Tensor) -> Any:  # the carry of the flat activation
         if like is None:

@@ -50,6 +50,7 @@ import torch
 
 from ... import lax
 from ...extend import ShardingError, axis_index_int, bind, block_sizes, split_invariant
+from ...extend import split_sizes as _split_sizes
 from ._ring_kernel import Plan, RingAttention, block_plan, needs_autograd_ring, ring_through_autograd
 from .local import attention
 
@@ -80,7 +81,7 @@ def split_sizes(seq_len: int, n: int) -> list[int]:
         >>> split_sizes(30, 4)
         [8, 8, 7, 7]
     """
-    return [seq_len // n + (1 if i < seq_len % n else 0) for i in range(n)]
+    return list(_split_sizes(seq_len, n))  # (the core's tuple, as a list)
 
 
 def zigzag_chunk_sizes(seq_len: int, n: int) -> list[int]:
